@@ -1,0 +1,2 @@
+"""thinwire."""
+__version__ = "0.1.0"

@@ -1,0 +1,108 @@
+"""The codec protocol: what every compression method answers and does.
+
+A codec turns one tensor into a fixed-size :class:`~thinwire.payload.Payload` and back.
+It never communicates (it must not import ``torch.distributed``); ``thinwire.aggregate``
+moves payloads across ranks with the collective its ``aggregation`` names.
+
+Contract (tested for every registered codec):
+
+* ``wire_spec(shape, dtype)`` depends only on shape, dtype and config, so payload sizes are
+  known before encoding and ``nbytes`` is exact.
+* ``decode`` is pure; cross-step state changes only in ``update``.
+* ``SUM`` codecs are linear in the payload.
+* Randomness comes from a generator owned by the codec, seeded from (seed, step, key).
+* Multi-round codecs (PowerSGD: a P round then a Q round) set ``rounds > 1``; the caller
+  reduces round ``i`` and passes the reduced payload to ``encode_next`` for round ``i+1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, ClassVar
+
+import torch
+
+from thinwire.payload import Aggregation, Payload, WireSpec, spec_nbytes
+
+
+class Codec:
+    """Base class for codecs. Subclasses set ``name``, ``aggregation`` and the config type."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type]  # the frozen config dataclass parsed from the spec
+    summary: ClassVar[str] = ""  # one line for `thinwire methods`
+    aggregation: ClassVar[Aggregation]
+    rounds: ClassVar[int] = 1
+    # True when encode works element-wise on any flat view, so many tensors may be fused
+    # into one flat buffer and encoded once (identity, casts).
+    fusable: ClassVar[bool] = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.step = 0  # set by the caller before each step's encode; identical on all ranks
+        self.rank = 0  # set by the caller at bind time; for per-rank independent randomness
+
+    def compresses(self, shape: torch.Size) -> bool:
+        """Whether a tensor of this shape is worth compressing (else it travels as fp32).
+
+        Default rule: tensors with ndim >= 2 and at least ``config.min_numel`` elements.
+        """
+        return len(shape) >= 2 and math.prod(shape) >= self.config.min_numel
+
+    # -- questions answered without working ---------------------------------------------
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        """Shapes and dtypes of the wire tensors for a tensor of this shape (one round)."""
+        raise NotImplementedError
+
+    def nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        """Bytes this rank contributes to the wire for one tensor, all rounds together."""
+        shape = torch.Size(shape)
+        return sum(spec_nbytes(self.wire_spec(shape, dtype, r)) for r in range(self.rounds))
+
+    def ratio(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> float:
+        """fp32 bytes / wire bytes for one tensor."""
+        return 4 * math.prod(shape) / max(1, self.nbytes(torch.Size(shape), dtype))
+
+    # -- work ----------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        """Encode ``x`` (round 0). Does not modify ``x``."""
+        raise NotImplementedError
+
+    def encode_next(self, reduced: Payload, *, key: str = "") -> Payload:
+        """Round ``i+1`` from the reduced payload of round ``i`` (multi-round codecs only)."""
+        raise NotImplementedError(f"{self.name} has a single round")
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        """Reconstruct a dense tensor of ``payload.shape`` and ``payload.dtype``. Pure."""
+        raise NotImplementedError
+
+    def update(self, key: str, reduced: Payload) -> None:
+        """Cross-step state update, called once per step after the final round."""
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, keyed by tensor key (parameter name)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"codec {self.name} holds no state, got keys {sorted(state)}")
+
+    def describe(self) -> str:
+        """The spec string that rebuilds this codec, e.g. ``topk:ratio=0.01``."""
+        knobs = ",".join(f"{k}={v}" for k, v in asdict(self.config).items())
+        return f"{self.name}:{knobs}" if knobs else self.name
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()}>"
+
+
+def generator_for(seed: int, step: int, key: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from (seed, step, key): identical on every rank that asks the same."""
+    h = 1469598103934665603
+    for ch in key.encode():
+        h = ((h ^ ch) * 1099511628211) % (1 << 64)
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step * 7_919 + h) % (1 << 63))
+    return g

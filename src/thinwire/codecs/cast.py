@@ -1,0 +1,53 @@
+"""Half-precision casts: ``bf16`` and ``fp16`` (2 bytes per value, SUM in the half dtype)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.codecs.base import Codec
+from thinwire.codecs.config import CodecConfig
+from thinwire.codecs.registry import register
+from thinwire.payload import Aggregation, Payload, WireSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastConfig(CodecConfig):
+    pass
+
+
+class _Cast(Codec):
+    """Casts to a 2-byte float; the all_reduce sums in that dtype, as PyTorch's compress hooks do."""
+
+    wire_dtype: torch.dtype
+    Config = CastConfig
+    aggregation = Aggregation.SUM
+    fusable = True
+
+    def compresses(self, shape: torch.Size) -> bool:
+        return True  # element-wise: no tensor is too small to halve
+
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        return [((int(torch.Size(shape).numel()),), self.wire_dtype)]
+
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        wire = x.reshape(-1).to(self.wire_dtype)  # a fresh tensor: x is not modified
+        return Payload((wire,), x.shape, x.dtype)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0].reshape(payload.shape).to(payload.dtype)
+
+
+@register
+class BF16(_Cast):
+    name = "bf16"
+    summary = "cast to bfloat16 (8-bit mantissa, fp32 range), all_reduce in bf16"
+    wire_dtype = torch.bfloat16
+
+
+@register
+class FP16(_Cast):
+    name = "fp16"
+    summary = "cast to float16 (10-bit mantissa, max 65504), all_reduce in fp16"
+    wire_dtype = torch.float16

@@ -1,0 +1,41 @@
+"""fp32 passthrough: the uncompressed baseline (a plain all_reduce of the tensor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.codecs.base import Codec
+from thinwire.codecs.config import CodecConfig
+from thinwire.codecs.registry import register
+from thinwire.payload import Aggregation, Payload, WireSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentityConfig(CodecConfig):
+    pass
+
+
+@register
+class Identity(Codec):
+    """Sends the tensor as fp32. Lossless; SUM (all_reduce)."""
+
+    name = "identity"
+    summary = "fp32 all_reduce, no compression (the baseline)"
+    Config = IdentityConfig
+    aggregation = Aggregation.SUM
+    fusable = True
+
+    def compresses(self, shape: torch.Size) -> bool:
+        return True  # nothing to skip: identity is already the fallback
+
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        return [((int(torch.Size(shape).numel()),), torch.float32)]
+
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        wire = x.reshape(-1).to(torch.float32)  # a view when x is contiguous fp32
+        return Payload((wire,), x.shape, x.dtype)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0].reshape(payload.shape).to(payload.dtype)

@@ -1,0 +1,131 @@
+"""Name -> codec class, and parsing of specs ``name[:key=value,...]`` into validated configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, TypeVar
+
+from thinwire.codecs.base import Codec
+
+_CODECS: dict[str, type[Codec]] = {}
+C = TypeVar("C", bound=type[Codec])
+
+
+def register(cls: C) -> C:
+    """Class decorator: make a codec available by ``cls.name``."""
+    if cls.name in _CODECS:
+        raise ValueError(f"codec {cls.name!r} registered twice")
+    _CODECS[cls.name] = cls
+    return cls
+
+
+def available() -> dict[str, type[Codec]]:
+    """Registered codecs by name (in registration order)."""
+    _load_builtin()
+    return dict(_CODECS)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``"topk:ratio=0.01,ef=false"`` into ``("topk", {"ratio": "0.01", "ef": "false"})``."""
+    spec = spec.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"empty method name in spec {spec!r}; expected name[:key=value,...]")
+    knobs: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad knob {item!r} in spec {spec!r}; expected key=value")
+        if key.strip() in knobs:
+            raise ValueError(f"knob {key.strip()!r} given twice in spec {spec!r}")
+        knobs[key.strip()] = value.strip()
+    return name, knobs
+
+
+def build_config(config_cls: type, knobs: dict[str, str], owner: str) -> Any:
+    """Convert string knobs to the config's field types and construct (which validates)."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(knobs) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown knob {unknown[0]!r} for {owner}; knobs: {', '.join(fields)}")
+    hints = typing.get_type_hints(config_cls)
+    values = {k: convert(v, hints[k], f"{owner}: {k}") for k, v in knobs.items()}
+    return config_cls(**values)
+
+
+def convert(text: str, typ: Any, what: str) -> Any:
+    """Parse one knob value according to its annotated type."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        if text not in choices:
+            raise ValueError(f"{what} must be one of {'|'.join(map(str, choices))}, got {text!r}")
+        return text
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if text.lower() in ("none", "null", ""):
+            return None
+        return convert(text, args[0], what)
+    if typ is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{what} must be true or false, got {text!r}")
+    if typ in (int, float):
+        try:
+            return typ(text) if typ is float else int(text)
+        except ValueError:
+            raise ValueError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+    return text
+
+
+def build_codec(spec: str) -> Codec:
+    """Build a codec from a spec such as ``topk:ratio=0.01,ef=false``; errors name the rule."""
+    name, knobs = parse_spec(spec)
+    codecs = available()
+    if name not in codecs:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(codecs)}")
+    cls = codecs[name]
+    return cls(build_config(cls.Config, knobs, name))
+
+
+def knob_table(config_cls: type) -> list[tuple[str, str, str, str]]:
+    """(knob, default, allowed, help) rows for ``thinwire methods``."""
+    rows = []
+    for f in dataclasses.fields(config_cls):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        rows.append((f.name, _show(default), f.metadata.get("allowed", ""), f.metadata.get("help", "")))
+    return rows
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    """Import every codec module in this package (each registers itself); lazily, not at import."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+    import pkgutil
+
+    import thinwire.codecs as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
+        if info.name not in _NOT_CODECS:
+            importlib.import_module(f"thinwire.codecs.{info.name}")
+
+
+_NOT_CODECS = {"base", "config", "registry"}
+# Listing order for `thinwire methods`: baselines first, then the rest alphabetically.
+_ORDER = {"identity": 0, "cast": 1, "topk": 2, "randomk": 3, "qsgd": 4, "sign": 5, "terngrad": 6, "powersgd": 7}

@@ -1,0 +1,1 @@
+"""Communicators: torch.distributed, in-process, byte meter, link model."""
