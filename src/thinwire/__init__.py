@@ -1,2 +1,25 @@
-"""thinwire."""
+"""thinwire: train across many workers when the network between them is the bottleneck.
+
+The public API (importing does no work beyond importing torch):
+
+* :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
+* :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
+* :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
+* :class:`Aggregator`: average any named tensors through codecs (the building block).
+* :class:`Link`: the alpha-beta network model; :class:`ByteMeter` counts bytes sent.
+"""
+
+from thinwire.aggregate import Aggregator
+from thinwire.algorithms.sync import SyncReducer
+from thinwire.codecs.registry import available as available_codecs
+from thinwire.codecs.registry import build_codec
+from thinwire.comm.meter import ByteMeter
+from thinwire.integrations import ddp
+from thinwire.payload import Aggregation, Payload
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Aggregation", "Aggregator", "ByteMeter", "Payload", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "__version__",
+]

@@ -1,2 +1,190 @@
-def main(argv=None):
+"""``thinwire`` command line: train, list methods, benchmark codecs.
+
+Bad input never shows a traceback: one line naming the rule broken, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn, Sequence
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="thinwire", description="Communication-efficient data-parallel training on torch.distributed.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, identity, 2 workers)")
+    t.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    t.add_argument("--method", default="identity", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 (see `thinwire methods`)")
+    t.add_argument("--workers", type=int, default=2, help="local ranks to spawn (ignored under torchrun; default: 2)")
+    t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
+    t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
+    t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
+    t.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
+    t.add_argument("--seed", type=int, default=0, help="seed for data, model and codecs (default: 0)")
+    t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    t.add_argument("--link", action="append", default=[], metavar="LINK",
+                   help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
+    t.add_argument("--emulate-link", action="store_true", help="delay real collectives by the first --link's modeled time")
+    t.add_argument("--out", help="write metrics.jsonl and summary.json here")
+    t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
+    t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
+    t.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
+    t.add_argument("--threads", type=int, help="torch threads per worker (default: cores / workers)")
+    t.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub.add_parser("methods", help="every method and knob, with default and allowed range")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
+    bc = bsub.add_parser("codecs", help="encode+decode speed, error and bytes of every codec")
+    bc.add_argument("--quick", action="store_true", help="small tensors and few repeats")
+    bc.add_argument("--methods", help="comma-separated codec specs (default: every codec at its defaults)")
+    bc.add_argument("--repeats", type=int, help="timed repeats per codec (median reported)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "train":
+            return _train(args)
+        if args.command == "methods":
+            return _methods()
+        if args.command == "bench" and args.bench == "codecs":
+            from thinwire.run.bench_codecs import main as bench_codecs
+
+            return bench_codecs(quick=args.quick, methods=args.methods, repeats=args.repeats)
+        _parser().print_help()
+        return EXIT_BAD_INPUT if args.command is None else 0
+    except BadInput as e:
+        print(f"thinwire: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("thinwire: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.launch import RunFailed, launch
+
+    options = _options(args.option)
+    cfg = TrainConfig(
+        task=args.task, method=args.method, workers=args.workers, steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr, optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
+        emulate_link=args.emulate_link, out=args.out, overwrite=args.overwrite, eval_every=args.eval_every,
+        bucket_mb=args.bucket_mb, threads=args.threads, task_options=options,
+    )
+    try:
+        cfg = cfg.resolve()
+        _check_task(cfg)
+    except ValueError as e:  # TaskError is a ValueError
+        raise BadInput(str(e)) from None
+    try:
+        summary = launch(cfg, show_progress=not args.quiet)
+    except RunFailed as e:
+        print(f"thinwire: {e}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        _print_summary(summary, cfg.out)
     return 0
+
+
+def _options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"--option must look like key=value, got {item!r}")
+        out[key] = _number(value)
+    return out
+
+
+def _number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _check_task(cfg) -> None:
+    """Build the task once here so a missing or corrupt data directory fails before any rank starts."""
+    from thinwire.tasks import get as get_task
+
+    try:
+        get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+    except TypeError as e:
+        raise ValueError(f"bad --option for task {cfg.task}: {e}") from None
+
+
+def _print_summary(s: dict[str, Any], out: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{s['task']} · {s['method']} · {s['workers']} workers · {s['steps']} steps")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key in ("final_accuracy", "final_bpc", "final_loss"):
+        if s.get(key) is not None:
+            table.add_row(key.replace("_", " "), f"{s[key]:.4f}")
+    table.add_row("bytes sent per worker", _size(s["bytes_sent_per_worker"]))
+    table.add_row("fp32 all_reduce would send", _size(s["fp32_bytes_per_worker"]))
+    if s.get("compression_ratio"):
+        table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")
+    table.add_row("wall / compute / codec / comm s",
+                  f"{s['wall_seconds']:.1f} / {s['compute_seconds']:.1f} / {s['codec_seconds']:.1f} / {s['comm_seconds']:.1f}")
+    for link, sec in (s.get("modeled_seconds_by_link") or {}).items():
+        table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
+    console = Console()
+    console.print(table)
+    if out:
+        console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _methods() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from thinwire.codecs.registry import available, knob_table
+
+    console = Console()
+    table = Table(title="thinwire methods (codecs run under synchronous gradient averaging)", show_lines=True)
+    for col in ("method", "what it does", "wire", "knob", "default", "allowed", "meaning"):
+        table.add_column(col)
+    for name, cls in available().items():
+        rows = knob_table(cls.Config)
+        for i, (knob, default, allowed, help_) in enumerate(rows):
+            first = i == 0
+            table.add_row(name if first else "", cls.summary if first else "",
+                          cls.aggregation.value if first else "", knob, default, allowed, help_)
+    console.print(table)
+    console.print("spec: name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

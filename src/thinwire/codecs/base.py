@@ -77,6 +77,11 @@ class Codec:
         """Reconstruct a dense tensor of ``payload.shape`` and ``payload.dtype``. Pure."""
         raise NotImplementedError
 
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out += decode(payload)`` (mutates ``out``). GATHER codecs may override with a
+        cheaper sparse accumulation; the default decodes densely."""
+        out.add_(self.decode(payload))
+
     def update(self, key: str, reduced: Payload) -> None:
         """Cross-step state update, called once per step after the final round."""
 
@@ -91,7 +96,8 @@ class Codec:
 
     def describe(self) -> str:
         """The spec string that rebuilds this codec, e.g. ``topk:ratio=0.01``."""
-        knobs = ",".join(f"{k}={v}" for k, v in asdict(self.config).items())
+        show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+        knobs = ",".join(f"{k}={show(v)}" for k, v in asdict(self.config).items())
         return f"{self.name}:{knobs}" if knobs else self.name
 
     def __repr__(self) -> str:

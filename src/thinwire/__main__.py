@@ -1,0 +1,5 @@
+import sys
+
+from thinwire.cli import main
+
+sys.exit(main())

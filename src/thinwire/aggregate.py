@@ -1,0 +1,328 @@
+"""The join of codecs and communicators: average named tensors across ranks.
+
+This is the only module that hands payloads to a communicator. It
+
+* picks each tensor's codec (tensors the codec will not compress travel as fp32),
+* groups tensors into buckets (one collective per bucket and round),
+* applies error feedback (residuals keyed by parameter name),
+* chooses the collective from the codec's aggregation kind: ``SUM`` payloads are divided by
+  the world size in the wire dtype (as PyTorch's DDP hooks do, which keeps fp16 in range)
+  and all_reduced; ``GATHER`` payloads are all_gathered as bytes, then every rank decodes
+  every rank's payload, sums and divides by the world size,
+* reuses its buffers from step to step.
+
+Distributed invariant: every rank builds the same buckets from the same ordered list of
+names and shapes and the same codec choices, so all ranks issue the same collectives, of
+the same sizes, in the same order. Nothing here depends on tensor values except payload
+contents, whose sizes are fixed by ``wire_spec``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from thinwire.codecs.base import Codec
+from thinwire.codecs.identity import Identity, IdentityConfig
+from thinwire.comm.base import Communicator
+from thinwire.feedback import ErrorFeedback
+from thinwire.payload import Aggregation, Payload, spec_nbytes
+
+CodecChooser = Callable[[str, torch.Tensor], Codec]
+
+
+@dataclass
+class Timing:
+    """Seconds spent, accumulated over calls (host clock)."""
+
+    codec_seconds: float = 0.0  # encode, decode, error feedback, packing
+    comm_seconds: float = 0.0  # inside collectives, waiting included
+
+
+@dataclass
+class _Slot:
+    name: str
+    shape: torch.Size
+    numel: int
+    offset: int  # element offset inside a fused bucket's flat input
+
+
+@dataclass
+class _Bucket:
+    codec: Codec
+    fused: bool  # element-wise codec without EF: encode the whole flat bucket once
+    slots: list[_Slot]
+    # byte offsets of each slot's wire tensors inside one rank's gather row, per slot
+    layout: list[list[tuple[int, tuple[int, ...], torch.dtype]]] = field(default_factory=list)
+    row_bytes: int = 0
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.slots[0].name if len(self.slots) == 1 else f"{self.slots[0].name}..{self.slots[-1].name}"
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+class Aggregator:
+    """Averages a fixed set of named tensors over the ranks of ``comm``.
+
+    ``named`` gives the tensors' names, shapes, dtypes and devices (typically the model's
+    parameters); ``codec_for(name, tensor)`` picks the codec of each (the same choice on
+    every rank). Call :meth:`reduce_` with tensors of those names and shapes (e.g. grads).
+    ``feedback`` may be shared between aggregators over disjoint names (DDP buckets).
+    """
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        codec_for: CodecChooser,
+        comm: Communicator,
+        *,
+        bucket_mb: float = 25.0,
+        feedback: ErrorFeedback | None = None,
+    ) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.comm = comm
+        self.feedback = feedback if feedback is not None else ErrorFeedback()
+        self.timing = Timing()
+        self.step = 0
+        self._fallback = Identity(IdentityConfig())
+        self.buckets = self._plan(named, codec_for, int(bucket_mb * 2**20))
+        self.codecs = _unique(b.codec for b in self.buckets)
+        for codec in self.codecs:
+            codec.rank = comm.rank
+            _check_pair(codec)
+
+    # -- construction ----------------------------------------------------------------------
+    def _plan(self, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, cap: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        sizes: list[int] = []
+        for name, t in named:
+            codec = codec_for(name, t)
+            if not codec.compresses(t.shape):
+                codec = self._fallback
+            nbytes = t.numel() * 4
+            last = buckets[-1] if buckets else None
+            if last is None or last.codec is not codec or sizes[-1] + nbytes > cap:
+                fused = codec.fusable and not codec.config.ef
+                buckets.append(_Bucket(codec, fused, []))
+                sizes.append(0)
+            b = buckets[-1]
+            b.slots.append(_Slot(name, t.shape, t.numel(), b.numel))
+            sizes[-1] += nbytes
+        for b in buckets:
+            self._layout(b)
+        return buckets
+
+    def _layout(self, b: _Bucket) -> None:
+        """Byte offsets of every wire tensor in one rank's row (GATHER buckets)."""
+        if b.codec.aggregation is not Aggregation.GATHER:
+            return
+        off = 0
+        for s in b.slots:
+            entries = []
+            for shape, dtype in b.codec.wire_spec(s.shape, torch.float32):
+                entries.append((off, shape, dtype))
+                off += spec_nbytes([(shape, dtype)])
+            b.layout.append(entries)
+        b.row_bytes = off
+
+    # -- questions ---------------------------------------------------------------------------
+    def wire_bytes(self) -> int:
+        """Bytes this rank contributes per step, all buckets and rounds (before the collective's
+        algorithm factor)."""
+        return sum(
+            sum(b.codec.nbytes(s.shape, torch.float32) for s in b.slots) if not b.fused
+            else b.codec.nbytes(torch.Size([b.numel]), torch.float32)
+            for b in self.buckets
+        )
+
+    def plan(self) -> list[dict]:
+        """Per tensor: name, shape, codec spec and wire bytes (for reports)."""
+        rows = []
+        for b in self.buckets:
+            for s in b.slots:
+                rows.append(
+                    dict(name=s.name, shape=list(s.shape), codec=b.codec.describe(),
+                         wire_bytes=b.codec.nbytes(s.shape, torch.float32), fp32_bytes=4 * s.numel)
+                )
+        return rows
+
+    # -- work ------------------------------------------------------------------------------
+    def reduce_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite every tensor with its mean over all ranks (through its codec). Mutates
+        the given tensors and the error-feedback residuals; advances the step counter."""
+        for codec in self.codecs:
+            codec.step = self.step  # identical on all ranks: every rank calls reduce_ once per step
+        for b in self.buckets:
+            if b.codec.aggregation is Aggregation.SUM:
+                self._reduce_sum(b, tensors)
+            else:
+                self._reduce_gather(b, tensors)
+        self.step += 1
+
+    def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        if not b.fused:
+            return [(s.name, tensors[s.name]) for s in b.slots]
+        flat = _buffer(b, "flat", (b.numel,), torch.float32, tensors[b.slots[0].name].device)
+        for s in b.slots:
+            flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
+        return [(b.key, flat)]
+
+    def _encode(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> tuple[list, list[Payload]]:
+        items = self._inputs(b, tensors)
+        ef = b.codec.config.ef
+        us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
+        return us, [b.codec.encode(u, key=k) for k, u in us]
+
+    def _reduce_sum(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
+        codec = b.codec
+        t0 = time.perf_counter()
+        us, payloads = self._encode(b, tensors)
+        for r in range(codec.rounds):
+            if r > 0:
+                t0 = time.perf_counter()
+                payloads = [codec.encode_next(p, key=k) for (k, _), p in zip(us, payloads)]
+            if r == codec.rounds - 1 and codec.config.ef:
+                for (k, u), p in zip(us, payloads):
+                    self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
+            wire = self._pack_sum(b, r, payloads)
+            wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
+            t1 = time.perf_counter()
+            self.comm.all_reduce(wire)
+            t2 = time.perf_counter()
+            payloads = self._unpack_sum(wire, payloads)
+            self.timing.codec_seconds += t1 - t0
+            self.timing.comm_seconds += t2 - t1
+        t0 = time.perf_counter()
+        for (k, _), p in zip(us, payloads):
+            codec.update(k, p)
+        self._write(b, tensors, [codec.decode(p) for p in payloads])
+        self.timing.codec_seconds += time.perf_counter() - t0
+
+    def _pack_sum(self, b: _Bucket, r: int, payloads: list[Payload]) -> torch.Tensor:
+        wires = [t for p in payloads for t in p.tensors]
+        if b.fused and len(wires) == 1:
+            return wires[0]  # a buffer of our own (the fused flat input or a fresh cast)
+        numel = sum(t.numel() for t in wires)
+        buf = _buffer(b, f"sum{r}", (numel,), wires[0].dtype, wires[0].device)
+        off = 0
+        for t in wires:
+            buf[off : off + t.numel()].copy_(t.reshape(-1))
+            off += t.numel()
+        return buf
+
+    @staticmethod
+    def _unpack_sum(wire: torch.Tensor, payloads: list[Payload]) -> list[Payload]:
+        out, off = [], 0
+        for p in payloads:
+            parts = []
+            for t in p.tensors:
+                parts.append(wire[off : off + t.numel()].view(t.shape))
+                off += t.numel()
+            out.append(p.with_tensors(tuple(parts)))
+        return out
+
+    def _reduce_gather(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
+        codec, n = b.codec, self.comm.world_size
+        t0 = time.perf_counter()
+        us, payloads = self._encode(b, tensors)
+        if codec.config.ef:
+            for (k, u), p in zip(us, payloads):
+                self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
+        device = us[0][1].device
+        send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
+        for entries, p in zip(b.layout, payloads):
+            for (off, _, _), t in zip(entries, p.tensors):
+                send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+        recv = _buffer(b, "recv", (n, b.row_bytes), torch.uint8, device)
+        t1 = time.perf_counter()
+        self.comm.all_gather(send, recv)
+        t2 = time.perf_counter()
+        sums = []
+        for s, entries, own in zip(b.slots, b.layout, payloads):
+            acc = _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, device).zero_()
+            for i in range(n):
+                wire = tuple(_from_bytes(recv[i], off, shape, dtype) for off, shape, dtype in entries)
+                codec.decode_add(Payload(wire, s.shape, own.dtype), acc)  # wire only: meta is local
+            sums.append(acc.div_(n))
+        self._write(b, tensors, sums)
+        self.timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self.timing.comm_seconds += t2 - t1
+
+    @staticmethod
+    def _write(b: _Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:
+        if b.fused:
+            flat = results[0].reshape(-1)
+            for s in b.slots:
+                tensors[s.name].copy_(flat[s.offset : s.offset + s.numel].view(s.shape))
+        else:
+            for s, res in zip(b.slots, results):
+                tensors[s.name].copy_(res)
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "feedback": self.feedback.state_dict(),
+            "codecs": {c.describe(): c.state_dict() for c in self.codecs},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.feedback.load_state_dict(state["feedback"])
+        for c in self.codecs:
+            c.load_state_dict(state["codecs"].get(c.describe(), {}))
+
+
+def _check_pair(codec: Codec) -> None:
+    """Refuse a codec whose aggregation kind its wire format cannot support."""
+    if codec.aggregation is Aggregation.SUM:
+        for r in range(codec.rounds):
+            for _, dtype in codec.wire_spec(torch.Size([4, 4]), torch.float32, r):
+                if not dtype.is_floating_point:
+                    raise ValueError(
+                        f"codec {codec.name} declares SUM but sends {dtype}: only floating-point "
+                        "payloads can be summed on the wire; declare GATHER"
+                    )
+    elif codec.aggregation is Aggregation.GATHER:
+        if codec.rounds != 1:
+            raise ValueError(f"codec {codec.name}: GATHER codecs must have one round, got {codec.rounds}")
+    else:
+        raise ValueError(f"codec {codec.name}: aggregation must be SUM or GATHER, got {codec.aggregation!r}")
+
+
+def _buffer(b: _Bucket, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer reused across steps (fresh large allocations cost several copies' time)."""
+    buf = b.buffers.get(key)
+    if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype or buf.device != device:
+        buf = b.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(row: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = row[off : off + math.prod(shape) * itemsize]
+    if (raw.storage_offset() % itemsize) != 0:
+        raw = raw.clone()  # view(dtype) needs an aligned start
+    return raw.view(dtype).view(shape)
+
+
+def _unique(codecs) -> list[Codec]:
+    seen: list[Codec] = []
+    for c in codecs:
+        if all(c is not s for s in seen):
+            seen.append(c)
+    return seen

@@ -1,0 +1,53 @@
+"""Method specs: an algorithm name with knobs, or any codec spec (synchronous averaging).
+
+``build_method("topk:ratio=0.01", model, comm)`` gives a :class:`SyncReducer` over that
+codec. Algorithms with their own schedule (local SGD, gossip, ...) register here under
+their own names and take precedence over codec names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from thinwire.codecs.registry import available as available_codecs
+from thinwire.codecs.registry import build_codec, parse_spec
+from thinwire.comm.base import Communicator
+
+# name -> (validate(spec) -> resolved spec string, build(spec, model, optimizer, comm) -> method)
+_ALGORITHMS: dict[str, tuple[Callable[[str], str], Callable[..., Any]]] = {}
+
+
+def register_algorithm(name: str, validate: Callable[[str], str], build: Callable[..., Any]) -> None:
+    if name in _ALGORITHMS or name in available_codecs():
+        raise ValueError(f"method {name!r} registered twice")
+    _ALGORITHMS[name] = (validate, build)
+
+
+def method_names() -> list[str]:
+    return list(available_codecs()) + list(_ALGORITHMS)
+
+
+def resolve_method(spec: str) -> str:
+    """Validate a method spec and return it with every default filled in.
+
+    Raises ``ValueError`` naming the problem (unknown method or knob, value out of range).
+    """
+    name, _ = parse_spec(spec)
+    if name in _ALGORITHMS:
+        return _ALGORITHMS[name][0](spec)
+    if name not in available_codecs():
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
+    return build_codec(spec).describe()
+
+
+def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, **kw: Any):
+    """The object the trainer drives: ``after_backward()``, ``after_step()``, ``timing``,
+    ``state_dict()``; see :class:`thinwire.algorithms.sync.SyncReducer`."""
+    name, _ = parse_spec(spec)
+    if name in _ALGORITHMS:
+        return _ALGORITHMS[name][1](spec, model, optimizer, comm, **kw)
+    from thinwire.algorithms.sync import SyncReducer
+
+    return SyncReducer(model, spec, comm, **kw)

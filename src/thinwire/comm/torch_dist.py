@@ -1,0 +1,190 @@
+"""The communicator over ``torch.distributed``: gloo on CPU, nccl on GPU.
+
+Device-agnostic: tensors stay where the caller put them (CPU tensors for gloo, the rank's
+GPU for nccl); nothing here moves them. Every operation is issued with ``async_op=True``
+and wrapped in a handle; the synchronous public methods just wait on it.
+
+Non-contiguous tensors travel through a contiguous copy that is written back when the
+handle is waited on, so always ``wait()`` before reading an output (``is_completed()``
+only says that ``wait()`` will not block).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from thinwire.comm.base import Communicator, Done, Handle
+from thinwire.comm.meter import ByteMeter
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# all_gather into one flat tensor: ``all_gather_single`` where it exists (it deprecates the other)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Works:
+    """Handles of torch.distributed work, plus a copy-back run once after they finish."""
+
+    def __init__(self, works: Sequence[dist.Work], after: Callable[[], object] | None = None, *keep: object) -> None:
+        self.works = list(works)
+        self.after = after
+        self.keep = keep  # buffers the backend reads or writes until the work finishes
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        if self.after is not None:
+            self.after, after = None, self.after
+            after()
+        self.keep = ()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class TorchComm(Communicator):
+    """A torch.distributed process group (``None``: the default group) as a communicator.
+
+    Its ranks are the group's ranks; a communicator from :meth:`subgroup` numbers them by
+    position in the list it was given (torch itself numbers a new group in sorted order;
+    all_gather reorders its output to match).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        meter: ByteMeter | None = None,
+        *,
+        _order: Sequence[int] | None = None,  # our rank -> global rank (subgroups); default: torch's order
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call thinwire.comm.torch_dist.init_from_env() "
+                "(torchrun env vars) or torch.distributed.init_process_group() first"
+            )
+        self.group = group
+        torch_order = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self._global = list(_order) if _order is not None else torch_order  # our rank -> global rank
+        if dist.get_rank() not in self._global:
+            raise ValueError(f"global rank {dist.get_rank()} is not a member of this group {self._global}")
+        super().__init__(self._global.index(dist.get_rank()), len(self._global), meter)
+        # all_gather output row i must be our rank i; torch writes torch-group rank j to row j
+        self._gather_rows = None if self._global == torch_order else [torch_order.index(g) for g in self._global]
+
+    def __repr__(self) -> str:
+        return f"TorchComm(rank={self.rank}, world_size={self.world_size}, global_ranks={self._global})"
+
+    def _all_reduce(self, t: torch.Tensor, async_op: bool) -> Handle:
+        if self.world_size == 1:
+            return Done()
+        buf = t if t.is_contiguous() else t.contiguous()
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Works([work], None if buf is t else (lambda: t.copy_(buf)), buf)
+
+    def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
+        if self.world_size == 1:
+            out[0].copy_(t)
+            return Done()
+        src = t.contiguous().view(-1)
+        direct = out.is_contiguous() and self._gather_rows is None
+        dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=out.device)  # (world, *t.shape)
+        work = _all_gather_flat(dst.view(-1), src, group=self.group, async_op=True)
+        return _Works([work], None if direct else (lambda: self._copy_rows(dst, out)), src, dst)
+
+    def _copy_rows(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        if self._gather_rows is None:
+            out.copy_(gathered)
+            return
+        for i, j in enumerate(self._gather_rows):
+            out[i].copy_(gathered[j])
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> None:
+        if self.world_size == 1:
+            return
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buf, src=self._global[src], group=self.group)
+        if buf is not t:
+            t.copy_(buf)
+
+    def _exchange(
+        self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor], async_op: bool
+    ) -> Handle:
+        # Why this cannot deadlock: every send and receive of this call is *posted* before
+        # any of them is waited on. gloo's isend/irecv return at once (the transfer runs in
+        # the background), and on nccl batch_isend_irecv fuses them into one group call, so
+        # no rank blocks while a peer still has to post its half of an edge, whatever the
+        # order of posting. Both ends call exchange in the same step, and each call carries
+        # at most one message per direction per peer, so messages between a pair of ranks
+        # match in call order (same tag, FIFO). Peers are posted in sorted order so every
+        # rank's posting order is deterministic.
+        ops, copies = [], []
+        for peer in sorted(sends):
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), self._global[peer], group=self.group))
+        for peer in sorted(recvs):
+            t = recvs[peer]
+            buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            if buf is not t:
+                copies.append((t, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], group=self.group))
+        if not ops:
+            return Done()
+        works = dist.batch_isend_irecv(ops)
+
+        def copy_back() -> None:
+            for t, buf in copies:
+                t.copy_(buf)
+
+        return _Works(works, copy_back if copies else None, ops)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def _subgroup(self, ranks: list[int]) -> "TorchComm | None":
+        # dist.new_group must be entered by every process of the job (members or not), in
+        # the same order; this communicator's subgroup() is called by all of its ranks, so
+        # that holds only when this communicator spans the whole job.
+        if self.world_size != dist.get_world_size():
+            raise NotImplementedError(
+                "TorchComm.subgroup needs a communicator over all processes (torch.distributed.new_group "
+                "must be entered by every process); create every group from the world communicator"
+            )
+        members = [self._global[r] for r in ranks]  # global ranks, in our rank order
+        if not members:
+            return None
+        group = dist.new_group(ranks=sorted(members))
+        if dist.get_rank() not in members:
+            return None
+        return TorchComm(group, self.meter, _order=members)
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 60.0, *, meter: ByteMeter | None = None) -> TorchComm:
+    """Join the torchrun-style world described by the environment and return its communicator.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. The backend defaults
+    to ``nccl`` when CUDA is available and ``LOCAL_RANK`` is set (that GPU becomes the
+    current device), else ``gloo``. ``timeout_s`` bounds every collective (and the
+    rendezvous): a rank whose peer died raises after at most that long instead of hanging,
+    so the run exits. gloo applies it directly; on nccl it acts through the watchdog
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default), which aborts the process.
+    If torch.distributed is already initialised it is used as is (``backend`` and
+    ``timeout_s`` are then ignored).
+    """
+    if not dist.is_initialized():
+        missing = [k for k in _ENV if not os.environ.get(k)]
+        if missing:
+            raise RuntimeError(
+                f"init_from_env needs the torchrun env vars {', '.join(_ENV)}; missing {', '.join(missing)}"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return TorchComm(meter=meter)

@@ -1,0 +1,76 @@
+"""The training run's configuration: parsed and validated before any rank starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinwire.algorithms.registry import resolve_method
+from thinwire.codecs.config import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one run needs; ``resolve()`` fills task defaults and validates."""
+
+    task: str = "mnist1d"
+    method: str = "identity"
+    workers: int = 2
+    steps: int | None = None  # None: the task's default budget
+    batch_size: int | None = None  # per rank; None: the task's default
+    lr: float | None = None  # None: the task's default
+    optimizer: str | None = None  # adam | sgd; None: the task's default
+    seed: int = 0
+    data_dir: str | None = None
+    links: tuple[str, ...] = ()  # "1gbit,50us": report modeled time at each
+    emulate_link: bool = False  # delay real collectives by the first link's modeled time
+    out: str | None = None
+    overwrite: bool = False
+    eval_every: int | None = None  # None: the task's default
+    bucket_mb: float = 25.0
+    threads: int | None = None  # torch threads per rank; None: cores / workers
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self) -> "TrainConfig":
+        """Validate every field and fill defaults; raises ValueError naming the rule broken."""
+        from thinwire.comm.link import Link
+        from thinwire.tasks import get as get_task
+
+        task_cls = get_task(self.task)
+        d = task_cls.defaults
+        require(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
+        steps = d.steps if self.steps is None else self.steps
+        require(steps >= 1, f"steps must be >= 1, got {steps}")
+        batch = d.batch_size if self.batch_size is None else self.batch_size
+        require(batch >= 1, f"batch-size must be >= 1, got {batch}")
+        lr = d.lr if self.lr is None else self.lr
+        require(lr >= 0, f"lr must be >= 0, got {lr}")
+        opt = d.optimizer if self.optimizer is None else self.optimizer
+        require(opt in ("adam", "sgd"), f"optimizer must be adam or sgd, got {opt!r}")
+        eval_every = d.eval_every if self.eval_every is None else self.eval_every
+        require(eval_every >= 1, f"eval-every must be >= 1, got {eval_every}")
+        require(self.bucket_mb > 0, f"bucket-mb must be > 0, got {self.bucket_mb}")
+        require(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        links = tuple(str(Link.parse(s)) for s in self.links)
+        require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
+        if self.out is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
+            require(
+                self.overwrite or not _holds_run(self.out),
+                f"--out {self.out} already holds a run (summary.json or metrics.jsonl); "
+                "pass --overwrite to replace it or choose another directory",
+            )
+        return dataclasses.replace(
+            self, method=resolve_method(self.method), steps=steps, batch_size=batch, lr=lr,
+            optimizer=opt, eval_every=eval_every, links=links,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["links"] = list(self.links)
+        return d
+
+
+def _holds_run(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "metrics.jsonl"))

@@ -1,0 +1,192 @@
+"""Start the ranks of a run: spawn N local ranks (gloo on 127.0.0.1), or join a torchrun world.
+
+Local spawn: the launcher process shows progress and watches the ranks. When one rank
+fails (raises, or dies from a signal), every other rank is terminated at once and the run
+ends with :class:`RunFailed` naming the rank; collectives also carry a timeout, and each
+rank exits by itself if the launcher disappears, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from thinwire.run.config import TrainConfig
+from thinwire.run.progress import ProgressView
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
+GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
+
+
+class RunFailed(RuntimeError):
+    """A rank failed; the message names it."""
+
+
+def launch(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any] | None:
+    """Run ``cfg`` (already resolved). Returns rank 0's summary (None on other torchrun ranks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _join_torchrun(cfg, show_progress)
+    return _spawn_local(cfg, show_progress)
+
+
+# -- torchrun -------------------------------------------------------------------------------
+def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+    from thinwire.comm.torch_dist import init_from_env
+    from thinwire.run.trainer import train_rank
+
+    comm = _maybe_emulate(init_from_env(timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
+    view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
+    try:
+        if view:
+            view.start()
+        return train_rank(cfg, comm, view.handle if view else None)
+    finally:
+        if view:
+            view.stop()
+        torch.distributed.destroy_process_group()
+
+
+def _maybe_emulate(comm, cfg: TrainConfig):
+    if not cfg.emulate_link:
+        return comm
+    from thinwire.comm.link import EmulatedLink, Link
+
+    return EmulatedLink(comm, Link.parse(cfg.links[0]))
+
+
+# -- local spawn ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads(cfg: TrainConfig) -> int:
+    return cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+
+
+def _rank_main(rank: int, cfg: TrainConfig, port: int, q: Any, parent: int) -> None:
+    """Entry point of a spawned rank."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it terminates us
+    _exit_with_parent(parent)
+    torch.set_num_threads(_threads(cfg))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cfg.workers),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        from thinwire.comm.torch_dist import init_from_env
+        from thinwire.run.trainer import train_rank
+
+        comm = _maybe_emulate(init_from_env(backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
+
+        def report(kind: str, **fields: Any) -> None:
+            q.put((kind, rank, fields))  # every step: the launcher names the last completed one
+
+        summary = train_rank(cfg, comm, report)
+        q.put(("done", rank, summary))
+        torch.distributed.destroy_process_group()
+    except BaseException as e:  # report, then exit non-zero; the launcher names this rank
+        q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+        q.close()
+        q.join_thread()  # flush the report before leaving
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Leave no orphan: exit when the launcher process is gone."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, q, os.getpid()), daemon=True) for r in range(cfg.workers)]
+    view = ProgressView(cfg) if show_progress else None
+    summary = None
+    done: set[int] = set()
+    errors: dict[int, dict] = {}
+    last_step = 0
+    try:
+        for p in procs:
+            p.start()
+        if view:
+            view.start()
+        while len(done) < cfg.workers:
+            try:
+                kind, rank, fields = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                kind = None
+            if kind == "step":
+                last_step = fields["step"]
+            if kind in ("step", "eval") and view:
+                view.handle(kind, **fields)
+            elif kind == "done":
+                done.add(rank)
+                summary = fields if rank == 0 else summary
+            elif kind == "error":
+                errors.setdefault(rank, fields)
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+            if errors or failed:
+                raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
+        for p in procs:
+            p.join(timeout=30)
+        return summary
+    finally:
+        if view:
+            view.stop()
+        _terminate(procs)
+
+
+def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_step: int) -> str:
+    """Name the rank that failed first: one killed by a signal, else the first to report."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:  # collect the failing rank's own report if it is coming
+        try:
+            kind, rank, fields = q.get(timeout=0.1)
+            if kind == "error":
+                errors.setdefault(rank, fields)
+        except queue_mod.Empty:
+            pass
+    codes = [p.exitcode for p in procs]  # before we terminate the others ourselves
+    _terminate(procs)
+    for r, code in enumerate(codes):
+        if code is not None and code < 0 and r not in errors:
+            sig = signal.Signals(-code).name
+            return f"rank {r} died ({sig}) after step {last_step}; the other ranks were stopped"
+    r = next(iter(errors)) if errors else failed[0]  # the first to report is the cause
+    what = errors[r]["error"] if r in errors else f"exit code {procs[r].exitcode}"
+    if os.environ.get("THINWIRE_DEBUG") and r in errors:
+        sys.stderr.write(errors[r]["traceback"])
+    return f"rank {r} failed after step {last_step}: {what}"
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

@@ -1,0 +1,152 @@
+"""One rank's training loop: a plain user of thinwire's public API.
+
+The loop is ordinary PyTorch; the method attaches with two calls (``after_backward`` and
+``after_step``), exactly as in a user's own script. All ranks run the same number of steps
+and the same evaluation schedule, so their collectives stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from thinwire.algorithms.registry import build_method
+from thinwire.comm.base import Communicator
+from thinwire.comm.link import Link, meter_seconds
+from thinwire.comm.meter import sent_bytes
+from thinwire.run.config import TrainConfig
+from thinwire.run.metrics import MetricsWriter
+
+Report = Callable[..., None]  # report(kind, **fields): progress to the launcher (rank 0 only)
+
+
+@dataclass
+class Clock:
+    """Seconds spent in the local part of training (forward, backward, optimizer)."""
+
+    compute: float = 0.0
+    train_wall: float = 0.0
+
+
+def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = None) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 writes metrics and returns the summary (others return None)."""
+    from thinwire import __version__
+    from thinwire.tasks import get as get_task
+
+    rank, n = comm.rank, comm.world_size
+    task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+    model = task.build_model()
+    with comm.meter.paused():  # set-up traffic is not the method's
+        for p in model.parameters():
+            comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
+    writer = MetricsWriter(cfg.out) if (rank == 0 and cfg.out) else None
+    batches = task.train_batches(rank, n, cfg.batch_size)
+    clock = Clock()
+    last_eval: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        loss = task.loss(model(x), y)
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        t1 = time.perf_counter()
+        method.after_backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        method.after_step()
+        t4 = time.perf_counter()
+        clock.compute += (t1 - t0) + (t3 - t2)
+        clock.train_wall += t4 - t0
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"training loss is {loss.item()} at step {step} on rank {rank}")
+        if report is not None and rank == 0:
+            report("step", step=step, loss=loss.item())
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            last_eval = _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start)
+            if writer:
+                writer.write(last_eval)
+            if report is not None and rank == 0:
+                report("eval", **last_eval)
+    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__)
+    if writer:
+        writer.write_summary(summary)
+        writer.close()
+    return summary if rank == 0 else None
+
+
+def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start) -> dict[str, Any]:
+    """Agreed train loss, test metrics on rank 0, cumulative bytes and times. All ranks call it."""
+    with comm.meter.paused():  # bookkeeping, not method traffic
+        agreed = loss.detach().reshape(1).to(torch.float32).clone()
+        comm.all_reduce(agreed)
+        record: dict[str, Any] = {"step": step, "train_loss": agreed.item() / comm.world_size}
+        if comm.rank == 0:
+            ev = task.evaluate(model)
+            record.update({f"test_{k}": v for k, v in ev.items()})
+        comm.barrier()  # the others wait here, not inside the next timed collective
+    t = method.timing
+    record.update(
+        bytes_sent=comm.meter.bytes_sent,
+        fp32_bytes=fp32_per_step * step,
+        wall_seconds=time.perf_counter() - t_start,
+        compute_seconds=clock.compute,
+        codec_seconds=t.codec_seconds,
+        comm_seconds=t.comm_seconds,
+    )
+    for link in cfg.links:
+        record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t)
+    return record
+
+
+def _modeled(link: Link, comm: Communicator, clock: Clock, timing) -> float:
+    """compute + codec + modeled communication: the run's time on ``link`` (blocking methods)."""
+    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size)
+
+
+def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version) -> dict[str, Any]:
+    with comm.meter.paused():
+        sent = torch.tensor([comm.meter.bytes_sent], dtype=torch.float64)
+        comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
+    per_worker = sent.item() / comm.world_size
+    fp32 = fp32_per_step * cfg.steps
+    t = method.timing
+    modeled = {link: _modeled(Link.parse(link), comm, clock, t) for link in cfg.links}
+    return {
+        "task": cfg.task,
+        "method": cfg.method,
+        "workers": comm.world_size,
+        "steps": cfg.steps,
+        "final_loss": last_eval.get("test_loss"),
+        "final_accuracy": last_eval.get("test_accuracy"),
+        "final_bpc": last_eval.get("test_bpc"),
+        "final_train_loss": last_eval.get("train_loss"),
+        "bytes_sent_per_worker": per_worker,
+        "fp32_bytes_per_worker": fp32,
+        "compression_ratio": fp32 / per_worker if per_worker > 0 else None,
+        "wall_seconds": clock.train_wall,
+        "compute_seconds": clock.compute,
+        "codec_seconds": t.codec_seconds,
+        "comm_seconds": t.comm_seconds,
+        "modeled_seconds": modeled[cfg.links[0]] if cfg.links else None,
+        "modeled_seconds_by_link": modeled,
+        "messages_per_worker": comm.meter.messages,
+        "method_report": method.report() if hasattr(method, "report") else {},
+        "config": cfg.to_dict(),
+        "version": version,
+    }

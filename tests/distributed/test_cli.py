@@ -1,0 +1,157 @@
+"""`thinwire train` end to end (spawned gloo ranks), bad input, and a killed rank."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from thinwire.cli import main
+
+SUMMARY_KEYS = {
+    "task", "method", "workers", "steps", "final_loss", "final_accuracy", "bytes_sent_per_worker",
+    "fp32_bytes_per_worker", "compression_ratio", "wall_seconds", "compute_seconds", "codec_seconds",
+    "comm_seconds", "modeled_seconds", "config", "version",
+}
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "thinwire", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_summary_and_metrics(tmp_path):
+    out = tmp_path / "run"
+    r = _cli("train", "--workers", "2", "--steps", "20", "--out", str(out), "--quiet", "--link", "1gbit,50us")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["workers"] == 2 and summary["steps"] == 20 and summary["method"].startswith("identity")
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    # identity over 2 ranks sends exactly what the fp32 reference sends
+    assert summary["bytes_sent_per_worker"] == summary["fp32_bytes_per_worker"] > 0
+    assert summary["compression_ratio"] == 1.0
+    assert summary["modeled_seconds"] > summary["compute_seconds"]
+    assert summary["config"]["lr"] is not None and summary["config"]["batch_size"] is not None
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 20 and "test_accuracy" in lines[-1]
+    # an existing run is not overwritten without --overwrite
+    r = _cli("train", "--workers", "2", "--steps", "20", "--out", str(out), "--quiet")
+    assert r.returncode == 2 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+@pytest.mark.timeout(300)
+def test_train_with_compression_reports_ratio(tmp_path):
+    out = tmp_path / "topk"
+    r = _cli("train", "--workers", "2", "--steps", "10", "--method", "topk:ratio=0.01", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["compression_ratio"] > 10
+    assert s["method"].startswith("topk:ratio=0.01")
+
+
+BAD = [
+    (["--task", "imagenet"], "unknown task"),
+    (["--method", "zip"], "unknown method"),
+    (["--method", "topk:speed=3"], "unknown knob"),
+    (["--method", "topk:ratio=0"], "ratio"),
+    (["--method", "topk:ratio=1.5"], "ratio"),
+    (["--method", "powersgd:rank=0"], "rank"),
+    (["--workers", "0"], "workers"),
+    (["--steps", "0"], "steps"),
+    (["--lr", "-1"], "lr"),
+    (["--link", "fast"], "link"),
+    (["--emulate-link"], "--link"),
+    (["--task", "cifar10", "--data-dir", "/nonexistent/cifar"], "cifar"),
+    (["--steps", "many"], "invalid int"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle.lower() in err.lower(), err
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    r = _cli("train", "--method", "topk:ratio=2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "ratio" in r.stderr
+
+
+def test_methods_lists_every_codec_and_knob(capsys):
+    from thinwire.codecs.registry import available
+
+    assert main(["methods"]) == 0
+    text = capsys.readouterr().out
+    for name in available():
+        assert name in text
+    assert "ratio" in text and "rank" in text
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    kids.append(int(entry))
+            except (OSError, IndexError):
+                pass
+    return kids
+
+
+def _rank_pids(pid: int) -> list[int]:
+    out = []
+    for kid in _children(pid):
+        try:
+            with open(f"/proc/{kid}/cmdline") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if "spawn_main" in cmd:
+            out.append(kid)
+    return sorted(out)
+
+
+@pytest.mark.timeout(180)
+def test_killed_rank_ends_the_run_with_its_name_and_no_orphans(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thinwire", "train", "--task", "synthetic", "--workers", "3", "--steps", "1000000",
+         "--eval-every", "1000000", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        ranks: list[int] = []
+        while time.monotonic() < deadline and len(ranks) < 3:
+            time.sleep(0.5)
+            ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 3, "ranks did not start"
+        time.sleep(5)  # let them train a little
+        victim = ranks[1]
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        assert time.monotonic() - t0 < 60
+        assert proc.returncode != 0
+        assert "rank" in err and ("SIGKILL" in err or "died" in err), err
+        for pid in ranks:
+            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank process {pid} left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
