@@ -205,7 +205,11 @@ class Aggregator:
         t0 = time.perf_counter()
         for (k, _), p in zip(us, payloads):
             codec.update(k, p)
-        self._write(b, tensors, [codec.decode(p) for p in payloads])
+        if b.fused:
+            self._write(b, tensors, [codec.decode(p) for p in payloads])
+        else:
+            for s, p in zip(b.slots, payloads):
+                _decode_into(codec, p, tensors[s.name])
         self.timing.codec_seconds += time.perf_counter() - t0
 
     def _pack_sum(self, b: _Bucket, r: int, payloads: list[Payload]) -> torch.Tensor:
@@ -281,6 +285,15 @@ class Aggregator:
         self.feedback.load_state_dict(state["feedback"])
         for c in self.codecs:
             c.load_state_dict(state["codecs"].get(c.describe(), {}))
+
+
+def _decode_into(codec: Codec, payload: Payload, out: torch.Tensor) -> None:
+    """``out = decode(payload)``, accumulating in place when ``out`` allows (no temporary)."""
+    if out.dtype == torch.float32 and out.is_contiguous():
+        out.zero_()
+        codec.decode_add(payload, out)
+    else:
+        out.copy_(codec.decode(payload))
 
 
 def _check_pair(codec: Codec) -> None:
