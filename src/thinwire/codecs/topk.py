@@ -1,0 +1,156 @@
+"""Top-k sparsification: send the k largest-magnitude values and their positions.
+
+Wire (GATHER, fixed size): k fp32 values + k int32 indices = ``8 * k`` bytes, with
+``k = max(1, ceil(ratio * N))``. Each rank sends its own positions, so the payloads cannot
+be summed on the wire; every rank scatters all gathered payloads.
+
+``exact`` is ``torch.topk`` on ``|x|``. ``sampled`` (thinwire's own scheme, the default for
+big tensors) takes a threshold ``t`` from a random sample, 4 sigma of the sample count below
+the target quantile, keeps every ``|x_i| >= t`` and takes the exact top-k of those. Unless
+fewer than k survive (about 3 in 100,000; then it falls back to ``torch.topk``) that IS the
+exact top-k. On CPU (fp32/fp64) it runs in NumPy, chunked through reused buffers: on 25M
+floats, 2 shared cores, the scan took 22 ms against 75 ms for the same torch ops, and torch
+ops on 2 threads stall on OpenMP regions when ranks share cores (a chunked scan: 2.6 s).
+The whole encode measured 14-19x faster than ``torch.topk`` at 1% on 25M floats there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.registry import register
+from thinwire.payload import Aggregation, Payload, WireSpec
+
+AUTO_SAMPLED_MIN = 1_000_000  # `select=auto` samples at and above this many elements
+_CHUNK = 1 << 16  # CPU scan chunk: |x|, the compare and the nonzero stay in cache
+_NUMPY = (torch.float32, torch.float64)  # CPU dtypes taking the NumPy path
+_MIN_SAMPLE = 1024  # the sample is never smaller than this
+_MARGIN_SIGMAS = 4.0  # the threshold sits this many std devs of the sample count below target
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopKConfig(CodecConfig):
+    ef: bool = knob(True, "error feedback: what was not sent is added to the next step's tensor", "true|false")
+    ratio: float = knob(0.01, "fraction of values sent, k = max(1, ceil(ratio*N)); lower = more compression", "(0, 1]")
+    select: Literal["exact", "sampled", "auto"] = knob(
+        "auto", "exact = torch.topk; sampled = sampled threshold first (same set); auto = sampled if N >= 1e6",
+        "exact|sampled|auto",
+    )
+    sample: float = knob(0.005, "fraction sampled for the threshold; higher = fewer surplus candidates", "(0, 1]")
+    seed: int = knob(0, "seed of the threshold sample (it never changes the selected set, ties aside)", "any integer")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 < self.ratio <= 1, f"ratio must be in (0, 1], got {self.ratio}")
+        require(0 < self.sample <= 1, f"sample must be in (0, 1], got {self.sample}")
+
+
+@register
+class TopK(Codec):
+    """Keeps the k largest |x|; exact selection, or a sampled threshold for big tensors.
+
+    Not thread-safe: one encode at a time per instance (it reuses CPU scan buffers).
+    """
+
+    name = "topk"
+    summary = "send the k = ratio*N largest-magnitude values + int32 indices (all_gather), EF on"
+    Config = TopKConfig
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: TopKConfig) -> None:
+        super().__init__(config)
+        self._scan: tuple[np.ndarray, np.ndarray] | None = None  # CPU scan buffers (|x|, mask)
+
+    def k(self, numel: int) -> int:
+        """Values sent for a tensor of ``numel`` elements (the 1e-12 absorbs float error in ratio*N)."""
+        return min(numel, max(1, math.ceil(self.config.ratio * numel * (1 - 1e-12))))
+
+    def uses_sampling(self, numel: int) -> bool:
+        return self.config.select == "sampled" or (self.config.select == "auto" and numel >= AUTO_SAMPLED_MIN)
+
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        k = self.k(math.prod(shape))
+        return [((k,), torch.float32), ((k,), torch.int32)]
+
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        flat = x.reshape(-1)  # (N,) a view when contiguous; only read
+        k = self.k(flat.numel())
+        wire = self._sampled(flat, k, key) if k and self.uses_sampling(flat.numel()) else None
+        if wire is None:
+            idx = torch.topk(flat.abs(), k, sorted=False).indices  # (k,)
+            wire = (flat[idx].to(torch.float32), idx.to(torch.int32))  # new tensors
+        return Payload(wire, x.shape, x.dtype)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        values, idx = payload.tensors  # (k,), (k,)
+        out = values.new_zeros(math.prod(payload.shape), dtype=payload.dtype)  # (N,)
+        out[idx.long()] = values.to(payload.dtype)
+        return out.view(payload.shape)
+
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out += decode(payload)`` by a sparse index_add (mutates ``out``)."""
+        if not out.is_contiguous():
+            return super().decode_add(payload, out)
+        values, idx = payload.tensors
+        out.view(-1).index_add_(0, idx.long(), values.to(out.dtype))
+
+    # -- sampled selection --------------------------------------------------------------
+    def _sampled(self, flat: torch.Tensor, k: int, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(fp32 values, int32 indices) of the exact top-k via a sampled threshold, or None
+        when the exact path must run (too few candidates, or a threshold of 0)."""
+        t = self._threshold(flat, k, key)
+        if t is None or not t > 0:  # too dense to sample, or every zero would be a candidate
+            return None
+        if flat.device.type == "cpu" and flat.dtype in _NUMPY:
+            return self._top_numpy(flat.detach().numpy(), k, t)
+        cand = (flat.abs() >= t).nonzero().squeeze(1)  # (c,) one pass off-CPU: one sync
+        if cand.numel() < k:
+            return None
+        vals = flat[cand]  # (c,)
+        keep = torch.topk(vals.abs(), k, sorted=False).indices  # (k,) into cand
+        return vals[keep].to(torch.float32), cand[keep].to(torch.int32)
+
+    def _threshold(self, flat: torch.Tensor, k: int, key: str) -> float | None:
+        """The j-th largest |x| in a uniform sample, j a few sigma above the expected count."""
+        n = flat.numel()
+        m = max(math.ceil(self.config.sample * n), _MIN_SAMPLE)
+        expect = k * m / n  # sample values expected above the true k-th magnitude
+        j = math.ceil(expect + _MARGIN_SIGMAS * math.sqrt(expect) + 1)
+        if j >= m:
+            return None
+        g = generator_for(self.config.seed, self.step, key, device=flat.device)
+        pos = torch.randint(n, (m,), generator=g, device=flat.device)  # (m,) with replacement
+        if flat.device.type == "cpu" and flat.dtype in _NUMPY:
+            sample = np.abs(flat.detach().numpy()[pos.numpy()])  # (m,)
+            return float(np.partition(sample, m - j)[m - j])
+        return torch.kthvalue(flat[pos].abs(), m - j + 1).values.item()
+
+    def _top_numpy(self, src: np.ndarray, k: int, t: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The CPU path: chunked scan for ``|x| >= t``, then the exact top-k of the candidates."""
+        mag, mask = self._buffers(min(src.size, _CHUNK), src.dtype)
+        parts = []
+        for start in range(0, src.size, _CHUNK):
+            part = src[start : start + _CHUNK]  # (c,) a view
+            m = np.greater_equal(np.abs(part, out=mag[: part.size]), t, out=mask[: part.size])  # (c,)
+            parts.append(np.flatnonzero(m) + start)  # (hits,)
+        cand = np.concatenate(parts)  # (c,) ascending
+        if cand.size < k:
+            return None
+        vals = src[cand]  # (c,) a copy
+        if cand.size > k:
+            keep = np.argpartition(np.abs(vals), cand.size - k)[cand.size - k :]  # (k,) the largest
+            cand, vals = cand[keep], vals[keep]
+        return torch.from_numpy(vals.astype(np.float32)), torch.from_numpy(cand.astype(np.int32))
+
+    def _buffers(self, size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """CPU scan buffers, reused across calls; reallocated when too small or of another dtype."""
+        if self._scan is None or self._scan[0].size < size or self._scan[0].dtype != dtype:
+            self._scan = (np.empty(size, dtype=dtype), np.empty(size, dtype=np.bool_))
+        return self._scan
