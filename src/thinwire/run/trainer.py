@@ -32,10 +32,10 @@ class Clock:
     train_wall: float = 0.0
 
 
-def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
 def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = None) -> dict[str, Any] | None:
@@ -49,7 +49,7 @@ def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = Non
     with comm.meter.paused():  # set-up traffic is not the method's
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
     method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference

@@ -1,0 +1,241 @@
+"""The task protocol: data, model, loss and evaluation for one bundled training problem.
+
+A task is what the trainer (and a user's own loop) trains; it knows nothing about
+communication. Every rank builds the same task with the same seed, so:
+
+* ``build_model`` gives bit-identical initial parameters on every rank (seeded from
+  ``(name, seed)`` inside ``torch.random.fork_rng``; the global RNG is left as it was).
+* ``train_batches(rank, world_size, batch_size)`` gives each rank a disjoint shard: per
+  epoch, one permutation seeded from ``(name, seed, epoch)`` is shared by all ranks and
+  rank ``r`` takes its own contiguous slice of it. ``batch_size`` is PER RANK. The
+  stream is infinite and identical on every call with the same arguments, so a
+  resumed run that skips ``k`` batches sees the same data as an uninterrupted one.
+* ``evaluate`` reads a fixed test set in a fixed order: every rank gets the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import math
+import numbers
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class TaskError(ValueError):
+    """One-line, user-facing problem with a task or its data (missing/corrupt data dir...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskDefaults:
+    """What ``thinwire train`` uses when the user does not say otherwise."""
+
+    steps: int  # optimizer steps of a default run
+    batch_size: int  # PER RANK: 2 workers x 64 = 128 samples per step
+    lr: float  # learning rate for `optimizer`
+    optimizer: str  # "adam" | "sgd" (sgd means momentum 0.9)
+    eval_every: int  # steps between test-set evaluations
+    weight_decay: float = 0.0  # L2 penalty passed to the optimizer; higher = stronger pull to 0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        for knob in ("steps", "batch_size", "eval_every"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"{knob} must be >= 1, got {getattr(self, knob)}")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+
+
+class Task:
+    """Base class: subclasses set the class attributes and implement the data/model hooks.
+
+    Subclasses implement ``build_model``, ``train_batches`` and ``test_batches`` (the fixed
+    evaluation stream). ``loss`` (cross-entropy over the last dimension) and ``evaluate``
+    are shared by every bundled task.
+    """
+
+    name: ClassVar[str]
+    defaults: ClassVar[TaskDefaults]
+    metric: ClassVar[str]  # "accuracy" or "bpc": the number a report leads with
+    Options: ClassVar[type]  # frozen dataclass of the task's knobs (``**options``)
+    summary: ClassVar[str] = ""  # one line for listings
+
+    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise TaskError(f"{self.name}: seed must be an integer >= 0, got {seed!r}")
+        self.seed = int(seed)
+        self.data_dir = data_dir
+        self.options = parse_options(self.name, self.Options, options)
+
+    # -- hooks ------------------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """The fixed test set, in a fixed order (same on every rank and every call)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for logs: data sizes and options."""
+        return f"{self.name} seed={self.seed} {dataclasses.asdict(self.options)}"
+
+    # -- shared -----------------------------------------------------------------------
+    def loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """Mean cross-entropy; ``output`` is (..., classes) logits, ``target`` (...) class ids."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    def evaluate(self, model: torch.nn.Module, max_batches: int | None = None) -> dict:
+        """Test-set ``{"loss", "accuracy", "bpc"}``; loss in nats per prediction.
+
+        ``accuracy`` is the fraction of predictions whose argmax is the target (for
+        charlm: next-character accuracy). ``bpc`` is ``loss / ln 2`` for bpc tasks, else
+        None. Runs in ``model.eval()`` under ``no_grad`` on the model's device and puts
+        the model back in the mode it had. ``max_batches`` bounds the cost (first batches
+        of the fixed order, so the estimate is the same on every rank).
+        """
+        if max_batches is not None and max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        was_training = model.training
+        total, correct, count = 0.0, 0, 0
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i, (x, y) in enumerate(self.test_batches()):
+                    if max_batches is not None and i >= max_batches:
+                        break
+                    out = model(x.to(device))
+                    logits = out.reshape(-1, out.shape[-1]).double()  # (predictions, classes); fp64 sums
+                    target = y.reshape(-1).to(device)
+                    total += F.cross_entropy(logits, target, reduction="sum").item()
+                    correct += int((logits.argmax(-1) == target).sum().item())
+                    count += target.numel()
+        finally:
+            model.train(was_training)
+        loss = total / count
+        return {
+            "loss": loss,
+            "accuracy": correct / count,
+            "bpc": loss / math.log(2) if self.metric == "bpc" else None,
+        }
+
+    @contextlib.contextmanager
+    def seeded(self, *parts: object) -> Iterator[None]:
+        """Run the block with the CPU RNG seeded from (name, seed, *parts); restore it after."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.name, self.seed, *parts))
+            yield
+
+
+# -- randomness ---------------------------------------------------------------------------
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from a tuple of plain values; the same in every process (no hash())."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def generator(*parts: object) -> torch.Generator:
+    """A CPU generator owned by the caller, seeded from ``derive_seed(*parts)``."""
+    gen = torch.Generator()
+    gen.manual_seed(derive_seed(*parts))
+    return gen
+
+
+# -- sharding -----------------------------------------------------------------------------
+def check_shard_args(name: str, n: int, rank: int, world_size: int, batch_size: int) -> None:
+    """Validate (rank, world_size, batch_size) against a dataset of n training examples."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise TaskError(f"{name}: need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+    if batch_size < 1:
+        raise TaskError(f"{name}: batch_size must be >= 1, got {batch_size}")
+    if n // world_size < 1:
+        raise TaskError(f"{name}: {n} training examples cannot be split over {world_size} ranks")
+
+
+def shard_indices(name: str, seed: int, n: int, rank: int, world_size: int, epoch: int) -> Tensor:
+    """Rank ``rank``'s indices for one epoch: its contiguous slice of a shared permutation.
+
+    Every rank draws the same permutation (seeded from (name, seed, epoch), not from the
+    rank), so the slices are disjoint by construction. ``n % world_size`` examples, a
+    different few each epoch, are left out so every rank has the same number of steps.
+    """
+    perm = torch.randperm(n, generator=generator(name, seed, "epoch", epoch))  # (n,)
+    per_rank = n // world_size
+    return perm[rank * per_rank : (rank + 1) * per_rank]
+
+
+def index_batches(name: str, seed: int, n: int, rank: int, world_size: int, batch_size: int) -> Iterator[Tensor]:
+    """Infinite stream of ``batch_size`` indices: the rank's epoch shards back to back.
+
+    A batch may straddle two epochs, so no example is dropped and every batch is full.
+    """
+    check_shard_args(name, n, rank, world_size, batch_size)
+    pending = torch.empty(0, dtype=torch.long)
+    epoch = 0
+    while True:
+        while pending.numel() < batch_size:
+            pending = torch.cat([pending, shard_indices(name, seed, n, rank, world_size, epoch)])
+            epoch += 1
+        yield pending[:batch_size]
+        pending = pending[batch_size:]
+
+
+# -- options ------------------------------------------------------------------------------
+def parse_options(task: str, options_cls: type, options: dict[str, Any]) -> Any:
+    """Build the task's frozen options, converting CLI strings to the annotated types.
+
+    Unknown knobs and bad values raise :class:`TaskError` naming the rule.
+    """
+    fields = {f.name for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TaskError(f"unknown option {unknown[0]!r} for task {task}; options: {', '.join(sorted(fields)) or 'none'}")
+    hints = typing.get_type_hints(options_cls)
+    values = {k: _convert(v, hints[k], f"{task} option {k}") for k, v in options.items()}
+    try:
+        return options_cls(**values)
+    except ValueError as e:
+        raise TaskError(f"{task}: {e}") from None
+
+
+def _convert(value: Any, typ: Any, what: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise TaskError(f"{what} must be one of {'|'.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+            return None
+        return _convert(value, next(a for a in typing.get_args(typ) if a is not type(None)), what)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise TaskError(f"{what} must be true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise TaskError(f"{what} must be a number, got {value!r}")
+        try:
+            number = float(value) if typ is float else int(str(value), 10)
+        except ValueError:
+            raise TaskError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
+        return number
+    return str(value)
