@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# the embedded default (mnist1d, identity, 2 local workers), with its cost on three links
+RUN_ARGS ?= --link 10gbit,10us --link 1gbit,50us --link 100mbit,1ms --out runs/default --overwrite
+
 run: $(STAMP)
-	$(VENV)/bin/thinwire train
+	$(VENV)/bin/thinwire train $(RUN_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
