@@ -172,17 +172,17 @@ def _methods() -> int:
     from thinwire.codecs.registry import available, knob_table
 
     console = Console()
-    table = Table(title="thinwire methods (codecs run under synchronous gradient averaging)", show_lines=True)
-    for col in ("method", "what it does", "wire", "knob", "default", "allowed", "meaning"):
-        table.add_column(col)
+    console.print("[bold]thinwire methods[/bold]: spec name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
+    console.print("Each codec runs under synchronous gradient averaging (train --method, SyncReducer, ddp.register).\n")
     for name, cls in available().items():
-        rows = knob_table(cls.Config)
-        for i, (knob, default, allowed, help_) in enumerate(rows):
-            first = i == 0
-            table.add_row(name if first else "", cls.summary if first else "",
-                          cls.aggregation.value if first else "", knob, default, allowed, help_)
-    console.print(table)
-    console.print("spec: name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
+        console.print(f"[bold cyan]{name}[/bold cyan]  ({cls.aggregation.value})  {cls.summary}")
+        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
+        for col in ("knob", "default", "allowed", "meaning"):
+            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
+        for knob, default, allowed, help_ in knob_table(cls.Config):
+            table.add_row(knob, default, allowed, help_)
+        console.print(table)
+        console.print()
     return 0
 
 

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from thinwire.codecs.base import Codec
-from thinwire.codecs.config import CodecConfig
+from thinwire.codecs.config import CodecConfig, knob
 from thinwire.codecs.registry import register
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 
 @dataclass(frozen=True, kw_only=True)
 class CastConfig(CodecConfig):
-    pass
+    min_numel: int = knob(
+        0, "tensors with fewer elements travel in fp32 (element-wise: any tensor, 1-D too, can be cast)", ">= 0"
+    )
 
 
 class _Cast(Codec):
@@ -26,7 +29,7 @@ class _Cast(Codec):
     fusable = True
 
     def compresses(self, shape: torch.Size) -> bool:
-        return True  # element-wise: no tensor is too small to halve
+        return math.prod(shape) >= self.config.min_numel  # element-wise: 1-D tensors too
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((int(torch.Size(shape).numel()),), self.wire_dtype)]

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.codecs.base import Codec
-from thinwire.codecs.config import CodecConfig
+from thinwire.codecs.config import CodecConfig, knob
 from thinwire.codecs.registry import register
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 
 @dataclass(frozen=True, kw_only=True)
 class IdentityConfig(CodecConfig):
-    pass
+    min_numel: int = knob(0, "has no effect: identity is already fp32", ">= 0")
 
 
 @register
