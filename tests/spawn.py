@@ -18,13 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, outdir: str, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    # a file rendezvous: no TCP port to race for with other tests running at the same time
+    store = os.path.join(outdir, "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
@@ -33,6 +35,8 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(("error", traceback.format_exc()), f)
         raise
+    else:
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -45,7 +49,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
     """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry, args=(fn, world_size, outdir, args), nprocs=world_size, join=False, start_method="spawn"
         )
         import time
 

@@ -28,7 +28,7 @@ import torch
 
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
-from thinwire.comm.base import Communicator
+from thinwire.comm.base import Communicator, Handle
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Aggregation, Payload, spec_nbytes
 
@@ -49,6 +49,16 @@ class _Slot:
     shape: torch.Size
     numel: int
     offset: int  # element offset inside a fused bucket's flat input
+
+
+@dataclass
+class _Flight:
+    """One bucket's step in progress: inputs, current payloads, the collective in flight."""
+
+    us: list[tuple[str, torch.Tensor]]  # (key, compensated input)
+    payloads: list[Payload]
+    wire: torch.Tensor | None = None  # SUM: the summed buffer; GATHER: (n, row_bytes) bytes
+    handle: Handle | None = None
 
 
 @dataclass
@@ -103,21 +113,23 @@ class Aggregator:
 
     # -- construction ----------------------------------------------------------------------
     def _plan(self, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, cap: int) -> list[_Bucket]:
+        """One open bucket per codec, filled in parameter order until ``cap`` bytes (fp32).
+
+        Weights and biases usually alternate between a compressing codec and the fp32
+        fallback; keeping a bucket open per codec (instead of cutting at every change)
+        gives one collective per codec per round for a typical model, not one per tensor.
+        """
         buckets: list[_Bucket] = []
-        sizes: list[int] = []
+        open_: dict[int, _Bucket] = {}  # id(codec) -> the bucket being filled
         for name, t in named:
             codec = codec_for(name, t)
             if not codec.compresses(t.shape):
                 codec = self._fallback
-            nbytes = t.numel() * 4
-            last = buckets[-1] if buckets else None
-            if last is None or last.codec is not codec or sizes[-1] + nbytes > cap:
-                fused = codec.fusable and not codec.config.ef
-                buckets.append(_Bucket(codec, fused, []))
-                sizes.append(0)
-            b = buckets[-1]
+            b = open_.get(id(codec))
+            if b is None or 4 * (b.numel + t.numel()) > cap and b.slots:
+                b = open_[id(codec)] = _Bucket(codec, codec.fusable and not codec.config.ef, [])
+                buckets.append(b)
             b.slots.append(_Slot(name, t.shape, t.numel(), b.numel))
-            sizes[-1] += nbytes
         for b in buckets:
             self._layout(b)
         return buckets
@@ -159,15 +171,83 @@ class Aggregator:
     # -- work ------------------------------------------------------------------------------
     def reduce_(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite every tensor with its mean over all ranks (through its codec). Mutates
-        the given tensors and the error-feedback residuals; advances the step counter."""
+        the given tensors and the error-feedback residuals; advances the step counter.
+
+        Every bucket's round-0 collective is launched before any is waited on, so encoding a
+        bucket overlaps with the previous bucket's transfer; later rounds follow in bucket
+        order. All ranks launch the same collectives in the same order.
+        """
         for codec in self.codecs:
             codec.step = self.step  # identical on all ranks: every rank calls reduce_ once per step
-        for b in self.buckets:
-            if b.codec.aggregation is Aggregation.SUM:
-                self._reduce_sum(b, tensors)
-            else:
-                self._reduce_gather(b, tensors)
+        flights = [self._launch(b, tensors) for b in self.buckets]
+        for r in range(1, max(b.codec.rounds for b in self.buckets)):
+            for b, f in zip(self.buckets, flights):
+                if b.codec.rounds > r:
+                    self._next_round(b, f, r)
+        for b, f in zip(self.buckets, flights):
+            self._land(b, f, tensors)
         self.step += 1
+
+    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> "_Flight":
+        """Encode round 0 (with error feedback) and start its collective."""
+        t0 = time.perf_counter()
+        items = self._inputs(b, tensors)
+        ef = b.codec.config.ef
+        us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
+        flight = _Flight(us, [b.codec.encode(u, key=k) for k, u in us])
+        self._start(b, flight, 0)
+        self.timing.codec_seconds += time.perf_counter() - t0
+        return flight
+
+    def _start(self, b: _Bucket, f: "_Flight", r: int) -> None:
+        """Error feedback after the final round's encode, then pack and start the collective."""
+        codec = b.codec
+        if r == codec.rounds - 1 and codec.config.ef:
+            for (k, u), p in zip(f.us, f.payloads):
+                self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
+        if codec.aggregation is Aggregation.SUM:
+            f.wire = self._pack_sum(b, r, f.payloads)
+            f.wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
+            f.handle = self.comm.all_reduce(f.wire, async_op=True)
+        else:
+            device = f.us[0][1].device
+            send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
+            for entries, p in zip(b.layout, f.payloads):
+                for (off, _, _), t in zip(entries, p.tensors):
+                    send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+            f.wire = _buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
+            f.handle = self.comm.all_gather(send, f.wire, async_op=True)
+
+    def _wait(self, f: "_Flight") -> None:
+        t0 = time.perf_counter()
+        f.handle.wait()
+        self.timing.comm_seconds += time.perf_counter() - t0
+
+    def _next_round(self, b: _Bucket, f: "_Flight", r: int) -> None:
+        self._wait(f)
+        t0 = time.perf_counter()
+        reduced = self._unpack_sum(f.wire, f.payloads)
+        f.payloads = [b.codec.encode_next(p, key=k) for (k, _), p in zip(f.us, reduced)]
+        self._start(b, f, r)
+        self.timing.codec_seconds += time.perf_counter() - t0
+
+    def _land(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
+        """Wait for the last round, decode and write the means into ``tensors``."""
+        self._wait(f)
+        t0 = time.perf_counter()
+        codec = b.codec
+        if codec.aggregation is Aggregation.SUM:
+            payloads = self._unpack_sum(f.wire, f.payloads)
+            for (k, _), p in zip(f.us, payloads):
+                codec.update(k, p)
+            if b.fused:
+                self._write(b, tensors, [codec.decode(p) for p in payloads])
+            else:
+                for s, p in zip(b.slots, payloads):
+                    _decode_into(codec, p, tensors[s.name])
+        else:
+            self._write(b, tensors, self._gathered_means(b, f))
+        self.timing.codec_seconds += time.perf_counter() - t0
 
     def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         if not b.fused:
@@ -176,41 +256,6 @@ class Aggregator:
         for s in b.slots:
             flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
         return [(b.key, flat)]
-
-    def _encode(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> tuple[list, list[Payload]]:
-        items = self._inputs(b, tensors)
-        ef = b.codec.config.ef
-        us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
-        return us, [b.codec.encode(u, key=k) for k, u in us]
-
-    def _reduce_sum(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
-        codec = b.codec
-        t0 = time.perf_counter()
-        us, payloads = self._encode(b, tensors)
-        for r in range(codec.rounds):
-            if r > 0:
-                t0 = time.perf_counter()
-                payloads = [codec.encode_next(p, key=k) for (k, _), p in zip(us, payloads)]
-            if r == codec.rounds - 1 and codec.config.ef:
-                for (k, u), p in zip(us, payloads):
-                    self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
-            wire = self._pack_sum(b, r, payloads)
-            wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
-            t1 = time.perf_counter()
-            self.comm.all_reduce(wire)
-            t2 = time.perf_counter()
-            payloads = self._unpack_sum(wire, payloads)
-            self.timing.codec_seconds += t1 - t0
-            self.timing.comm_seconds += t2 - t1
-        t0 = time.perf_counter()
-        for (k, _), p in zip(us, payloads):
-            codec.update(k, p)
-        if b.fused:
-            self._write(b, tensors, [codec.decode(p) for p in payloads])
-        else:
-            for s, p in zip(b.slots, payloads):
-                _decode_into(codec, p, tensors[s.name])
-        self.timing.codec_seconds += time.perf_counter() - t0
 
     def _pack_sum(self, b: _Bucket, r: int, payloads: list[Payload]) -> torch.Tensor:
         wires = [t for p in payloads for t in p.tensors]
@@ -235,32 +280,17 @@ class Aggregator:
             out.append(p.with_tensors(tuple(parts)))
         return out
 
-    def _reduce_gather(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
-        codec, n = b.codec, self.comm.world_size
-        t0 = time.perf_counter()
-        us, payloads = self._encode(b, tensors)
-        if codec.config.ef:
-            for (k, u), p in zip(us, payloads):
-                self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
-        device = us[0][1].device
-        send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
-        for entries, p in zip(b.layout, payloads):
-            for (off, _, _), t in zip(entries, p.tensors):
-                send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
-        recv = _buffer(b, "recv", (n, b.row_bytes), torch.uint8, device)
-        t1 = time.perf_counter()
-        self.comm.all_gather(send, recv)
-        t2 = time.perf_counter()
-        sums = []
-        for s, entries, own in zip(b.slots, b.layout, payloads):
-            acc = _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, device).zero_()
+    def _gathered_means(self, b: _Bucket, f: "_Flight") -> list[torch.Tensor]:
+        """Every rank's payload decoded from the gathered bytes, summed, divided by n."""
+        n = self.comm.world_size
+        means = []
+        for s, entries, own in zip(b.slots, b.layout, f.payloads):
+            acc = _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, f.wire.device).zero_()
             for i in range(n):
-                wire = tuple(_from_bytes(recv[i], off, shape, dtype) for off, shape, dtype in entries)
-                codec.decode_add(Payload(wire, s.shape, own.dtype), acc)  # wire only: meta is local
-            sums.append(acc.div_(n))
-        self._write(b, tensors, sums)
-        self.timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self.timing.comm_seconds += t2 - t1
+                wire = tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries)
+                b.codec.decode_add(Payload(wire, s.shape, own.dtype), acc)  # wire only: meta is local
+            means.append(acc.div_(n))
+        return means
 
     @staticmethod
     def _write(b: _Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:

@@ -49,7 +49,9 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     try:
         if view:
             view.start()
-        return train_rank(cfg, comm, view.handle if view else None)
+        summary = train_rank(cfg, comm, view.handle if view else None)
+        torch.distributed.barrier()
+        return summary
     finally:
         if view:
             view.stop()
@@ -94,8 +96,9 @@ def _rank_main(rank: int, cfg: TrainConfig, port: int, q: Any, parent: int) -> N
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
 
         summary = train_rank(cfg, comm, report)
-        q.put(("done", rank, summary))
+        torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
+        q.put(("done", rank, summary))
     except BaseException as e:  # report, then exit non-zero; the launcher names this rank
         q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
         q.close()

@@ -1,0 +1,202 @@
+"""Shared by the benchmark scripts: spawning gloo ranks, figures with targets, reports.
+
+Not part of the package (STYLE.md §15). Every script prints its tables and one line per
+figure, ``figure NAME: VALUE target OP THRESHOLD PASS|MISS``, and with ``--json PATH`` also
+writes them for ``run_all.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+
+# -- figures -----------------------------------------------------------------------------------------
+@dataclass
+class Figure:
+    name: str
+    value: float
+    op: str  # "<=" or ">="
+    threshold: float
+    unit: str = ""  # "x", "%", ...
+    detail: str = ""  # the absolute figures behind a ratio
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.threshold if self.op == "<=" else self.value >= self.threshold
+
+    def line(self) -> str:
+        v, t = _num(self.value), _num(self.threshold)
+        out = f"figure {self.name}: {v}{self.unit} target {self.op} {t}{self.unit} {'PASS' if self.passed else 'MISS'}"
+        return out + (f"  ({self.detail})" if self.detail else "")
+
+
+def _num(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 100 else f"{x:.1f}"
+
+
+@dataclass
+class Report:
+    """What one benchmark script produces: markdown sections (tables, notes) and figures."""
+
+    title: str
+    command: str
+    sections: list[str] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, text: str) -> None:
+        self.sections.append(text)
+        print(text, flush=True)
+        print(flush=True)
+
+    def finish(self, json_path: str | None) -> int:
+        print(f"== {self.title}: figures", flush=True)
+        for f in self.figures:
+            print(f.line(), flush=True)
+        if json_path:
+            data = asdict(self)
+            data["figures"] = [dict(asdict(f), passed=f.passed, line=f.line()) for f in self.figures]
+            with open(json_path, "w") as fh:
+                json.dump(data, fh, indent=1)
+        return 0 if all(f.passed for f in self.figures) else 1
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer blocks/repeats (still >= 5 after warm-up)")
+    p.add_argument("--json", help="also write the report (figures and tables) to this JSON file")
+    return p
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def load_note() -> str:
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    return f"load average {load} on {os.cpu_count()} cores"
+
+
+# -- spawning ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, threads: int, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("ok", result), f)
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, timeout: float = 900) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, ``threads`` torch
+    threads each); returns the results by rank. Raises if a rank fails or the run exceeds
+    ``timeout`` seconds (the ranks are then killed)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # inherited by the spawned ranks
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), outdir, threads, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+# -- alternating step-time blocks (inside the ranks) -------------------------------------------------
+def alternate_blocks(
+    arms: dict[str, Callable[[int], None]], steps: int, warmup: int, blocks: int,
+    after_warmup: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Run every arm for ``steps`` steps per block, arms in turn (A B C A B C ...), ``warmup``
+    rounds untimed then ``blocks`` timed (``after_warmup()`` runs in between, e.g. to reset
+    byte counters). Each block starts after a barrier; its time is the slowest rank's, so
+    every rank returns the same numbers. Returns seconds per step, per block."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, list[float]] = {name: [] for name in arms}
+    counters = {name: 0 for name in arms}
+    for rnd in range(warmup + blocks):
+        if rnd == warmup and after_warmup is not None:
+            after_warmup()
+        for name, step in arms.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(counters[name])
+                counters[name] += 1
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if rnd >= warmup:
+                out[name].append(dt.item() / steps)
+    return out
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of the per-round ratios a_i / b_i (the rounds are alternated, so pairs share noise)."""
+    return median([x / y for x, y in zip(a, b)])
+
+
+def training_step(model, optimizer, batches, loss_fn, after_backward: Callable[[], None] | None = None):
+    """A step closure ``step(i)``: forward and backward on batch ``i`` (cycling through the
+    pre-made ``batches``), ``after_backward()`` (e.g. a SyncReducer), optimizer step."""
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+
+    return step
