@@ -137,9 +137,10 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{s['task']} · {s['method']} · {s['workers']} workers · {s['steps']} steps")
+    table = Table(title=f"{s['task']} · {s['method'].split(':')[0]} · {s['workers']} workers · {s['steps']} steps")
     table.add_column("figure")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")
+    table.add_row("method", s["method"])
     for key in ("final_accuracy", "final_bpc", "final_loss"):
         if s.get(key) is not None:
             table.add_row(key.replace("_", " "), f"{s[key]:.4f}")
