@@ -100,6 +100,8 @@ class Aggregator:
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not named:
+            raise ValueError("Aggregator needs at least one named tensor")
         self.comm = comm
         self.feedback = feedback if feedback is not None else ErrorFeedback()
         self.timing = Timing()
@@ -191,23 +193,27 @@ class Aggregator:
     def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> "_Flight":
         """Encode round 0 (with error feedback) and start its collective."""
         t0 = time.perf_counter()
+        missing = [s.name for s in b.slots if s.name not in tensors]
+        if missing:
+            raise KeyError(f"reduce_ got no tensor named {missing[0]!r}; it averages the names it was built with")
         items = self._inputs(b, tensors)
         ef = b.codec.config.ef
         us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
         flight = _Flight(us, [b.codec.encode(u, key=k) for k, u in us])
-        self._start(b, flight, 0)
-        self.timing.codec_seconds += time.perf_counter() - t0
+        in_comm = self._start(b, flight, 0)
+        self.timing.codec_seconds += time.perf_counter() - t0 - in_comm
         return flight
 
-    def _start(self, b: _Bucket, f: "_Flight", r: int) -> None:
-        """Error feedback after the final round's encode, then pack and start the collective."""
+    def _start(self, b: _Bucket, f: "_Flight", r: int) -> float:
+        """Pack, start the collective, then (after the final round's encode) error feedback.
+
+        Returns the seconds spent inside the communicator's call (counted as communication).
+        """
         codec = b.codec
-        if r == codec.rounds - 1 and codec.config.ef:
-            for (k, u), p in zip(f.us, f.payloads):
-                self.feedback.update(k, u, codec.decode(p))  # from this rank's own payload
         if codec.aggregation is Aggregation.SUM:
             f.wire = self._pack_sum(b, r, f.payloads)
             f.wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
+            t0 = time.perf_counter()
             f.handle = self.comm.all_reduce(f.wire, async_op=True)
         else:
             device = f.us[0][1].device
@@ -216,7 +222,16 @@ class Aggregator:
                 for (off, _, _), t in zip(entries, p.tensors):
                     send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
             f.wire = _buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
+            t0 = time.perf_counter()
             f.handle = self.comm.all_gather(send, f.wire, async_op=True)
+        in_comm = time.perf_counter() - t0
+        if r == codec.rounds - 1 and codec.config.ef:
+            # the wire tensors are packed already, so u (often the residual buffer) may be
+            # overwritten; the residual comes from this rank's own payload
+            for (k, u), p in zip(f.us, f.payloads):
+                self.feedback.update_decoded(k, u, codec, p)
+        self.timing.comm_seconds += in_comm
+        return in_comm
 
     def _wait(self, f: "_Flight") -> None:
         t0 = time.perf_counter()
@@ -228,8 +243,8 @@ class Aggregator:
         t0 = time.perf_counter()
         reduced = self._unpack_sum(f.wire, f.payloads)
         f.payloads = [b.codec.encode_next(p, key=k) for (k, _), p in zip(f.us, reduced)]
-        self._start(b, f, r)
-        self.timing.codec_seconds += time.perf_counter() - t0
+        in_comm = self._start(b, f, r)
+        self.timing.codec_seconds += time.perf_counter() - t0 - in_comm
 
     def _land(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
         """Wait for the last round, decode and write the means into ``tensors``."""
@@ -246,7 +261,7 @@ class Aggregator:
                 for s, p in zip(b.slots, payloads):
                     _decode_into(codec, p, tensors[s.name])
         else:
-            self._write(b, tensors, self._gathered_means(b, f))
+            self._gathered_means(b, f, tensors)
         self.timing.codec_seconds += time.perf_counter() - t0
 
     def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -280,17 +295,21 @@ class Aggregator:
             out.append(p.with_tensors(tuple(parts)))
         return out
 
-    def _gathered_means(self, b: _Bucket, f: "_Flight") -> list[torch.Tensor]:
-        """Every rank's payload decoded from the gathered bytes, summed, divided by n."""
+    def _gathered_means(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every rank's payload decoded from the gathered bytes and summed into the output
+        tensor (in place when it is contiguous fp32), then divided by n."""
         n = self.comm.world_size
-        means = []
         for s, entries, own in zip(b.slots, b.layout, f.payloads):
-            acc = _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, f.wire.device).zero_()
+            out = tensors[s.name]
+            direct = out.dtype == torch.float32 and out.is_contiguous()
+            acc = out if direct else _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, out.device)
+            acc.zero_()
             for i in range(n):
                 wire = tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries)
                 b.codec.decode_add(Payload(wire, s.shape, own.dtype), acc)  # wire only: meta is local
-            means.append(acc.div_(n))
-        return means
+            acc.div_(n)
+            if not direct:
+                out.copy_(acc)
 
     @staticmethod
     def _write(b: _Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:
@@ -304,17 +323,23 @@ class Aggregator:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Step, residuals (by parameter name) and every codec's state, in codec order."""
         return {
             "step": self.step,
             "feedback": self.feedback.state_dict(),
-            "codecs": {c.describe(): c.state_dict() for c in self.codecs},
+            "codecs": [c.describe() for c in self.codecs],
+            "codec_states": [c.state_dict() for c in self.codecs],
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore exactly; the codecs must be the ones the state was saved with."""
+        saved, ours = list(state["codecs"]), [c.describe() for c in self.codecs]
+        if saved != ours:
+            raise ValueError(f"checkpoint was saved with codecs {saved}, this aggregator has {ours}")
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
-        for c in self.codecs:
-            c.load_state_dict(state["codecs"].get(c.describe(), {}))
+        for c, cs in zip(self.codecs, state["codec_states"]):
+            c.load_state_dict(cs)
 
 
 def _decode_into(codec: Codec, payload: Payload, out: torch.Tensor) -> None:
@@ -356,7 +381,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(row: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     raw = row[off : off + math.prod(shape) * itemsize]
     if (raw.storage_offset() % itemsize) != 0:
         raw = raw.clone()  # view(dtype) needs an aligned start

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
     t.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
-    t.add_argument("--seed", type=int, default=0, help="seed for data, model and codecs (default: 0)")
+    t.add_argument("--seed", type=int, default=0, help="seed for data order and model initialisation (codec seeds are knobs of the method; default: 0)")
     t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     t.add_argument("--link", action="append", default=[], metavar="LINK",
                    help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
     t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
     t.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
-    t.add_argument("--threads", type=int, help="torch threads per worker (default: cores / workers)")
+    t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under torchrun, torch's own default)")
     t.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -1,39 +1,65 @@
 """Error feedback (METHODS.md §0.1): what a lossy codec did not send is added back next step.
 
-Per key (a parameter name, or a bucket key that the caller splits by parameter name):
-``u = x + r``; ``payload = encode(u)``; ``r = u - decode(own payload)``. The residual is
-computed from this rank's *own* payload, before any collective touches it.
+Per key (a parameter name): ``u = x + r``; ``payload = encode(u)``; ``r = u - decode(own
+payload)``. The residual is computed from this rank's *own* payload, before any collective
+touches it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from thinwire.codecs.base import Codec
+    from thinwire.payload import Payload
+
 
 class ErrorFeedback:
-    """Holds one residual tensor per key; created lazily as zeros of the input's shape."""
+    """Holds one residual tensor per key, created at the key's first update."""
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """``u = x + r`` as a new tensor (``x`` is not modified). ``x`` itself when no residual yet."""
+        """``u = x + r``, computed in place in the residual buffer, which is returned (the
+        buffer then holds ``u`` until :meth:`update`). ``x`` itself, unmodified, when the key
+        has no residual yet."""
         r = self.residuals.get(key)
         if r is None:
             return x
         if r.shape != x.shape:
             raise ValueError(f"residual for {key!r} has shape {tuple(r.shape)}, tensor has {tuple(x.shape)}")
-        return x + r
+        if r.device != x.device:  # e.g. resumed from a checkpoint mapped to the CPU
+            r = self.residuals[key] = r.to(x.device)
+        return r.add_(x)
 
     def update(self, key: str, u: torch.Tensor, sent: torch.Tensor) -> None:
-        """``r = u - sent``, written into the existing residual buffer (mutates it in place)."""
+        """``r = u - sent`` (written into the residual buffer when there is one)."""
+        r = self._holding(key, u)
+        r.sub_(sent)
+
+    def update_decoded(self, key: str, u: torch.Tensor, codec: "Codec", payload: "Payload") -> None:
+        """``r = u - decode(payload)`` without a dense temporary: through ``codec.decode_add``.
+
+        Call it only once the payload's wire tensors have been copied out (``u`` may be the
+        residual buffer itself, which this overwrites)."""
+        r = self._holding(key, u)
+        r.neg_()  # r = -u, then -u + decode, then u - decode: negation is exact
+        codec.decode_add(payload, r)
+        r.neg_()
+
+    def _holding(self, key: str, u: torch.Tensor) -> torch.Tensor:
+        """The residual buffer for ``key``, holding ``u``."""
         r = self.residuals.get(key)
-        if r is None or r.shape != u.shape:
-            self.residuals[key] = u - sent
+        if r is u:
+            return r
+        if r is None or r.shape != u.shape or r.device != u.device:
+            r = self.residuals[key] = u.detach().clone()
         else:
-            torch.sub(u, sent, out=r)
+            r.copy_(u)
+        return r
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.residuals.items()}

@@ -202,3 +202,79 @@ def test_every_codec_decodes_from_wire_tensors_alone():
         p = codec.encode(x, key="w")
         bare = type(p)(tuple(t.clone() for t in p.tensors), p.shape, p.dtype)
         assert torch.equal(codec.decode(bare), codec.decode(p)), name
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "signsgd", "randomk:ratio=0.1", "powersgd:rank=2"])
+def test_in_place_error_feedback_equals_the_reference_formula(spec):
+    """The aggregator's allocation-free EF (residual buffer reused as u) equals the textbook
+    u = g + r, r = u - decode(own payload), computed separately, over several steps."""
+    from thinwire.feedback import ErrorFeedback
+
+    named = [("w", torch.zeros(48, 40))]
+
+    def fn(comm):
+        codec, ref_codec = build_codec(spec), build_codec(spec)
+        agg = Aggregator(named, lambda n, t: codec, comm)
+        r = torch.zeros(48, 40)
+        ref = ErrorFeedback()
+        for step in range(4):
+            g = torch.randn(48, 40, generator=torch.Generator().manual_seed(step))
+            ref_codec.step = step
+            u = g + r
+            p = ref_codec.encode(u, key="w")
+            for _ in range(1, ref_codec.rounds):
+                p = ref_codec.encode_next(p, key="w")
+            ref_codec.update("w", p)
+            r = u - ref_codec.decode(p)
+            agg.reduce_({"w": g.clone()})
+            torch.testing.assert_close(agg.feedback.residuals["w"], r, rtol=0, atol=1e-6)
+        del ref
+        return True
+
+    assert LocalWorld(1).run(fn) == [True]
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randomk:ratio=0.1", "qsgd", "signsgd"])
+def test_state_dict_survives_a_file_round_trip(spec, tmp_path):
+    def fn(comm):
+        codec = build_codec(spec)
+        agg = Aggregator(_named(), lambda n, t: codec, comm)
+        for step in range(2):
+            agg.reduce_(_grads(comm.rank, step))
+        path = tmp_path / f"agg{comm.rank}.pt"
+        torch.save(agg.state_dict(), path)
+        g1 = _grads(comm.rank, 2)
+        agg.reduce_(g1)
+        fresh_codec = build_codec(spec)
+        fresh = Aggregator(_named(), lambda n, t: fresh_codec, comm)
+        fresh.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        g2 = _grads(comm.rank, 2)
+        fresh.reduce_(g2)
+        return all(torch.equal(g1[k], g2[k]) for k in SHAPES)
+
+    assert LocalWorld(2).run(fn) == [True, True]
+
+
+def test_load_refuses_state_from_other_codecs():
+    def fn(comm):
+        a = Aggregator(_named(), lambda n, t: build_codec("topk:ratio=0.1"), comm)
+        b = Aggregator(_named(), lambda n, t: build_codec("topk:ratio=0.2"), comm)
+        with pytest.raises(ValueError, match="saved with codecs"):
+            b.load_state_dict(a.state_dict())
+        return True
+
+    assert LocalWorld(1).run(fn) == [True]
+
+
+def test_registry_loads_safely_from_many_threads():
+    import subprocess
+    import sys
+
+    code = (
+        "from thinwire.comm.local import LocalWorld\n"
+        "from thinwire.codecs.registry import build_codec\n"
+        "print(LocalWorld(4).run(lambda c: build_codec('terngrad').name))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(["terngrad"] * 4)

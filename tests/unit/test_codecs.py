@@ -196,7 +196,7 @@ def test_error_feedback_identity(spec):
     codec, fb = make(spec, step=0), ErrorFeedback()
     for step in range(3):
         codec.step = step
-        u = fb.compensate("w", gaussian((64, 65), seed=step))
+        u = fb.compensate("w", gaussian((64, 65), seed=step)).clone()  # the buffer is reused by update
         d = codec.decode(codec.encode(u, key="w"))
         fb.update("w", u, d)
         back = d + fb.residuals["w"]

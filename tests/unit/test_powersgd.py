@@ -146,7 +146,7 @@ def test_error_feedback_identity_and_residual_orthogonal_to_p_hat():
     ef = ErrorFeedback()
     for t in range(4):
         c.step = t
-        u = ef.compensate("w", torch.randn(20, 15))
+        u = ef.compensate("w", torch.randn(20, 15)).clone()  # the buffer is reused by update
         p1 = c.encode_next(c.encode(u, key="w"), key="w")
         sent = c.decode(p1)
         ef.update("w", u, sent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import typing
 from typing import Any, Callable, TypeVar
@@ -108,22 +109,28 @@ def _show(value: Any) -> str:
 
 
 _loaded = False
+_load_lock = threading.Lock()
 
 
 def _load_builtin() -> None:
-    """Import every codec module in this package (each registers itself); lazily, not at import."""
+    """Import every codec module in this package (each registers itself); lazily, not at import.
+
+    Thread-safe: ranks simulated on threads may ask for their first codec at the same time."""
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    import importlib
-    import pkgutil
+    with _load_lock:
+        if _loaded:
+            return
+        import importlib
+        import pkgutil
 
-    import thinwire.codecs as package
+        import thinwire.codecs as package
 
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
-        if info.name not in _NOT_CODECS:
-            importlib.import_module(f"thinwire.codecs.{info.name}")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
+            if info.name not in _NOT_CODECS:
+                importlib.import_module(f"thinwire.codecs.{info.name}")
+        _loaded = True  # only once every module registered
 
 
 _NOT_CODECS = {"base", "config", "registry"}

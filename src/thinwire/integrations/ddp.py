@@ -35,6 +35,18 @@ class HookState:
     aggregators: dict[tuple[str, ...], Aggregator] = field(default_factory=dict)
     step: int = 0  # iterations completed; identical on all ranks
 
+    def state_dict(self) -> dict:
+        """Step, residuals by parameter name, and the codec's state (for checkpoints)."""
+        return {"step": self.step, "codec": self.codec.describe(), "feedback": self.feedback.state_dict(),
+                "codec_state": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["codec"] != self.codec.describe():
+            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this hook has {self.codec.describe()}")
+        self.step = int(state["step"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.codec.load_state_dict(state["codec_state"])
+
     @property
     def timing(self) -> Timing:
         total = Timing()
@@ -53,7 +65,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     agg = state.aggregators.get(names)
     if agg is None:
         # DDP rebuilds its buckets after the first iteration; state is keyed by name, so the
-        # new bucket's aggregator picks up residuals and warm starts where the old one left off
+        # new bucket's aggregator picks up residuals and warm starts where the old one left off.
+        # Aggregators of superseded buckets (sharing a name with this one) are dropped.
+        for old in [k for k in state.aggregators if set(k) & set(names)]:
+            del state.aggregators[old]
         named = list(zip(names, grads))
         agg = state.aggregators[names] = Aggregator(named, lambda n, t: state.codec, state.comm, feedback=state.feedback)
     agg.step = state.step

@@ -8,11 +8,13 @@ rank exits by itself if the launcher disappears, so nothing is left behind.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 import queue as queue_mod
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -45,17 +47,26 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     from thinwire.run.trainer import train_rank
 
     comm = _maybe_emulate(init_from_env(timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
+    cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
+    device = _device()
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
     try:
         if view:
             view.start()
-        summary = train_rank(cfg, comm, view.handle if view else None)
+        summary = train_rank(cfg, comm, view.handle if view else None, device)
         torch.distributed.barrier()
         return summary
     finally:
         if view:
             view.stop()
         torch.distributed.destroy_process_group()
+
+
+def _device() -> torch.device:
+    """The rank's device: its GPU under NCCL (init_from_env selected it), else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _maybe_emulate(comm, cfg: TrainConfig):
@@ -67,30 +78,26 @@ def _maybe_emulate(comm, cfg: TrainConfig):
 
 
 # -- local spawn ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _threads(cfg: TrainConfig) -> int:
     return cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
 
 
-def _rank_main(rank: int, cfg: TrainConfig, port: int, q: Any, parent: int) -> None:
-    """Entry point of a spawned rank."""
+def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int) -> None:
+    """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
+    (no TCP port to pick, so concurrent runs cannot collide)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it terminates us
     _exit_with_parent(parent)
     torch.set_num_threads(_threads(cfg))
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cfg.workers),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
     try:
-        from thinwire.comm.torch_dist import init_from_env
+        from thinwire.comm.torch_dist import TorchComm
         from thinwire.run.trainer import train_rank
 
-        comm = _maybe_emulate(init_from_env(backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.workers,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        comm = _maybe_emulate(TorchComm(), cfg)
 
         def report(kind: str, **fields: Any) -> None:
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
@@ -122,8 +129,12 @@ def _exit_with_parent(parent: int) -> None:
 def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, q, os.getpid()), daemon=True) for r in range(cfg.workers)]
+    tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
+    rendezvous = os.path.join(tmp.name, "rendezvous")
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid()), daemon=True)
+        for r in range(cfg.workers)
+    ]
     view = ProgressView(cfg) if show_progress else None
     summary = None
     done: set[int] = set()
@@ -158,6 +169,7 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
         if view:
             view.stop()
         _terminate(procs)
+        tmp.cleanup()
 
 
 def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_step: int) -> str:

@@ -38,14 +38,17 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
-def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = None) -> dict[str, Any] | None:
-    """Train on this rank; rank 0 writes metrics and returns the summary (others return None)."""
+def train_rank(
+    cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu"
+) -> dict[str, Any] | None:
+    """Train on this rank's ``device``; rank 0 writes metrics and returns the summary (others
+    return None)."""
     from thinwire import __version__
     from thinwire.tasks import get as get_task
 
     rank, n = comm.rank, comm.world_size
     task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
-    model = task.build_model()
+    model = task.build_model().to(device)
     with comm.meter.paused():  # set-up traffic is not the method's
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
@@ -61,6 +64,7 @@ def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = Non
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = task.loss(model(x), y)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -83,7 +87,7 @@ def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = Non
                 writer.write(last_eval)
             if report is not None and rank == 0:
                 report("eval", **last_eval)
-    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__)
+    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device)
     if writer:
         writer.write_summary(summary)
         writer.close()
@@ -91,20 +95,23 @@ def train_rank(cfg: TrainConfig, comm: Communicator, report: Report | None = Non
 
 
 def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start) -> dict[str, Any]:
-    """Agreed train loss, test metrics on rank 0, cumulative bytes and times. All ranks call it."""
+    """Agreed train loss, test metrics, cumulative bytes and times. All ranks call it.
+
+    Every rank evaluates its own model (the same model under synchronous methods), so no
+    rank idles in a collective, bounded by its timeout, while another evaluates."""
     with comm.meter.paused():  # bookkeeping, not method traffic
         agreed = loss.detach().reshape(1).to(torch.float32).clone()
         comm.all_reduce(agreed)
         record: dict[str, Any] = {"step": step, "train_loss": agreed.item() / comm.world_size}
-        if comm.rank == 0:
-            ev = task.evaluate(model)
-            record.update({f"test_{k}": v for k, v in ev.items()})
-        comm.barrier()  # the others wait here, not inside the next timed collective
+        ev = task.evaluate(model)
+        record.update({f"test_{k}": v for k, v in ev.items()})
+        comm.barrier()  # evaluation skew is not charged to the next timed collective
     t = method.timing
     record.update(
         bytes_sent=comm.meter.bytes_sent,
         fp32_bytes=fp32_per_step * step,
-        wall_seconds=time.perf_counter() - t_start,
+        elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
+        wall_seconds=clock.train_wall,  # training steps only, as in summary.json
         compute_seconds=clock.compute,
         codec_seconds=t.codec_seconds,
         comm_seconds=t.comm_seconds,
@@ -119,9 +126,9 @@ def _modeled(link: Link, comm: Communicator, clock: Clock, timing) -> float:
     return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size)
 
 
-def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version) -> dict[str, Any]:
+def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device) -> dict[str, Any]:
     with comm.meter.paused():
-        sent = torch.tensor([comm.meter.bytes_sent], dtype=torch.float64)
+        sent = torch.tensor([comm.meter.bytes_sent], dtype=torch.float64, device=device)
         comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
     per_worker = sent.item() / comm.world_size
     fp32 = fp32_per_step * cfg.steps
