@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from thinwire.knobs import knob, require
 
-def knob(default: Any, help: str, allowed: str = "") -> Any:
-    """A config field with its help text and allowed range (shown by ``thinwire methods``)."""
-    return field(default=default, metadata={"help": help, "allowed": allowed})
+__all__ = ["CodecConfig", "knob", "require"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,9 +20,3 @@ class CodecConfig:
 
     def __post_init__(self) -> None:
         require(self.min_numel >= 0, f"min_numel must be >= 0, got {self.min_numel}")
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise ``ValueError(message)`` unless ``ok``: the message states the rule broken."""
-    if not ok:
-        raise ValueError(message)

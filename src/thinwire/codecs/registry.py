@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import types
 import typing
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from thinwire.codecs.base import Codec
+from thinwire.knobs import convert
 
 _CODECS: dict[str, type[Codec]] = {}
 C = TypeVar("C", bound=type[Codec])
@@ -55,34 +55,6 @@ def build_config(config_cls: type, knobs: dict[str, str], owner: str) -> Any:
     hints = typing.get_type_hints(config_cls)
     values = {k: convert(v, hints[k], f"{owner}: {k}") for k, v in knobs.items()}
     return config_cls(**values)
-
-
-def convert(text: str, typ: Any, what: str) -> Any:
-    """Parse one knob value according to its annotated type."""
-    origin = typing.get_origin(typ)
-    if origin is typing.Literal:
-        choices = typing.get_args(typ)
-        if text not in choices:
-            raise ValueError(f"{what} must be one of {'|'.join(map(str, choices))}, got {text!r}")
-        return text
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        if text.lower() in ("none", "null", ""):
-            return None
-        return convert(text, args[0], what)
-    if typ is bool:
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{what} must be true or false, got {text!r}")
-    if typ in (int, float):
-        try:
-            return typ(text) if typ is float else int(text)
-        except ValueError:
-            raise ValueError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {text!r}") from None
-    return text
 
 
 def build_codec(spec: str) -> Codec:

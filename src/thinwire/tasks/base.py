@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import math
 import numbers
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
@@ -28,6 +27,8 @@ from typing import Any, ClassVar, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from thinwire.knobs import convert
 
 
 class TaskError(ValueError):
@@ -203,39 +204,11 @@ def parse_options(task: str, options_cls: type, options: dict[str, Any]) -> Any:
     if unknown:
         raise TaskError(f"unknown option {unknown[0]!r} for task {task}; options: {', '.join(sorted(fields)) or 'none'}")
     hints = typing.get_type_hints(options_cls)
-    values = {k: _convert(v, hints[k], f"{task} option {k}") for k, v in options.items()}
+    try:
+        values = {k: convert(v, hints[k], f"{task} option {k}") for k, v in options.items()}
+    except ValueError as e:
+        raise TaskError(str(e)) from None
     try:
         return options_cls(**values)
     except ValueError as e:
         raise TaskError(f"{task}: {e}") from None
-
-
-def _convert(value: Any, typ: Any, what: str) -> Any:
-    origin = typing.get_origin(typ)
-    if origin is typing.Literal:
-        choices = typing.get_args(typ)
-        if value not in choices:
-            raise TaskError(f"{what} must be one of {'|'.join(map(str, choices))}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-            return None
-        return _convert(value, next(a for a in typing.get_args(typ) if a is not type(None)), what)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise TaskError(f"{what} must be true or false, got {value!r}")
-    if typ in (int, float):
-        if isinstance(value, bool):
-            raise TaskError(f"{what} must be a number, got {value!r}")
-        try:
-            number = float(value) if typ is float else int(str(value), 10)
-        except ValueError:
-            raise TaskError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
-        return number
-    return str(value)

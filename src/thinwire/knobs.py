@@ -1,0 +1,51 @@
+"""Typed knobs shared by codec configs and task options: fields, validation, value parsing."""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import field
+from typing import Any
+
+
+def knob(default: Any, help: str, allowed: str = "") -> Any:
+    """A config field with its help text and allowed range (shown by ``thinwire methods``)."""
+    return field(default=default, metadata={"help": help, "allowed": allowed})
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``: the message states the rule broken."""
+    if not ok:
+        raise ValueError(message)
+
+
+def convert(value: Any, typ: Any, what: str) -> Any:
+    """Parse ``value`` (a string from a spec or the CLI, or an already typed value) into the
+    annotated type ``typ``; ``ValueError`` names ``what`` and the rule."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {'|'.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return convert(value, next(a for a in typing.get_args(typ) if a is not type(None)), what)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{what} must be a number, got {value!r}")
+        try:
+            return float(value) if typ is float else int(str(value), 10)
+        except ValueError:
+            raise ValueError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
+    return str(value)
