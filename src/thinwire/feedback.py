@@ -45,6 +45,9 @@ class ErrorFeedback:
 
         Call it only once the payload's wire tensors have been copied out (``u`` may be the
         residual buffer itself, which this overwrites)."""
+        if any(_shares_memory(t, u) for t in payload.tensors):  # e.g. identity's wire is a view of u
+            self.update(key, u, codec.decode(payload).clone())
+            return
         r = self._holding(key, u)
         r.neg_()  # r = -u, then -u + decode, then u - decode: negation is exact
         codec.decode_add(payload, r)
@@ -66,3 +69,7 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {k: v.clone() for k, v in state.items()}
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

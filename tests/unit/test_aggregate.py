@@ -204,7 +204,9 @@ def test_every_codec_decodes_from_wire_tensors_alone():
         assert torch.equal(codec.decode(bare), codec.decode(p)), name
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "signsgd", "randomk:ratio=0.1", "powersgd:rank=2"])
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.05", "signsgd", "randomk:ratio=0.1", "powersgd:rank=2", "identity:ef=true", "bf16:ef=true"]
+)
 def test_in_place_error_feedback_equals_the_reference_formula(spec):
     """The aggregator's allocation-free EF (residual buffer reused as u) equals the textbook
     u = g + r, r = u - decode(own payload), computed separately, over several steps."""
