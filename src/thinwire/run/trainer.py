@@ -77,10 +77,11 @@ def train_rank(
         t4 = time.perf_counter()
         clock.compute += (t1 - t0) + (t3 - t2)
         clock.train_wall += t4 - t0
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"training loss is {loss.item()} at step {step} on rank {rank}")
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"training loss is {loss_value} at step {step} on rank {rank}")
         if report is not None and rank == 0:
-            report("step", step=step, loss=loss.item())
+            report("step", step=step, loss=loss_value)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             last_eval = _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start)
             if writer:
