@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: spawning gloo ranks, figures with targets, reports.
+"""Shared by the benchmark scripts: figures with targets, reports, step timing.
 
 Not part of the package (STYLE.md §15). Every script prints its tables and one line per
 figure, ``figure NAME: VALUE target OP THRESHOLD PASS|MISS``, and with ``--json PATH`` also
@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import socket
 import statistics
-import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from thinwire.run.spawn import run_ranks
+
+__all__ = ["Figure", "Report", "alternate_blocks", "load_note", "median", "paired_ratio", "parser", "run_ranks",
+           "table", "training_step"]
 
 # -- figures -----------------------------------------------------------------------------------------
 @dataclass
@@ -93,63 +93,6 @@ def load_note() -> str:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     return f"load average {load} on {os.cpu_count()} cores"
-
-
-# -- spawning ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, threads: int, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("ok", result), f)
-    except BaseException:
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, timeout: float = 900) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, ``threads`` torch
-    threads each); returns the results by rank. Raises if a rank fails or the run exceeds
-    ``timeout`` seconds (the ranks are then killed)."""
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), outdir, threads, args), nprocs=world_size, join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results
 
 
 # -- alternating step-time blocks (inside the ranks) -------------------------------------------------

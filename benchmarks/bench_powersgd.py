@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     "python benchmarks/bench_powersgd.py" + (" --quick" if args.quick else ""))
     t0 = time.perf_counter()
     load = load_note()
-    res = run_ranks(_rank, 2, steps, warmup, blocks, threads=1)[0]
+    res = run_ranks(_rank, 2, steps, warmup, blocks, threads=1, timeout=900)[0]
     times, nbytes, calls, split = res["times"], res["bytes"], res["calls"], res["split"]
     rows = []
     for name, ts in times.items():

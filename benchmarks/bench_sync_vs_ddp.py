@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("sync vs DDP", "python benchmarks/bench_sync_vs_ddp.py" + (" --quick" if args.quick else ""))
     t0 = time.perf_counter()
     load = load_note()
-    res = run_ranks(_rank, 2, steps, warmup, blocks, threads=1)[0]
+    res = run_ranks(_rank, 2, steps, warmup, blocks, threads=1, timeout=900)[0]
     times, split = res["times"], res["split"]
     ddp = times["DDP default"]
     rows = []

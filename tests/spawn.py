@@ -1,74 +1,15 @@
-"""Run a function on N spawned CPU ranks with gloo, with a hard timeout (no hang blocks CI)."""
+"""Helpers for distributed tests: spawned gloo ranks (with a timeout) and a free TCP port."""
 
 from __future__ import annotations
 
-import os
-import pickle
 import socket
-import tempfile
-import traceback
-from typing import Any, Callable
 
-import torch.multiprocessing as mp
+from thinwire.run.spawn import run_ranks
+
+__all__ = ["free_port", "run_ranks"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, world_size: int, outdir: str, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    # a file rendezvous: no TCP port to race for with other tests running at the same time
-    store = os.path.join(outdir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("ok", result), f)
-    except BaseException:
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
-        raise
-    else:
-        dist.barrier()  # nobody tears the group down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on each rank (a module-level function); returns results by rank.
-
-    The process group is initialised before ``fn`` runs. Raises if any rank fails or the
-    whole run exceeds ``timeout`` seconds (the ranks are then killed).
-    """
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, outdir, args), nprocs=world_size, join=False, start_method="spawn"
-        )
-        import time
-
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout} s")
-        except mp.ProcessRaisedException as e:
-            raise AssertionError(f"a rank failed:\n{e}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise AssertionError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results

@@ -1,0 +1,73 @@
+"""Run a function on N spawned local ranks with gloo, with a hard timeout.
+
+For tests, benchmarks and experiments that need a real ``torch.distributed`` world on one
+machine: ``run_ranks(fn, 2, *args)`` calls ``fn(rank, world_size, *args)`` in each rank
+(``fn`` must be importable: a module-level function) and returns the results by rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, outdir: str, threads: int, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    # a file rendezvous: no TCP port to race for with other runs on the machine
+    store = os.path.join(outdir, "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("ok", result), f)
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        raise
+    else:
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, timeout: float = 120) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (``threads`` torch
+    threads each), the process group already initialised; the results by rank.
+
+    Raises ``AssertionError`` naming the rank if one fails, ``TimeoutError`` if the run takes
+    longer than ``timeout`` seconds (the ranks are then killed).
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # inherited by the spawned ranks
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, outdir, threads, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+        except mp.ProcessRaisedException as e:
+            raise AssertionError(f"a rank failed:\n{e}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
