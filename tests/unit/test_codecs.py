@@ -26,6 +26,7 @@ SINGLE = [n for n, cls in CODECS.items() if cls.rounds == 1]
 VARIANTS = [
     "topk:ratio=0.1", "topk:ratio=1", "topk:select=sampled", "randomk:ratio=0.3", "randomk:rescale=true",
     "qsgd:levels=1", "qsgd:levels=3,bucket=64", "qsgd:bucket=512", "qsgd:levels=1000",
+    "rangefloat:bits=16,exp_bits=5", "rangefloat:bits=4,exp_bits=2",
 ]  # fmt: skip
 SPECS = list(CODECS) + [v for v in VARIANTS if v.split(":")[0] in CODECS]
 SINGLE_SPECS = [s for s in SPECS if s.split(":")[0] in SINGLE]
@@ -109,7 +110,21 @@ BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "signsgd": lambda x: math.sqrt(1 - x.abs().sum().item() ** 2 / (x.numel() * x.square().sum().item())) + 1e-4,
     # TernGrad: E||x_hat - x||^2 = sum (s|x_i| - x_i^2) = s ||x||_1 - ||x||^2, s = max|x|; 5% slack.
     "terngrad": lambda x: 1.05 * math.sqrt(x.abs().max().item() * x.abs().sum().item() / x.square().sum().item() - 1),
+    # range float: inside the window each value is off by <= 2^-(m+1) of itself; values below
+    # the window's floor 2^(E_max - 2^e + 2) become zero
+    "rangefloat": lambda x: _rangefloat_bound(x, exp_bits=3, man_bits=4),
+    "rangefloat:bits=16,exp_bits=5": lambda x: _rangefloat_bound(x, exp_bits=5, man_bits=10),
+    "rangefloat:bits=4,exp_bits=2": lambda x: _rangefloat_bound(x, exp_bits=2, man_bits=1),
 }
+
+
+def _rangefloat_bound(x: torch.Tensor, exp_bits: int, man_bits: int) -> float:
+    x = x.double()
+    e_max = math.floor(math.log2(x.abs().max().item()))
+    floor = 2.0 ** (e_max - 2**exp_bits + 2)
+    below = x.abs() < floor
+    err2 = 2.0 ** (-2 * (man_bits + 1)) * x[~below].square().sum() + x[below].square().sum()
+    return math.sqrt(err2.item()) / x.norm().item() + 1e-7
 
 
 def bound_for(spec: str, x: torch.Tensor) -> float:

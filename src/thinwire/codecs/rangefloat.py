@@ -1,0 +1,75 @@
+"""Range-based float codec: every value as an n-bit float whose exponent window follows the data.
+
+Wire (GATHER): ``E_max`` as one int32, then one code per value: bit-packed MSB-first for
+``bits <= 8`` (``4 + ceil(N * bits / 8)`` bytes), as 16-bit words for ``bits = 16``
+(``4 + 2N``). See :mod:`thinwire.numerics.rangefloat` for the format. Ranks have different
+windows, so payloads are gathered, not summed. The default 8 bits = 1 + 3 + 4 is
+thinwire's own choice (the paper does not publish its layout).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.codecs.base import Codec
+from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.registry import register
+from thinwire.numerics import rangefloat
+from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
+from thinwire.payload import Aggregation, Payload, WireSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class RangeFloatConfig(CodecConfig):
+    bits: int = knob(8, "bits per value: 1 sign + exp_bits + mantissa; lower = more compression", "3..8 or 16")
+    exp_bits: int = knob(3, "exponent bits: the window spans 2^exp_bits - 1 octaves below the max", "1..bits-2")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(3 <= self.bits <= 8 or self.bits == 16, f"bits must be in 3..8 or 16, got {self.bits}")
+        require(1 <= self.exp_bits <= self.bits - 2, f"exp_bits must be in 1..{self.bits - 2}, got {self.exp_bits}")
+
+    @property
+    def man_bits(self) -> int:
+        return self.bits - 1 - self.exp_bits
+
+
+@register
+class RangeFloat(Codec):
+    """n-bit floats with a data-driven exponent window; relative error <= 2^-(man_bits+1) inside it."""
+
+    name = "rangefloat"
+    summary = "n-bit floats (sign, exponent, mantissa) with the exponent window set by max |x| (all_gather)"
+    Config = RangeFloatConfig
+    aggregation = Aggregation.GATHER
+
+    def _code_spec(self, n: int) -> WireSpec:
+        if self.config.bits == 16:
+            return ((n,), torch.int16)
+        return ((packed_nbytes(n, self.config.bits),), torch.uint8)
+
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        return [((1,), torch.int32), self._code_spec(math.prod(shape))]
+
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        cfg = self.config
+        flat = x.reshape(-1)  # (N,) only read
+        e_max = rangefloat.exponent_max(flat)
+        codes = rangefloat.encode(flat, cfg.exp_bits, cfg.man_bits, e_max)  # (N,) int32
+        if cfg.bits == 16:
+            wire = (codes - (1 << 15)).to(torch.int16)  # shifted into int16's range
+        else:
+            wire = pack(codes, cfg.bits)
+        header = torch.tensor([e_max], dtype=torch.int32, device=x.device)
+        return Payload((header, wire), x.shape, x.dtype)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        cfg = self.config
+        header, wire = payload.tensors
+        n = math.prod(payload.shape)
+        codes = wire.to(torch.int32) + (1 << 15) if cfg.bits == 16 else unpack(wire, n, cfg.bits)
+        out = rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, int(header[0].item()))
+        return out.to(payload.dtype).view(payload.shape)

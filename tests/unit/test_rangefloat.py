@@ -1,0 +1,79 @@
+"""Range-based floats: every code round-trips, rounding matches a scalar reference, the
+window saturates at the top and flushes to zero below."""
+
+import math
+
+import pytest
+import torch
+
+from thinwire.codecs.registry import build_codec
+from thinwire.numerics import rangefloat
+
+
+def _reference(v: float, e: int, m: int, e_max: int) -> float:
+    """The format's value for ``v``, computed with Python floats one value at a time."""
+    if v == 0:
+        return 0.0
+    a = abs(v)
+    exp = math.floor(math.log2(a))
+    q = round((a / 2.0**exp - 1) * 2**m)  # Python rounds ties to even, as torch.round
+    if q == 2**m:
+        q, exp = 0, exp + 1
+    e_min = e_max - (2**e - 2)
+    if exp > e_max:
+        q, exp = 2**m - 1, e_max
+    if exp < e_min:
+        return 0.0
+    return math.copysign((1 + q / 2**m) * 2.0**exp, v)
+
+
+@pytest.mark.parametrize("e,m", [(1, 1), (2, 2), (3, 1), (2, 4), (3, 4), (5, 10)])
+@pytest.mark.parametrize("e_max", [-7, 0, 5])
+def test_every_code_round_trips(e, m, e_max):
+    codes = torch.arange(2 ** (1 + e + m), dtype=torch.int32)
+    values = rangefloat.decode(codes, e, m, e_max)
+    again = rangefloat.encode(values, e, m, e_max)
+    expcode = (codes >> m) & (2**e - 1)
+    # every non-zero code is its own value's code; exponent code 0 is zero, which encodes as 0
+    assert torch.equal(again[expcode != 0], codes[expcode != 0])
+    assert torch.equal(values[expcode == 0], torch.zeros(int((expcode == 0).sum())))
+    assert torch.equal(again[expcode == 0], torch.zeros(int((expcode == 0).sum()), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("e,m", [(2, 2), (3, 4), (4, 3)])
+def test_rounding_matches_a_scalar_reference(e, m):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2000, generator=g) * torch.exp(3 * torch.randn(2000, generator=g))
+    e_max = rangefloat.exponent_max(x)
+    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    want = torch.tensor([_reference(v, e, m, e_max) for v in x.tolist()])
+    assert torch.equal(got, want)
+
+
+def test_window_saturates_at_the_top_and_flushes_below():
+    e, m, e_max = 2, 2, 3  # window exponents 1..3: values 2 .. 14
+    x = torch.tensor([15.9, 14.0, 2.0, 1.99, 0.5, -15.9, 0.0])
+    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    # 15.9 rounds up to 16 = 2^4, above the window: the top code 1.75 * 2^3 = 14
+    # 1.99 rounds up to 2.0 = 2^1 (a carry into the window); 0.5 lies below it
+    assert got.tolist() == [14.0, 14.0, 2.0, 2.0, 0.0, -14.0, 0.0]
+
+
+def test_relative_error_inside_the_window_is_at_most_half_an_ulp():
+    e, m = 3, 4
+    x = torch.linspace(1.0, 2.0**3, 5000)
+    e_max = rangefloat.exponent_max(x)
+    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    assert ((got - x).abs() / x).max().item() <= 2.0 ** -(m + 1)
+
+
+def test_codec_payload_and_knob_rules():
+    c = build_codec("rangefloat")
+    x = torch.randn(33, 17)
+    p = c.encode(x, key="w")
+    assert p.nbytes == 4 + math.ceil(33 * 17 * 8 / 8) == c.nbytes(x.shape, x.dtype)
+    assert build_codec("rangefloat:bits=16,exp_bits=5").nbytes(x.shape, x.dtype) == 4 + 2 * 33 * 17
+    with pytest.raises(ValueError, match=r"bits must be in 3..8 or 16, got 12"):
+        build_codec("rangefloat:bits=12")
+    with pytest.raises(ValueError, match=r"exp_bits must be in 1..6, got 7"):
+        build_codec("rangefloat:exp_bits=7")
