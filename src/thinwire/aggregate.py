@@ -303,10 +303,12 @@ class Aggregator:
             out = tensors[s.name]
             direct = out.dtype == torch.float32 and out.is_contiguous()
             acc = out if direct else _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, out.device)
-            acc.zero_()
-            for i in range(n):
-                wire = tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries)
-                b.codec.decode_add(Payload(wire, s.shape, own.dtype), acc)  # wire only: meta is local
+            payloads = [  # wire tensors only: meta is local to the rank that encoded
+                Payload(tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries),
+                        s.shape, own.dtype)
+                for i in range(n)
+            ]
+            b.codec.decode_sum(payloads, acc)
             acc.div_(n)
             if not direct:
                 out.copy_(acc)

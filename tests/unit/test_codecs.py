@@ -27,6 +27,7 @@ VARIANTS = [
     "topk:ratio=0.1", "topk:ratio=1", "topk:select=sampled", "randomk:ratio=0.3", "randomk:rescale=true",
     "qsgd:levels=1", "qsgd:levels=3,bucket=64", "qsgd:bucket=512", "qsgd:levels=1000",
     "rangefloat:bits=16,exp_bits=5", "rangefloat:bits=4,exp_bits=2",
+    "fft:theta=0,bits=32", "fft:theta=0.5,bits=16,exp_bits=5", "fft:positions=index", "fft:positions=bitmap,bits=4,exp_bits=2",
 ]  # fmt: skip
 SPECS = list(CODECS) + [v for v in VARIANTS if v.split(":")[0] in CODECS]
 SINGLE_SPECS = [s for s in SPECS if s.split(":")[0] in SINGLE]
@@ -115,7 +116,35 @@ BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "rangefloat": lambda x: _rangefloat_bound(x, exp_bits=3, man_bits=4),
     "rangefloat:bits=16,exp_bits=5": lambda x: _rangefloat_bound(x, exp_bits=5, man_bits=10),
     "rangefloat:bits=4,exp_bits=2": lambda x: _rangefloat_bound(x, exp_bits=2, man_bits=1),
+    # FFT: by Parseval the dropped bins' weighted energy is the sparsification error; the kept
+    # real/imag parts then carry the range-float bound (relative 2^-(m+1), zero below the window)
+    "fft": lambda x: _fft_bound(x, theta=0.9, exp_bits=3, man_bits=4),
+    "fft:theta=0,bits=32": 1e-6,  # passthrough: rfft + irfft in fp32
+    "fft:theta=0.5,bits=16,exp_bits=5": lambda x: _fft_bound(x, theta=0.5, exp_bits=5, man_bits=10),
+    "fft:positions=bitmap,bits=4,exp_bits=2": lambda x: _fft_bound(x, theta=0.9, exp_bits=2, man_bits=1),
 }
+
+
+def _fft_bound(x: torch.Tensor, theta: float, exp_bits: int, man_bits: int) -> float:
+    from thinwire.codecs.fft import fast_length
+
+    n = x.numel()
+    length = fast_length(n)
+    spec = torch.fft.rfft(x.reshape(-1).double(), n=length)
+    w = torch.full((spec.numel(),), 2.0, dtype=torch.float64)
+    w[0] = 1
+    if length % 2 == 0:
+        w[-1] = 1
+    energy = w * spec.abs().square()
+    kept = math.ceil((1 - theta) * spec.numel())
+    top = energy.topk(kept).indices
+    parts = torch.view_as_real(spec[top])  # (K, 2) real and imaginary parts
+    weights = w[top].unsqueeze(1)
+    e_max = math.floor(math.log2(parts.abs().max().item()))
+    below = parts.abs() < 2.0 ** (e_max - 2**exp_bits + 2)
+    quant = (2.0 ** (-2 * (man_bits + 1)) * parts.square() * ~below + parts.square() * below) * weights
+    err2 = (energy.sum() - energy[top].sum() + quant.sum()) / length  # Parseval, padded length
+    return math.sqrt(err2.item()) / x.double().norm().item() + 1e-6
 
 
 def _rangefloat_bound(x: torch.Tensor, exp_bits: int, man_bits: int) -> float:

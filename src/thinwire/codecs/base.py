@@ -82,6 +82,15 @@ class Codec:
         cheaper sparse accumulation; the default decodes densely."""
         out.add_(self.decode(payload))
 
+    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        """``out = sum of decode(p)`` over the gathered payloads (overwrites ``out``, fp32).
+
+        The default accumulates with ``decode_add``; a codec whose decode ends in a linear
+        map may sum before it (FFT: sum the spectra, then one inverse transform)."""
+        out.zero_()
+        for p in payloads:
+            self.decode_add(p, out)
+
     def update(self, key: str, reduced: Payload) -> None:
         """Cross-step state update, called once per step after the final round."""
 
