@@ -66,7 +66,7 @@ class _Bucket:
     codec: Codec
     fused: bool  # element-wise codec without EF: encode the whole flat bucket once
     slots: list[_Slot]
-    # byte offsets of each slot's wire tensors inside one rank's gather row, per slot
+    # byte offsets of each slot's wire tensors inside one rank's gather row, per slot (this step)
     layout: list[list[tuple[int, tuple[int, ...], torch.dtype]]] = field(default_factory=list)
     row_bytes: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -132,14 +132,14 @@ class Aggregator:
                 b = open_[id(codec)] = _Bucket(codec, codec.fusable and not codec.config.ef, [])
                 buckets.append(b)
             b.slots.append(_Slot(name, t.shape, t.numel(), b.numel))
-        for b in buckets:
-            self._layout(b)
         return buckets
 
-    def _layout(self, b: _Bucket) -> None:
-        """Byte offsets of every wire tensor in one rank's row (GATHER buckets)."""
-        if b.codec.aggregation is not Aggregation.GATHER:
-            return
+    @staticmethod
+    def _layout(b: _Bucket) -> None:
+        """Byte offsets of every wire tensor in one rank's row (GATHER buckets), at the codec's
+        current step: a codec's wire size may follow a schedule (FFT's theta), the same on
+        every rank at the same step."""
+        b.layout = []
         off = 0
         for s in b.slots:
             entries = []
@@ -217,6 +217,7 @@ class Aggregator:
             f.handle = self.comm.all_reduce(f.wire, async_op=True)
         else:
             device = f.us[0][1].device
+            self._layout(b)
             send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
             for entries, p in zip(b.layout, f.payloads):
                 for (off, _, _), t in zip(entries, p.tensors):
@@ -371,11 +372,13 @@ def _check_pair(codec: Codec) -> None:
 
 
 def _buffer(b: _Bucket, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer reused across steps (fresh large allocations cost several copies' time)."""
-    buf = b.buffers.get(key)
-    if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype or buf.device != device:
-        buf = b.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
+    """A buffer reused across steps (fresh large allocations cost several copies' time): a
+    view of a kept flat store, regrown only when a step needs more (e.g. FFT's theta falls)."""
+    numel = math.prod(shape)
+    store = b.buffers.get(key)
+    if store is None or store.numel() < numel or store.dtype != dtype or store.device != device:
+        store = b.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return store[:numel].view(shape)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -155,3 +155,15 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.timeout(300)
+def test_fft_run_logs_the_theta_it_used(tmp_path):
+    out = tmp_path / "fft"
+    r = _cli("train", "--workers", "2", "--steps", "12", "--eval-every", "4", "--method", "fft:horizon=12",
+             "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    thetas = [json.loads(x)["theta"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(thetas) == 3 and thetas[0] > thetas[1] > thetas[2] >= 0.5  # cosine from 0.9 toward 0.5
+    s = json.loads((out / "summary.json").read_text())
+    assert s["compression_ratio"] > 1

@@ -97,6 +97,10 @@ def test_fast_length_is_the_next_5_smooth_number():
 
 @pytest.mark.parametrize("spec, rule", [
     ("fft:theta=1", r"theta must be in \[0, 1\), got 1"),
+    ("fft:theta_min=1", r"theta_min must be in \[0, 1\), got 1"),
+    ("fft:schedule=exp", r"schedule must be one of constant\|linear\|cosine\|step, got 'exp'"),
+    ("fft:factor=1", r"factor must be > 1, got 1"),
+    ("fft:horizon=0", r"horizon must be >= 1, got 0"),
     ("fft:theta=-0.1", r"theta must be in \[0, 1\), got -0.1"),
     ("fft:bits=12", r"bits must be in 3..8, 16 or 32, got 12"),
     ("fft:exp_bits=7", r"exp_bits must be in 1..6, got 7"),
@@ -105,3 +109,42 @@ def test_fast_length_is_the_next_5_smooth_number():
 def test_bad_knobs_state_the_rule(spec, rule):
     with pytest.raises(ValueError, match=rule):
         build_codec(spec)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("fft:schedule=constant", {0: 0.9, 700: 0.9, 5000: 0.9}),
+    ("fft", {0: 0.9, 500: 0.7, 1000: 0.5, 5000: 0.5}),  # cosine: halfway is the midpoint
+    ("fft:schedule=linear,horizon=10,theta_min=0.1", {0: 0.9, 5: 0.5, 10: 0.1, 99: 0.1}),
+    ("fft:schedule=step,theta=0.8,every=100,factor=2,theta_min=0.1", {99: 0.8, 100: 0.4, 200: 0.2, 300: 0.1, 900: 0.1}),
+    ("fft:theta=0.3", {0: 0.3, 1000: 0.3}),  # theta_min is capped at theta
+])
+def test_theta_schedules(spec, expected):
+    from thinwire.codecs.fft import theta_at
+
+    codec = build_codec(spec)
+    for step, theta in expected.items():
+        assert theta_at(codec.config, step) == pytest.approx(theta, abs=1e-12)
+
+
+def test_a_falling_theta_sends_more_bins_and_the_aggregator_follows():
+    """The payload grows as theta falls; every rank agrees on the size at each step, so the
+    gathered layout follows step by step."""
+    named = [("w", torch.zeros(40, 45))]
+
+    def fn(comm):
+        codec = build_codec("fft:schedule=linear,horizon=4,theta=0.9,theta_min=0.1")
+        agg = Aggregator(named, lambda n, t: codec, comm)
+        sizes, errs = [], []
+        for step in range(5):
+            g = _x((40, 45), seed=10 * step + comm.rank)
+            before = comm.meter.bytes_sent
+            out = g.clone()
+            agg.reduce_({"w": out})
+            sizes.append(comm.meter.bytes_sent - before)
+            mean = sum(_x((40, 45), seed=10 * step + r) for r in range(comm.world_size)) / comm.world_size
+            errs.append(((out - mean).norm() / mean.norm()).item())
+        return sizes, errs
+
+    for sizes, errs in LocalWorld(2).run(fn):
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+        assert errs[-1] < errs[0]

@@ -76,6 +76,10 @@ class SyncReducer:
     def after_step(self) -> None:
         """Nothing to do after the optimizer step: the gradients were already averaged."""
 
+    def stats(self) -> dict:
+        """The codec's figures for the last step (logged in metrics.jsonl)."""
+        return self.codec.stats()
+
     def report(self) -> dict:
         """Extra figures for summary.json: the codec each parameter got and its bytes."""
         return {"codec": self.codec.describe(), "layers": self.plan()}

@@ -77,6 +77,10 @@ class Codec:
         """Reconstruct a dense tensor of ``payload.shape`` and ``payload.dtype``. Pure."""
         raise NotImplementedError
 
+    def stats(self) -> dict[str, float]:
+        """Figures of the current step worth logging (e.g. FFT's theta); none by default."""
+        return {}
+
     def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
         """``out += decode(payload)`` (mutates ``out``). GATHER codecs may override with a
         cheaper sparse accumulation; the default decodes densely."""

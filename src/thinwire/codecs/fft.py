@@ -10,9 +10,15 @@ floats. GATHER: every rank sums the decoded *spectra* and runs one ``irfft``.
 Wire: the window exponent (int32; 0 when ``bits = 32``), positions as a ``B``-bit bitmap
 or ``K`` int32 indices, whichever is smaller (a pure function of shape and config), then
 ``2K`` values: range-float codes (``bits`` 3..8 bit-packed, 16 as int16 words) or fp32
-(``bits = 32``). Defaults ``theta = 0.9``, 8 bits = 1 + 3 + 4, and error feedback off are
-thinwire's own choices (the paper's exact values are not published). The diminishing
-``theta`` schedules of the paper are not part of this codec yet: ``theta`` is constant.
+(``bits = 32``).
+
+theta follows a schedule, a pure function of the step (identical on every rank, so every
+rank sends the same payload size at the same step): ``constant``; ``linear`` and
+``cosine`` from ``theta`` down to ``theta_min`` over ``horizon`` steps, then ``theta_min``;
+``step`` divides theta by ``factor`` every ``every`` steps, down to ``theta_min``. The
+paper's convergence guarantee needs a diminishing theta, so the default schedule is
+``cosine``. Defaults (``theta`` 0.9 -> 0.5 over 1,000 steps, 8 bits = 1 + 3 + 4, error
+feedback off) are thinwire's own choices: the paper does not publish its values.
 """
 
 from __future__ import annotations
@@ -39,13 +45,40 @@ class FFTConfig(CodecConfig):
     positions: Literal["auto", "bitmap", "index"] = knob(
         "auto", "how kept bins are named: bitmap (B bits), index (K int32), auto = the smaller", "auto|bitmap|index"
     )
+    schedule: Literal["constant", "linear", "cosine", "step"] = knob(
+        "cosine", "how theta falls over the run (a diminishing theta is what convergence needs)",
+        "constant|linear|cosine|step",
+    )
+    theta_min: float = knob(
+        0.5, "the floor theta falls to (capped at theta); lower = more accuracy, less compression", "[0, 1)"
+    )
+    horizon: int = knob(1000, "linear/cosine: steps over which theta falls to theta_min", ">= 1")
+    every: int = knob(500, "step schedule: steps between divisions of theta", ">= 1")
+    factor: float = knob(2.0, "step schedule: theta is divided by this every `every` steps", "> 1")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.theta < 1, f"theta must be in [0, 1), got {self.theta}")
+        require(0 <= self.theta_min < 1, f"theta_min must be in [0, 1), got {self.theta_min}")
+        require(self.horizon >= 1, f"horizon must be >= 1, got {self.horizon}")
+        require(self.every >= 1, f"every must be >= 1, got {self.every}")
+        require(self.factor > 1, f"factor must be > 1, got {self.factor}")
         require(3 <= self.bits <= 8 or self.bits in (16, 32), f"bits must be in 3..8, 16 or 32, got {self.bits}")
         if self.bits != 32:
             require(1 <= self.exp_bits <= self.bits - 2, f"exp_bits must be in 1..{self.bits - 2}, got {self.exp_bits}")
+
+
+def theta_at(cfg: FFTConfig, step: int) -> float:
+    """The drop ratio at ``step``: a pure function of (step, config)."""
+    hi, lo = cfg.theta, min(cfg.theta_min, cfg.theta)
+    if cfg.schedule == "constant":
+        return hi
+    if cfg.schedule == "step":
+        return max(lo, hi / cfg.factor ** (step // cfg.every))
+    frac = min(step, cfg.horizon) / cfg.horizon
+    if cfg.schedule == "linear":
+        return hi + (lo - hi) * frac
+    return lo + (hi - lo) * (1 + math.cos(math.pi * frac)) / 2
 
 
 def fast_length(n: int) -> int:
@@ -77,10 +110,10 @@ class FFT(Codec):
 
     # -- layout, a pure function of shape and config -----------------------------------------
     def _sizes(self, n: int) -> tuple[int, int, int]:
-        """(L padded length, B bins, K kept bins)."""
+        """(L padded length, B bins, K kept bins) at the current step."""
         length = fast_length(n)
         bins = length // 2 + 1 if length else 0
-        return length, bins, math.ceil((1 - self.config.theta) * bins) if bins else 0
+        return length, bins, math.ceil((1 - theta_at(self.config, self.step)) * bins) if bins else 0
 
     def _bitmap(self, bins: int, kept: int) -> bool:
         if self.config.positions != "auto":
@@ -99,6 +132,9 @@ class FFT(Codec):
         _, bins, kept = self._sizes(math.prod(shape))
         pos = ((packed_nbytes(bins, 1),), torch.uint8) if self._bitmap(bins, kept) else ((kept,), torch.int32)
         return [((1,), torch.int32), pos, self._value_spec(2 * kept)]
+
+    def stats(self) -> dict[str, float]:
+        return {"theta": theta_at(self.config, self.step)}
 
     # -- work ----------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:

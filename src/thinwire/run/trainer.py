@@ -107,6 +107,8 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         ev = task.evaluate(model)
         record.update({f"test_{k}": v for k, v in ev.items()})
         comm.barrier()  # evaluation skew is not charged to the next timed collective
+    if hasattr(method, "stats"):
+        record.update(method.stats())  # e.g. the theta FFT used at this step
     t = method.timing
     record.update(
         bytes_sent=comm.meter.bytes_sent,
