@@ -68,6 +68,11 @@ BAD = [
     (["--emulate-link"], "--link"),
     (["--task", "cifar10", "--data-dir", "/nonexistent/cifar"], "cifar"),
     (["--steps", "many"], "invalid int"),
+    (["--method", "fft:theta=1"], "theta must be in [0, 1)"),
+    (["--method", "fft:bits=8,exp_bits=3,man_bits=3"], "exp_bits + man_bits + 1 must equal bits"),
+    (["--method", "fft:bits=12"], "bits must be in 3..8, 16 or 32"),
+    (["--method", "fft:schedule=exp"], "schedule must be one of"),
+    (["--method", "fft:positions=list"], "positions must be one of"),
 ]
 
 
@@ -160,10 +165,12 @@ def _is_zombie(pid: int) -> bool:
 @pytest.mark.timeout(300)
 def test_fft_run_logs_the_theta_it_used(tmp_path):
     out = tmp_path / "fft"
-    r = _cli("train", "--workers", "2", "--steps", "12", "--eval-every", "4", "--method", "fft:horizon=12",
+    r = _cli("train", "--workers", "2", "--steps", "24", "--eval-every", "8", "--method", "fft:horizon=24",
              "--out", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
-    thetas = [json.loads(x)["theta"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    thetas = [x["theta"] for x in lines]
     assert len(thetas) == 3 and thetas[0] > thetas[1] > thetas[2] >= 0.5  # cosine from 0.9 toward 0.5
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"]  # training with fft learns
     s = json.loads((out / "summary.json").read_text())
     assert s["compression_ratio"] > 1

@@ -100,6 +100,7 @@ def test_fast_length_is_the_next_5_smooth_number():
     ("fft:theta_min=1", r"theta_min must be in \[0, 1\), got 1"),
     ("fft:schedule=exp", r"schedule must be one of constant\|linear\|cosine\|step, got 'exp'"),
     ("fft:factor=1", r"factor must be > 1, got 1"),
+    ("fft:bits=8,exp_bits=3,man_bits=3", r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"),
     ("fft:horizon=0", r"horizon must be >= 1, got 0"),
     ("fft:theta=-0.1", r"theta must be in \[0, 1\), got -0.1"),
     ("fft:bits=12", r"bits must be in 3..8, 16 or 32, got 12"),

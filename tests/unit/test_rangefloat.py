@@ -27,7 +27,7 @@ def _reference(v: float, e: int, m: int, e_max: int) -> float:
     return math.copysign((1 + q / 2**m) * 2.0**exp, v)
 
 
-@pytest.mark.parametrize("e,m", [(1, 1), (2, 2), (3, 1), (2, 4), (3, 4), (5, 10)])
+@pytest.mark.parametrize("e,m", [(e, m) for e in range(1, 5) for m in range(0, 5)] + [(5, 10)])
 @pytest.mark.parametrize("e_max", [-7, 0, 5])
 def test_every_code_round_trips(e, m, e_max):
     codes = torch.arange(2 ** (1 + e + m), dtype=torch.int32)
@@ -59,6 +59,17 @@ def test_window_saturates_at_the_top_and_flushes_below():
     assert got.tolist() == [14.0, 14.0, 2.0, 2.0, 0.0, -14.0, 0.0]
 
 
+def test_non_finite_inputs_and_negative_zero_have_stated_codes():
+    e, m = 3, 4
+    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), -0.0, 0.25])
+    e_max = rangefloat.exponent_max(x)
+    assert e_max == 0  # the window follows the finite values only
+    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    top = (2 - 2.0**-m) * 2.0**e_max  # the top code
+    assert got.tolist() == [1.0, top, -top, 0.0, 0.0, 0.25]
+    assert rangefloat.encode(torch.tensor([-0.0]), e, m, e_max).item() == 0
+
+
 def test_relative_error_inside_the_window_is_at_most_half_an_ulp():
     e, m = 3, 4
     x = torch.linspace(1.0, 2.0**3, 5000)
@@ -77,3 +88,6 @@ def test_codec_payload_and_knob_rules():
         build_codec("rangefloat:bits=12")
     with pytest.raises(ValueError, match=r"exp_bits must be in 1..6, got 7"):
         build_codec("rangefloat:exp_bits=7")
+    with pytest.raises(ValueError, match=r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"):
+        build_codec("rangefloat:man_bits=3")
+    assert build_codec("rangefloat:bits=6,exp_bits=2").config.man_bits == 3  # the rest, resolved

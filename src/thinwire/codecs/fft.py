@@ -31,6 +31,7 @@ import torch
 
 from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
 from thinwire.numerics import rangefloat
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
@@ -42,6 +43,10 @@ class FFTConfig(CodecConfig):
     theta: float = knob(0.9, "drop ratio: share of frequency bins not sent; higher = more compression", "[0, 1)")
     bits: int = knob(8, "bits per kept real or imaginary part: range float, or 32 = plain fp32", "3..8, 16 or 32")
     exp_bits: int = knob(3, "range-float exponent bits (window of 2^exp_bits - 1 octaves)", "1..bits-2")
+    man_bits: int | None = knob(
+        None, "range-float mantissa bits; exp_bits + man_bits + 1 must equal bits (default: the rest)",
+        "bits-1-exp_bits",
+    )
     positions: Literal["auto", "bitmap", "index"] = knob(
         "auto", "how kept bins are named: bitmap (B bits), index (K int32), auto = the smaller", "auto|bitmap|index"
     )
@@ -64,8 +69,8 @@ class FFTConfig(CodecConfig):
         require(self.every >= 1, f"every must be >= 1, got {self.every}")
         require(self.factor > 1, f"factor must be > 1, got {self.factor}")
         require(3 <= self.bits <= 8 or self.bits in (16, 32), f"bits must be in 3..8, 16 or 32, got {self.bits}")
-        if self.bits != 32:
-            require(1 <= self.exp_bits <= self.bits - 2, f"exp_bits must be in 1..{self.bits - 2}, got {self.exp_bits}")
+        if self.bits != 32:  # 32 = plain fp32 parts: no range-float layout
+            resolve_layout(self)
 
 
 def theta_at(cfg: FFTConfig, step: int) -> float:
@@ -164,7 +169,7 @@ class FFT(Codec):
         if cfg.bits == 32:
             return 0, parts
         e_max = rangefloat.exponent_max(parts)
-        codes = rangefloat.encode(parts, cfg.exp_bits, cfg.bits - 1 - cfg.exp_bits, e_max)  # (2K,)
+        codes = rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max)  # (2K,)
         return e_max, (codes - (1 << 15)).to(torch.int16) if cfg.bits == 16 else pack(codes, cfg.bits)
 
     def _dequantize(self, e_max: int, values: torch.Tensor, count: int) -> torch.Tensor:
@@ -172,7 +177,7 @@ class FFT(Codec):
         if cfg.bits == 32:
             return values.float()
         codes = values.to(torch.int32) + (1 << 15) if cfg.bits == 16 else unpack(values, count, cfg.bits)
-        return rangefloat.decode(codes, cfg.exp_bits, cfg.bits - 1 - cfg.exp_bits, e_max)
+        return rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, e_max)
 
     def spectrum_add(self, payload: Payload, spec: torch.Tensor) -> None:
         """``spec += the payload's sparse spectrum`` (complex, ``B`` bins). Pure in the payload."""

@@ -24,17 +24,28 @@ from thinwire.payload import Aggregation, Payload, WireSpec
 
 @dataclass(frozen=True, kw_only=True)
 class RangeFloatConfig(CodecConfig):
-    bits: int = knob(8, "bits per value: 1 sign + exp_bits + mantissa; lower = more compression", "3..8 or 16")
+    bits: int = knob(8, "bits per value: 1 sign + exp_bits + man_bits; lower = more compression", "3..8 or 16")
     exp_bits: int = knob(3, "exponent bits: the window spans 2^exp_bits - 1 octaves below the max", "1..bits-2")
+    man_bits: int | None = knob(
+        None, "mantissa bits; exp_bits + man_bits + 1 must equal bits (default: the rest)", "bits-1-exp_bits"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(3 <= self.bits <= 8 or self.bits == 16, f"bits must be in 3..8 or 16, got {self.bits}")
-        require(1 <= self.exp_bits <= self.bits - 2, f"exp_bits must be in 1..{self.bits - 2}, got {self.exp_bits}")
+        resolve_layout(self)
 
-    @property
-    def man_bits(self) -> int:
-        return self.bits - 1 - self.exp_bits
+
+def resolve_layout(cfg: CodecConfig) -> None:
+    """Check ``exp_bits`` and fill or check ``man_bits`` of a frozen config with ``bits``."""
+    bits, exp_bits = cfg.bits, cfg.exp_bits  # type: ignore[attr-defined]
+    require(1 <= exp_bits <= bits - 2, f"exp_bits must be in 1..{bits - 2}, got {exp_bits}")
+    if cfg.man_bits is None:  # type: ignore[attr-defined]
+        object.__setattr__(cfg, "man_bits", bits - 1 - exp_bits)  # resolved, so the config shows it
+    require(
+        exp_bits + cfg.man_bits + 1 == bits,  # type: ignore[attr-defined]
+        f"exp_bits + man_bits + 1 must equal bits: {exp_bits} + {cfg.man_bits} + 1 != {bits}",  # type: ignore[attr-defined]
+    )
 
 
 @register
