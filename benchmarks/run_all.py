@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk")
+BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk", "bench_fft")
 TIMEOUT_S = 1800
 
 

@@ -33,6 +33,7 @@ from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
+from thinwire.codecs.topk import TopK, TopKConfig
 from thinwire.numerics import rangefloat
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
@@ -60,6 +61,7 @@ class FFTConfig(CodecConfig):
     horizon: int = knob(1000, "linear/cosine: steps over which theta falls to theta_min", ">= 1")
     every: int = knob(500, "step schedule: steps between divisions of theta", ">= 1")
     factor: float = knob(2.0, "step schedule: theta is divided by this every `every` steps", "> 1")
+    seed: int = knob(0, "seed of the bin-selection sample (which never changes the kept set)", "any integer")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,7 +120,17 @@ class FFT(Codec):
         """(L padded length, B bins, K kept bins) at the current step."""
         length = fast_length(n)
         bins = length // 2 + 1 if length else 0
-        return length, bins, math.ceil((1 - theta_at(self.config, self.step)) * bins) if bins else 0
+        return length, bins, self._selector().k(bins) if bins else 0
+
+    def _selector(self) -> TopK:
+        """Top-k selection of this step's (1 - theta) share of bins: the top-k codec's exact or
+        sampled-threshold path (the sampled path keeps exactly the top-k set, much faster)."""
+        keep = 1 - theta_at(self.config, self.step)
+        sel = self._selectors.get(keep)
+        if sel is None:
+            sel = self._selectors[keep] = TopK(TopKConfig(ratio=keep, ef=False, seed=self.config.seed))
+        sel.step = self.step
+        return sel
 
     def _bitmap(self, bins: int, kept: int) -> bool:
         if self.config.positions != "auto":
@@ -138,6 +150,10 @@ class FFT(Codec):
         pos = ((packed_nbytes(bins, 1),), torch.uint8) if self._bitmap(bins, kept) else ((kept,), torch.int32)
         return [((1,), torch.int32), pos, self._value_spec(2 * kept)]
 
+    def __init__(self, config: FFTConfig) -> None:
+        super().__init__(config)
+        self._selectors: dict[float, TopK] = {}  # by kept share: theta changes with the step
+
     def stats(self) -> dict[str, float]:
         return {"theta": theta_at(self.config, self.step)}
 
@@ -152,7 +168,7 @@ class FFT(Codec):
         spec = torch.fft.rfft(flat, n=length)  # (B,) complex
         energy = spec.real.square() + spec.imag.square()  # (B,)
         energy[1 : bins - (1 if length % 2 == 0 else 0)] *= 2  # Parseval weights
-        idx = torch.topk(energy, kept, sorted=False).indices.sort().values  # (K,) ascending
+        idx = self._selector().encode(energy, key=key).tensors[1].long().sort().values  # (K,) ascending
         parts = torch.view_as_real(spec[idx]).reshape(-1)  # (2K,) re, im, re, im, ...
         e_max, values = self._quantize(parts)
         if self._bitmap(bins, kept):
