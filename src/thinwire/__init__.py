@@ -13,6 +13,7 @@ from thinwire.aggregate import Aggregator
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec
+from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter
 from thinwire.integrations import ddp
 from thinwire.payload import Aggregation, Payload
@@ -20,6 +21,6 @@ from thinwire.payload import Aggregation, Payload
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "Aggregator", "ByteMeter", "Payload", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "Aggregation", "Aggregator", "ByteMeter", "Link", "Payload", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

@@ -150,15 +150,6 @@ class Aggregator:
         b.row_bytes = off
 
     # -- questions ---------------------------------------------------------------------------
-    def wire_bytes(self) -> int:
-        """Bytes this rank contributes per step, all buckets and rounds (before the collective's
-        algorithm factor)."""
-        return sum(
-            sum(b.codec.nbytes(s.shape, torch.float32) for s in b.slots) if not b.fused
-            else b.codec.nbytes(torch.Size([b.numel]), torch.float32)
-            for b in self.buckets
-        )
-
     def plan(self) -> list[dict]:
         """Per tensor: name, shape, codec spec and wire bytes (for reports)."""
         rows = []

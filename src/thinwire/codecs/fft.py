@@ -23,6 +23,7 @@ feedback off) are thinwire's own choices: the paper does not publish its values.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -88,15 +89,16 @@ def theta_at(cfg: FFTConfig, step: int) -> float:
     return lo + (hi - lo) * (1 + math.cos(math.pi * frac)) / 2
 
 
+@functools.lru_cache(maxsize=1024)
 def fast_length(n: int) -> int:
-    """The smallest 5-smooth integer >= n (FFT time depends on the length's prime factors)."""
-    best = m = max(1, n)
-    while True:
-        if _smooth(m):
-            return m if n > 0 else 0
+    """The smallest 5-smooth integer >= n (FFT time depends on the length's prime factors).
+    Cached: every encode, decode and layout of a tensor asks for the same length."""
+    if n <= 0:
+        return 0
+    m = n
+    while not _smooth(m):  # ends before 2n: a power of two lies in [n, 2n)
         m += 1
-        if m > 2 * best:  # unreachable: a power of two lies below 2n
-            return best
+    return m
 
 
 def _smooth(m: int) -> bool:
@@ -124,13 +126,13 @@ class FFT(Codec):
 
     def _selector(self) -> TopK:
         """Top-k selection of this step's (1 - theta) share of bins: the top-k codec's exact or
-        sampled-threshold path (the sampled path keeps exactly the top-k set, much faster)."""
+        sampled-threshold path (the sampled path keeps exactly the top-k set, much faster).
+        One selector, re-configured when theta moves, so its scan buffers are kept."""
         keep = 1 - theta_at(self.config, self.step)
-        sel = self._selectors.get(keep)
-        if sel is None:
-            sel = self._selectors[keep] = TopK(TopKConfig(ratio=keep, ef=False, seed=self.config.seed))
-        sel.step = self.step
-        return sel
+        if self._sel.config.ratio != keep:
+            self._sel.config = TopKConfig(ratio=keep, ef=False, seed=self.config.seed)
+        self._sel.step = self.step
+        return self._sel
 
     def _bitmap(self, bins: int, kept: int) -> bool:
         if self.config.positions != "auto":
@@ -152,7 +154,7 @@ class FFT(Codec):
 
     def __init__(self, config: FFTConfig) -> None:
         super().__init__(config)
-        self._selectors: dict[float, TopK] = {}  # by kept share: theta changes with the step
+        self._sel = TopK(TopKConfig(ratio=1 - config.theta, ef=False, seed=config.seed))
 
     def stats(self) -> dict[str, float]:
         return {"theta": theta_at(self.config, self.step)}
