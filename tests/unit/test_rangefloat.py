@@ -91,3 +91,45 @@ def test_codec_payload_and_knob_rules():
     with pytest.raises(ValueError, match=r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"):
         build_codec("rangefloat:man_bits=3")
     assert build_codec("rangefloat:bits=6,exp_bits=2").config.man_bits == 3  # the rest, resolved
+
+
+def _hard_values(n: int, seed: int) -> torch.Tensor:
+    """Values over 60 octaves, both signs, plus zeros, infinities, NaN, subnormals and fp32 extremes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 1.1754942e-38, 1.17549435e-38, 3.4e38, -3.4e38]
+    return torch.cat([x, torch.tensor(special)])
+
+
+@pytest.mark.parametrize("e", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("m", [0, 1, 4, 10])
+def test_bit_arithmetic_path_equals_the_definition(e, m):
+    x = _hard_values(3000, seed=e * 16 + m)
+    lowest = -126 + (1 << e) - 2  # the e_max whose window bottom is fp32's smallest normal exponent
+    for e_max in (lowest, lowest + 1, -3, 0, 29, 127):
+        codes = rangefloat.encode(x, e, m, e_max)
+        assert torch.equal(codes, rangefloat._encode_reference(x, e, m, e_max)), e_max
+        assert torch.equal(rangefloat.decode(codes, e, m, e_max), rangefloat._decode_reference(codes, e, m, e_max))
+
+
+def test_chunked_passes_cover_every_element_and_write_into_out():
+    x = _hard_values(rangefloat._CPU_CHUNK * 2 + 12345, seed=3)  # three chunks, the last partial
+    e_max = rangefloat.exponent_max(x)
+    want = rangefloat._encode_reference(x, 3, 4, e_max)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    assert rangefloat.encode(x, 3, 4, e_max, out=out) is not None
+    assert torch.equal(out.to(torch.int32), want)
+    values = torch.empty(x.numel())
+    rangefloat.decode(out, 3, 4, e_max, out=values)
+    assert torch.equal(values, rangefloat._decode_reference(want, 3, 4, e_max))
+    with pytest.raises(ValueError, match="out holds 5 codes"):
+        rangefloat.encode(x, 3, 4, e_max, out=torch.empty(5, dtype=torch.int32))
+
+
+def test_windows_reaching_below_normal_floats_use_the_definition():
+    e, m, e_max = 4, 3, -125  # window bottom 2^-139: subnormal fp32 values are inside it
+    x = torch.tensor([2.0**-130, -(2.0**-139), 1.5 * 2.0**-126, 2.0**-140, 2.0**-125])
+    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    want = torch.tensor([_reference(v, e, m, e_max) for v in x.tolist()])
+    assert torch.equal(got, want)
+    assert got[0].item() == 2.0**-130 and got[3].item() == 0.0

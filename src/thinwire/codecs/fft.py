@@ -30,13 +30,13 @@ from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import Codec
+from thinwire.codecs.base import Codec, generator_for
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
-from thinwire.codecs.topk import TopK, TopKConfig
 from thinwire.numerics import rangefloat
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
+from thinwire.numerics.select import indices, top_mask
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 
@@ -122,17 +122,8 @@ class FFT(Codec):
         """(L padded length, B bins, K kept bins) at the current step."""
         length = fast_length(n)
         bins = length // 2 + 1 if length else 0
-        return length, bins, self._selector().k(bins) if bins else 0
-
-    def _selector(self) -> TopK:
-        """Top-k selection of this step's (1 - theta) share of bins: the top-k codec's exact or
-        sampled-threshold path (the sampled path keeps exactly the top-k set, much faster).
-        One selector, re-configured when theta moves, so its scan buffers are kept."""
         keep = 1 - theta_at(self.config, self.step)
-        if self._sel.config.ratio != keep:
-            self._sel.config = TopKConfig(ratio=keep, ef=False, seed=self.config.seed)
-        self._sel.step = self.step
-        return self._sel
+        return length, bins, min(bins, max(1, math.ceil(keep * bins * (1 - 1e-12)))) if bins else 0
 
     def _bitmap(self, bins: int, kept: int) -> bool:
         if self.config.positions != "auto":
@@ -154,7 +145,15 @@ class FFT(Codec):
 
     def __init__(self, config: FFTConfig) -> None:
         super().__init__(config)
-        self._sel = TopK(TopKConfig(ratio=1 - config.theta, ef=False, seed=config.seed))
+        self._work: dict[str, torch.Tensor] = {}  # scratch reused across tensors and steps
+
+    def _buffer(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """(numel,) scratch for ``role``, grown when too small; valid until the next call for
+        the same role. Fresh large allocations cost several times a copy on the CPU."""
+        buf = self._work.get(role)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._work[role] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     def stats(self) -> dict[str, float]:
         return {"theta": theta_at(self.config, self.step)}
@@ -167,18 +166,19 @@ class FFT(Codec):
         if bins == 0:
             parts = [torch.zeros(s, dtype=d, device=dev) for s, d in self.wire_spec(x.shape, x.dtype)]
             return Payload(tuple(parts), x.shape, x.dtype)
-        spec = torch.fft.rfft(flat, n=length)  # (B,) complex
-        energy = spec.real.square() + spec.imag.square()  # (B,)
-        energy[1 : bins - (1 if length % 2 == 0 else 0)] *= 2  # Parseval weights
-        idx = self._selector().encode(energy, key=key).tensors[1].long().sort().values  # (K,) ascending
-        parts = torch.view_as_real(spec[idx]).reshape(-1)  # (2K,) re, im, re, im, ...
-        e_max, values = self._quantize(parts)
-        if self._bitmap(bins, kept):
-            mask = torch.zeros(bins, dtype=torch.bool, device=dev)
-            mask[idx] = True
-            pos = pack(mask, 1)
-        else:
-            pos = idx.to(torch.int32)
+        spec = torch.fft.rfft(flat, n=length, out=self._buffer("spec", bins, torch.complex64, dev))  # (B,)
+        pairs = torch.view_as_real(spec)  # (B, 2) re, im
+        energy = torch.mul(pairs[:, 0], pairs[:, 0], out=self._buffer("energy", bins, torch.float32, dev))
+        energy.addcmul_(pairs[:, 1], pairs[:, 1])  # (B,) |X_k|^2
+        # Parseval: every bin counts twice in ||u||^2 except DC and (L even) Nyquist, which
+        # count once; halving those two ranks bins exactly as the weighted energy does.
+        energy[0] *= 0.5
+        if length % 2 == 0:
+            energy[bins - 1] *= 0.5
+        mask = top_mask(energy, kept, generator_for(self.config.seed, self.step, key, dev))  # (B,) K True
+        idx = indices(mask)  # (K,) ascending
+        e_max, values = self._quantize(pairs[idx].reshape(-1))  # parts re, im, re, im, ...
+        pos = pack(mask, 1) if self._bitmap(bins, kept) else idx.to(torch.int32)
         header = torch.tensor([e_max], dtype=torch.int32, device=dev)
         return Payload((header, pos, values), x.shape, x.dtype)
 
@@ -187,15 +187,23 @@ class FFT(Codec):
         if cfg.bits == 32:
             return 0, parts
         e_max = rangefloat.exponent_max(parts)
-        codes = rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max)  # (2K,)
+        if cfg.bits == 8:  # one code per byte: the packed layout is the codes themselves
+            out = torch.empty(parts.numel(), dtype=torch.uint8, device=parts.device)
+            return e_max, rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max, out=out)
+        codes = rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max)  # (2K,) int32
         return e_max, (codes - (1 << 15)).to(torch.int16) if cfg.bits == 16 else pack(codes, cfg.bits)
 
     def _dequantize(self, e_max: int, values: torch.Tensor, count: int) -> torch.Tensor:
+        """(count,) fp32 parts in scratch (valid until the next call)."""
         cfg = self.config
         if cfg.bits == 32:
             return values.float()
-        codes = values.to(torch.int32) + (1 << 15) if cfg.bits == 16 else unpack(values, count, cfg.bits)
-        return rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, e_max)
+        if cfg.bits == 16:
+            codes = values.to(torch.int32) + (1 << 15)
+        else:
+            codes = values[:count] if cfg.bits == 8 else unpack(values, count, cfg.bits)
+        out = self._buffer("parts", count, torch.float32, values.device)
+        return rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, e_max, out=out)
 
     def spectrum_add(self, payload: Payload, spec: torch.Tensor) -> None:
         """``spec += the payload's sparse spectrum`` (complex, ``B`` bins). Pure in the payload."""
@@ -203,29 +211,33 @@ class FFT(Codec):
         _, bins, kept = self._sizes(math.prod(payload.shape))
         if kept == 0:
             return
-        idx = unpack(pos, bins, 1).nonzero().squeeze(1) if self._bitmap(bins, kept) else pos.long()  # (K,)
+        idx = indices(unpack(pos, bins, 1).bool()) if self._bitmap(bins, kept) else pos.long()  # (K,)
         parts = self._dequantize(int(header[0].item()), values, 2 * kept).view(kept, 2)  # (K, 2)
-        spec.index_add_(0, idx, torch.view_as_complex(parts.contiguous()))
+        spec.index_add_(0, idx, torch.view_as_complex(parts))
 
-    def _inverse(self, spec: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        n = math.prod(shape)
-        if n == 0:
-            return torch.zeros(shape, device=spec.device)
-        length, _, _ = self._sizes(n)
-        return torch.fft.irfft(spec, n=length)[:n].view(shape)  # (N,) cropped: padding never sent
-
-    def _zero_spectrum(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        _, bins, _ = self._sizes(math.prod(shape))
-        return torch.zeros(bins, dtype=torch.complex64, device=device)
+    def _spectrum(self, payloads: list[Payload], device: torch.device) -> torch.Tensor:
+        """The sum of the payloads' sparse spectra, in scratch."""
+        _, bins, _ = self._sizes(math.prod(payloads[0].shape))
+        spec = self._buffer("sum", bins, torch.complex64, device).zero_()
+        for p in payloads:
+            self.spectrum_add(p, spec)
+        return spec
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        spec = self._zero_spectrum(payload.shape, payload.tensors[0].device)
-        self.spectrum_add(payload, spec)
-        return self._inverse(spec, payload.shape).to(payload.dtype)
+        n = math.prod(payload.shape)
+        if n == 0:
+            return torch.zeros(payload.shape, dtype=payload.dtype, device=payload.tensors[0].device)
+        spec = self._spectrum([payload], payload.tensors[0].device)
+        out = torch.fft.irfft(spec, n=fast_length(n))[:n]  # (N,) cropped: padding never sent
+        return out.view(payload.shape).to(payload.dtype)
 
     def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
         """Sum the spectra of every rank's payload, then one inverse FFT (linearity)."""
-        spec = self._zero_spectrum(payloads[0].shape, out.device)
-        for p in payloads:
-            self.spectrum_add(p, spec)
-        out.copy_(self._inverse(spec, payloads[0].shape))
+        n, length = out.numel(), fast_length(out.numel())
+        if n == 0:
+            return
+        spec = self._spectrum(payloads, out.device)
+        if length == n and out.is_contiguous() and out.dtype == torch.float32:
+            torch.fft.irfft(spec, n=length, out=out.view(-1))
+        else:
+            out.copy_(torch.fft.irfft(spec, n=length, out=self._buffer("time", length, torch.float32, out.device))[:n].view(out.shape))

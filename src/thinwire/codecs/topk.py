@@ -80,13 +80,19 @@ class TopK(Codec):
         return [((k,), torch.float32), ((k,), torch.int32)]
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
-        flat = x.reshape(-1)  # (N,) a view when contiguous; only read
+        return Payload(self.top(x.reshape(-1), key), x.shape, x.dtype)
+
+    def top(self, flat: torch.Tensor, key: str = "", *, ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 values, int32 indices) of the ``k`` largest ``|flat|``, new tensors; with
+        ``ascending`` the indices come in ascending order (the CPU scan gives that for free)."""
         k = self.k(flat.numel())
-        wire = self._sampled(flat, k, key) if k and self.uses_sampling(flat.numel()) else None
+        wire = self._sampled(flat, k, key, ascending) if k and self.uses_sampling(flat.numel()) else None
         if wire is None:
             idx = torch.topk(flat.abs(), k, sorted=False).indices  # (k,)
-            wire = (flat[idx].to(torch.float32), idx.to(torch.int32))  # new tensors
-        return Payload(wire, x.shape, x.dtype)
+            if ascending:
+                idx = idx.sort().values
+            wire = (flat[idx].to(torch.float32), idx.to(torch.int32))
+        return wire
 
     def decode(self, payload: Payload) -> torch.Tensor:
         values, idx = payload.tensors  # (k,), (k,)
@@ -102,9 +108,12 @@ class TopK(Codec):
         out.view(-1).index_add_(0, idx.long(), values.to(out.dtype))
 
     # -- sampled selection --------------------------------------------------------------
-    def _sampled(self, flat: torch.Tensor, k: int, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _sampled(
+        self, flat: torch.Tensor, k: int, key: str, ascending: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(fp32 values, int32 indices) of the exact top-k via a sampled threshold, or None
-        when the exact path must run (too few candidates, or a threshold of 0)."""
+        when the exact path must run (too few candidates, or a threshold of 0). The CPU
+        path's indices always ascend."""
         t = self._threshold(flat, k, key)
         if t is None or not t > 0:  # too dense to sample, or every zero would be a candidate
             return None
@@ -115,6 +124,8 @@ class TopK(Codec):
             return None
         vals = flat[cand]  # (c,)
         keep = torch.topk(vals.abs(), k, sorted=False).indices  # (k,) into cand
+        if ascending:
+            keep = keep.sort().values  # cand ascends
         return vals[keep].to(torch.float32), cand[keep].to(torch.int32)
 
     def _threshold(self, flat: torch.Tensor, k: int, key: str) -> float | None:
@@ -144,8 +155,13 @@ class TopK(Codec):
         if cand.size < k:
             return None
         vals = src[cand]  # (c,) a copy
-        if cand.size > k:
-            keep = np.argpartition(np.abs(vals), cand.size - k)[cand.size - k :]  # (k,) the largest
+        if cand.size > k:  # cut at the k-th largest magnitude, keeping the ascending order
+            mags = np.abs(vals)  # (c,)
+            kth = np.partition(mags, cand.size - k)[cand.size - k]
+            keep = mags > kth  # (c,) fewer than k when kth is tied
+            short = k - int(np.count_nonzero(keep))
+            if short:
+                keep[np.flatnonzero(mags == kth)[:short]] = True  # the first of the ties
             cand, vals = cand[keep], vals[keep]
         return torch.from_numpy(vals.astype(np.float32)), torch.from_numpy(cand.astype(np.int32))
 
