@@ -36,7 +36,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        reducer.reduce()  # .grad is now the mean over ranks, through the codec
+        reducer.reduce(loss)  # .grad is now the mean over ranks, through the codec
         optimizer.step()
         if rank == 0 and step % 50 == 0:
             print(f"step {step}: loss {loss.item():.4f}, bytes sent so far {reducer.comm.meter.bytes_sent:,.0f}")

@@ -174,3 +174,17 @@ def test_fft_run_logs_the_theta_it_used(tmp_path):
     assert lines[-1]["train_loss"] < lines[0]["train_loss"]  # training with fft learns
     s = json.loads((out / "summary.json").read_text())
     assert s["compression_ratio"] > 1
+
+
+@pytest.mark.timeout(300)
+def test_fft_recover_run_lowers_theta_at_each_stalled_window(tmp_path):
+    """tolerance=0.9 asks every 4-step window to cut the best loss by 90%: none does, so theta
+    halves at each window end from the second on, and every rank follows (or the run hangs)."""
+    out = tmp_path / "recover"
+    spec = "fft:schedule=recover,every=4,tolerance=0.9,factor=2,theta=0.8,theta_min=0.1"
+    r = _cli("train", "--workers", "2", "--steps", "24", "--eval-every", "8", "--method", spec,
+             "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # used at step 8: 0.8 (it falls after steps 8, 12, 16, ...); at 16: 0.2; at 24: the floor
+    assert [x["theta"] for x in lines] == [0.8, 0.2, 0.1]

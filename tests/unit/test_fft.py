@@ -15,10 +15,11 @@ def _x(shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("shape", [(64, 60), (1000,), (5, 9, 15), (64, 65), (7, 11, 13)])
+@pytest.mark.parametrize("shape", [(64, 60), (1000,), (5, 9, 15), (64, 65), (7, 11, 13), (512, 300)])
 def test_kept_energy_is_one_minus_the_relative_error_squared(shape):
     """Before quantization (bits=32), Parseval: kept weighted energy / total == 1 - ||u-û||²/||u||²
-    when the length is already 5-smooth (3840, 1000: even; 675: odd). Padded lengths (4160 ->
+    when the length is already 5-smooth (3840, 1000, 153600: even, the last with enough bins for
+the sampled selection; 675: odd). Padded lengths (4160 ->
     4320, 1001 -> 1024) drop the error that falls on the padding, so there 1 - err >= kept."""
     x = _x(shape).double().float()
     codec = build_codec("fft:theta=0.7,bits=32")
@@ -98,7 +99,7 @@ def test_fast_length_is_the_next_5_smooth_number():
 @pytest.mark.parametrize("spec, rule", [
     ("fft:theta=1", r"theta must be in \[0, 1\), got 1"),
     ("fft:theta_min=1", r"theta_min must be in \[0, 1\), got 1"),
-    ("fft:schedule=exp", r"schedule must be one of constant\|linear\|cosine\|step, got 'exp'"),
+    ("fft:schedule=exp", r"schedule must be one of constant\|linear\|cosine\|step\|recover, got 'exp'"),
     ("fft:factor=1", r"factor must be > 1, got 1"),
     ("fft:bits=8,exp_bits=3,man_bits=3", r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"),
     ("fft:horizon=0", r"horizon must be >= 1, got 0"),
@@ -149,3 +150,55 @@ def test_a_falling_theta_sends_more_bins_and_the_aggregator_follows():
     for sizes, errs in LocalWorld(2).run(fn):
         assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
         assert errs[-1] < errs[0]
+
+
+def test_recover_lowers_theta_when_the_window_loss_stalls_or_rises():
+    codec = build_codec("fft:schedule=recover,theta=0.9,factor=1.5,theta_min=0.3,tolerance=0.01,every=7")
+    assert codec.loss_window() == 7 and codec.theta() == 0.9
+    seen = []
+    # best 2.0 -> 1.5; 1.49 misses 1.5 - 1% of 1.5 = 1.485: stall; 1.0 improves; 1.2 rises;
+    # NaN counts as a rise (and is never the best); 0.5 improves; at the floor theta stays
+    for loss in [2.0, 1.5, 1.49, 1.0, 1.2, math.nan, 0.5, 0.6]:
+        codec.observe_loss(loss)
+        seen.append(round(codec.theta(), 12))
+    assert seen == [0.9, 0.9, 0.6, 0.6, 0.4, 0.3, 0.3, 0.3]
+    assert codec.stats() == {"theta": 0.3}  # no encode yet: the current theta
+    restored = build_codec(codec.describe())
+    restored.load_state_dict(codec.state_dict())
+    assert restored.theta() == 0.3 and restored.state_dict() == {"theta": 0.3, "best_loss": 0.5}
+    assert build_codec("fft").loss_window() == 0 and build_codec("fft").state_dict() == {}
+
+
+def test_recover_theta_follows_the_loss_agreed_across_ranks():
+    """Rank 0's loss keeps falling, rank 1's rises more: the mean stalls in window 2, so both
+    ranks lower theta together (a rank-local rule would split them), and the wire follows."""
+    from thinwire.algorithms.sync import SyncReducer
+
+    local = {0: [4, 4, 3, 3, 2, 2], 1: [4, 4, 5, 5, 6.5, 6.5]}  # window means 4, 4, 4.25 (every=2)
+
+    def fn(comm):
+        model = torch.nn.Linear(80, 64, bias=False)
+        reducer = SyncReducer(model, "fft:schedule=recover,every=2,theta=0.8,factor=2,theta_min=0.1", comm)
+        thetas, sent = [], []
+        for step, loss in enumerate(local[comm.rank]):
+            model.weight.grad = torch.randn(64, 80, generator=torch.Generator().manual_seed(step))
+            before = comm.meter.bytes_sent
+            reducer.reduce(loss=torch.tensor(float(loss)))
+            thetas.append(reducer.stats()["theta"])
+            sent.append(comm.meter.bytes_sent - before)
+        with pytest.raises(ValueError, match=r"follows the training loss: call reduce\(loss=\.\.\.\)"):
+            reducer.reduce()
+        return thetas, sent, reducer.state_dict()["loss_sum"]
+
+    (t0, s0, _), (t1, s1, _) = LocalWorld(2).run(fn)
+    # the theta each step used: window 2 ties window 1 (a stall), window 3 rises
+    assert t0 == t1 == [0.8, 0.8, 0.8, 0.8, 0.4, 0.4]
+    assert s0 == s1 and s0[0] == s0[2] < s0[4] == s0[5] - 8  # lower theta: more bins on the wire
+    assert s0[1] == s0[3] == s0[0] + 8  # window ends: the 8-byte loss all_reduce, metered
+
+
+def test_a_ddp_hook_refuses_a_loss_driven_schedule():
+    from thinwire.integrations import ddp
+
+    with pytest.raises(ValueError, match="follows the training loss, which a DDP hook never sees"):
+        ddp.register(None, "fft:schedule=recover")

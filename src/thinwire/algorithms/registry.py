@@ -43,7 +43,8 @@ def resolve_method(spec: str) -> str:
 
 
 def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, **kw: Any):
-    """The object the trainer drives: ``after_backward()``, ``after_step()``, ``timing``,
+    """The object the trainer drives: ``after_backward(loss=...)`` (this rank's loss of the
+    step), ``after_step()``, ``timing``,
     ``state_dict()``; see :class:`thinwire.algorithms.sync.SyncReducer`."""
     name, _ = parse_spec(spec)
     if name in _ALGORITHMS:

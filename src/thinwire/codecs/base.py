@@ -98,9 +98,19 @@ class Codec:
     def update(self, key: str, reduced: Payload) -> None:
         """Cross-step state update, called once per step after the final round."""
 
+    def loss_window(self) -> int:
+        """Steps per window of training loss this codec's schedule reacts to (FFT's
+        ``recover``); 0, the default, when it ignores the loss."""
+        return 0
+
+    def observe_loss(self, mean_loss: float) -> None:
+        """The mean training loss of the window that just ended, agreed across ranks (the
+        same value on every rank). The caller calls it every ``loss_window()`` steps."""
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values only, keyed by tensor key (parameter name)."""
+        """Tensors and plain values only: per-tensor state keyed by tensor key (parameter
+        name), a codec's own state (e.g. a loss-driven theta) under names of its own."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -12,13 +12,18 @@ or ``K`` int32 indices, whichever is smaller (a pure function of shape and confi
 ``2K`` values: range-float codes (``bits`` 3..8 bit-packed, 16 as int16 words) or fp32
 (``bits = 32``).
 
-theta follows a schedule, a pure function of the step (identical on every rank, so every
-rank sends the same payload size at the same step): ``constant``; ``linear`` and
-``cosine`` from ``theta`` down to ``theta_min`` over ``horizon`` steps, then ``theta_min``;
-``step`` divides theta by ``factor`` every ``every`` steps, down to ``theta_min``. The
-paper's convergence guarantee needs a diminishing theta, so the default schedule is
-``cosine``. Defaults (``theta`` 0.9 -> 0.5 over 1,000 steps, 8 bits = 1 + 3 + 4, error
-feedback off) are thinwire's own choices: the paper does not publish its values.
+theta follows a schedule, identical on every rank (so every rank sends the same payload
+size at the same step): ``constant``; ``linear`` and ``cosine`` from ``theta`` down to
+``theta_min`` over ``horizon`` steps, then ``theta_min``; ``step`` divides theta by
+``factor`` every ``every`` steps, down to ``theta_min``; ``recover`` reacts to the training
+loss agreed across ranks: at the end of every window of ``every`` steps, unless the
+window's mean loss beats the best earlier window's by ``tolerance`` (relative), theta is
+divided by ``factor`` (down to ``theta_min``) from the next step on; it never rises. The
+first four are pure functions of (step, config); ``recover`` of (step, config, agreed
+window losses), and its state travels in the checkpoint. The paper's convergence guarantee
+needs a diminishing theta, so the default schedule is ``cosine``. Defaults (``theta`` 0.9
+-> 0.5 over 1,000 steps, 8 bits = 1 + 3 + 4, error feedback off, and ``recover``'s rule
+and tolerance) are thinwire's own choices: the paper does not publish its values.
 """
 
 from __future__ import annotations
@@ -52,16 +57,19 @@ class FFTConfig(CodecConfig):
     positions: Literal["auto", "bitmap", "index"] = knob(
         "auto", "how kept bins are named: bitmap (B bits), index (K int32), auto = the smaller", "auto|bitmap|index"
     )
-    schedule: Literal["constant", "linear", "cosine", "step"] = knob(
-        "cosine", "how theta falls over the run (a diminishing theta is what convergence needs)",
-        "constant|linear|cosine|step",
+    schedule: Literal["constant", "linear", "cosine", "step", "recover"] = knob(
+        "cosine", "how theta falls over the run (a diminishing theta is what convergence needs); "
+        "recover: when the loss stalls", "constant|linear|cosine|step|recover",
     )
     theta_min: float = knob(
         0.5, "the floor theta falls to (capped at theta); lower = more accuracy, less compression", "[0, 1)"
     )
     horizon: int = knob(1000, "linear/cosine: steps over which theta falls to theta_min", ">= 1")
-    every: int = knob(500, "step schedule: steps between divisions of theta", ">= 1")
-    factor: float = knob(2.0, "step schedule: theta is divided by this every `every` steps", "> 1")
+    every: int = knob(500, "step: steps between divisions of theta; recover: steps per loss window", ">= 1")
+    factor: float = knob(2.0, "step, recover: theta is divided by this at each fall", "> 1")
+    tolerance: float = knob(
+        0.01, "recover: a window's mean loss must beat the best earlier one by this share, or theta falls", "[0, 1)"
+    )
     seed: int = knob(0, "seed of the bin-selection sample (which never changes the kept set)", "any integer")
 
     def __post_init__(self) -> None:
@@ -71,15 +79,17 @@ class FFTConfig(CodecConfig):
         require(self.horizon >= 1, f"horizon must be >= 1, got {self.horizon}")
         require(self.every >= 1, f"every must be >= 1, got {self.every}")
         require(self.factor > 1, f"factor must be > 1, got {self.factor}")
+        require(0 <= self.tolerance < 1, f"tolerance must be in [0, 1), got {self.tolerance}")
         require(3 <= self.bits <= 8 or self.bits in (16, 32), f"bits must be in 3..8, 16 or 32, got {self.bits}")
         if self.bits != 32:  # 32 = plain fp32 parts: no range-float layout
             resolve_layout(self)
 
 
 def theta_at(cfg: FFTConfig, step: int) -> float:
-    """The drop ratio at ``step``: a pure function of (step, config)."""
+    """The drop ratio at ``step``: a pure function of (step, config). For ``recover``, which
+    also follows the loss, the starting theta (see :meth:`FFT.theta`)."""
     hi, lo = cfg.theta, min(cfg.theta_min, cfg.theta)
-    if cfg.schedule == "constant":
+    if cfg.schedule in ("constant", "recover"):
         return hi
     if cfg.schedule == "step":
         return max(lo, hi / cfg.factor ** (step // cfg.every))
@@ -122,7 +132,7 @@ class FFT(Codec):
         """(L padded length, B bins, K kept bins) at the current step."""
         length = fast_length(n)
         bins = length // 2 + 1 if length else 0
-        keep = 1 - theta_at(self.config, self.step)
+        keep = 1 - self.theta()
         return length, bins, min(bins, max(1, math.ceil(keep * bins * (1 - 1e-12)))) if bins else 0
 
     def _bitmap(self, bins: int, kept: int) -> bool:
@@ -146,6 +156,39 @@ class FFT(Codec):
     def __init__(self, config: FFTConfig) -> None:
         super().__init__(config)
         self._work: dict[str, torch.Tensor] = {}  # scratch reused across tensors and steps
+        self._theta = config.theta  # recover: the current theta ...
+        self._best_loss: float | None = None  # ... and the best window mean loss so far
+        self._theta_used: float | None = None  # by the last encode, for stats()
+
+    def theta(self) -> float:
+        """The drop ratio of the current step."""
+        return self._theta if self.config.schedule == "recover" else theta_at(self.config, self.step)
+
+    def loss_window(self) -> int:
+        return self.config.every if self.config.schedule == "recover" else 0
+
+    def observe_loss(self, mean_loss: float) -> None:
+        """recover: unless ``mean_loss`` beats the best earlier window by ``tolerance``
+        (relative to its size), theta falls by ``factor``, not below ``theta_min``. A
+        non-finite loss counts as a rise."""
+        cfg, best = self.config, self._best_loss
+        if not math.isfinite(mean_loss):
+            stalled = True
+        else:
+            stalled = best is not None and not mean_loss < best - cfg.tolerance * abs(best)
+            self._best_loss = mean_loss if best is None else min(best, mean_loss)
+        if stalled:
+            self._theta = max(min(cfg.theta_min, cfg.theta), self._theta / cfg.factor)
+
+    def state_dict(self) -> dict:
+        if self.config.schedule != "recover":
+            return {}
+        return {"theta": self._theta, "best_loss": self._best_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.config.schedule != "recover":
+            return super().load_state_dict(state)
+        self._theta, self._best_loss = float(state["theta"]), state["best_loss"]
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(numel,) scratch for ``role``, grown when too small; valid until the next call for
@@ -156,12 +199,14 @@ class FFT(Codec):
         return buf[:numel]
 
     def stats(self) -> dict[str, float]:
-        return {"theta": theta_at(self.config, self.step)}
+        """The theta the last encode used (``recover`` may have lowered it for the next step)."""
+        return {"theta": self._theta_used if self._theta_used is not None else self.theta()}
 
     # -- work ----------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.reshape(-1).float()  # (N,) only read
         length, bins, kept = self._sizes(flat.numel())
+        self._theta_used = self.theta()
         dev = x.device
         if bins == 0:
             parts = [torch.zeros(s, dtype=d, device=dev) for s, d in self.wire_spec(x.shape, x.dtype)]

@@ -88,6 +88,9 @@ def register(
     ``comm`` defaults to the DDP model's process group.
     """
     codec = build_codec(method) if isinstance(method, str) else method
+    if codec.loss_window():
+        raise ValueError(f"{codec.describe()} follows the training loss, which a DDP hook never sees; "
+                         "use thinwire.SyncReducer and reduce(loss)")
     if comm is None:
         from thinwire.comm.torch_dist import TorchComm
 

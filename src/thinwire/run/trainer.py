@@ -69,7 +69,7 @@ def train_rank(
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         t1 = time.perf_counter()
-        method.after_backward()
+        method.after_backward(loss=loss.detach())
         t2 = time.perf_counter()
         optimizer.step()
         t3 = time.perf_counter()
