@@ -128,7 +128,7 @@ class Aggregator:
             if not codec.compresses(t.shape):
                 codec = self._fallback
             b = open_.get(id(codec))
-            if b is None or 4 * (b.numel + t.numel()) > cap and b.slots:
+            if b is None or 4 * (b.numel + t.numel()) > codec.bucket_cap(cap) and b.slots:
                 b = open_[id(codec)] = _Bucket(codec, codec.fusable and not codec.config.ef, [])
                 buckets.append(b)
             b.slots.append(_Slot(name, t.shape, t.numel(), b.numel))
@@ -141,9 +141,9 @@ class Aggregator:
         every rank at the same step."""
         b.layout = []
         off = 0
-        for s in b.slots:
+        for _, shape_in in _units(b):
             entries = []
-            for shape, dtype in b.codec.wire_spec(s.shape, torch.float32):
+            for shape, dtype in b.codec.wire_spec(shape_in, torch.float32):
                 entries.append((off, shape, dtype))
                 off += spec_nbytes([(shape, dtype)])
             b.layout.append(entries)
@@ -154,11 +154,15 @@ class Aggregator:
         """Per tensor: name, shape, codec spec and wire bytes (for reports)."""
         rows = []
         for b in self.buckets:
-            for s in b.slots:
-                rows.append(
-                    dict(name=s.name, shape=list(s.shape), codec=b.codec.describe(),
-                         wire_bytes=b.codec.nbytes(s.shape, torch.float32), fp32_bytes=4 * s.numel)
-                )
+            if b.fused:  # one payload for the bucket: its bytes shared in proportion to size
+                total, done = b.codec.nbytes(torch.Size([b.numel]), torch.float32), 0
+                shares = [total * s.numel // b.numel for s in b.slots]
+                shares[-1] += total - sum(shares)
+            else:
+                shares = [b.codec.nbytes(s.shape, torch.float32) for s in b.slots]
+            for s, wire in zip(b.slots, shares):
+                rows.append(dict(name=s.name, shape=list(s.shape), codec=b.codec.describe(), wire_bytes=wire,
+                                 fp32_bytes=4 * s.numel, **({"bucket": b.key} if b.fused else {})))
         return rows
 
     # -- work ------------------------------------------------------------------------------
@@ -291,18 +295,20 @@ class Aggregator:
         """Every rank's payload decoded from the gathered bytes and summed into the output
         tensor (in place when it is contiguous fp32), then divided by n."""
         n = self.comm.world_size
-        for s, entries, own in zip(b.slots, b.layout, f.payloads):
-            out = tensors[s.name]
-            direct = out.dtype == torch.float32 and out.is_contiguous()
-            acc = out if direct else _buffer(b, f"acc:{s.name}", tuple(s.shape), torch.float32, out.device)
+        for (key, shape_in), entries, own in zip(_units(b), b.layout, f.payloads):
+            out = None if b.fused else tensors[key]
+            direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+            acc = out if direct else _buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, f.wire.device)
             payloads = [  # wire tensors only: meta is local to the rank that encoded
                 Payload(tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries),
-                        s.shape, own.dtype)
+                        shape_in, own.dtype)
                 for i in range(n)
             ]
             b.codec.decode_sum(payloads, acc)
             acc.div_(n)
-            if not direct:
+            if b.fused:
+                self._write(b, tensors, [acc])
+            elif not direct:
                 out.copy_(acc)
 
     @staticmethod
@@ -334,6 +340,13 @@ class Aggregator:
         self.feedback.load_state_dict(state["feedback"])
         for c, cs in zip(self.codecs, state["codec_states"]):
             c.load_state_dict(cs)
+
+
+def _units(b: _Bucket) -> list[tuple[str, torch.Size]]:
+    """(key, shape) of each payload of a bucket: one flat unit when fused, else its slots."""
+    if b.fused:
+        return [(b.key, torch.Size([b.numel]))]
+    return [(s.name, s.shape) for s in b.slots]
 
 
 def _decode_into(codec: Codec, payload: Payload, out: torch.Tensor) -> None:

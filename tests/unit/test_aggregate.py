@@ -95,16 +95,21 @@ def test_error_feedback_keeps_what_was_not_sent():
             assert name not in residuals  # small and 1-D tensors travel as fp32, no EF
 
 
-@pytest.mark.parametrize("spec", ["identity", "bf16", "topk:ratio=0.01", "powersgd:rank=2", "qsgd", "signsgd"])
+@pytest.mark.parametrize("spec", ["identity", "bf16", "topk:ratio=0.01", "powersgd:rank=2", "qsgd", "signsgd",
+                                  "fft:min_numel=100", "fft:min_numel=100,bucket_mb=1"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_meter_counts_the_declared_wire_bytes(spec, n):
     results = _run(spec, n, bucket_mb=0.004)  # small buckets: several collectives
     for _, agg, meter in results:
         per_op = {}
+        assert sum(row["wire_bytes"] for row in agg.plan()) == sum(
+            b.codec.nbytes(torch.Size([b.numel]) if b.fused else s.shape, torch.float32)
+            for b in agg.buckets for s in (b.slots[:1] if b.fused else b.slots))
         for b in agg.buckets:
             op = "all_reduce" if b.codec.aggregation is Aggregation.SUM else "all_gather"
             for r in range(b.codec.rounds):
-                nbytes = sum(_spec_bytes(b.codec, s.shape, r) for s in b.slots)
+                shapes = [torch.Size([b.numel])] if b.fused else [s.shape for s in b.slots]
+                nbytes = sum(_spec_bytes(b.codec, shape, r) for shape in shapes)
                 per_op[op] = per_op.get(op, 0) + sent_bytes(op, nbytes, n)
         assert meter.bytes_sent == pytest.approx(sum(per_op.values()), rel=1e-12)
         assert {op: c.bytes for op, c in meter.ops.items()} == pytest.approx(per_op)

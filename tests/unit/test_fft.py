@@ -202,3 +202,46 @@ def test_a_ddp_hook_refuses_a_loss_driven_schedule():
 
     with pytest.raises(ValueError, match="follows the training loss, which a DDP hook never sees"):
         ddp.register(None, "fft:schedule=recover")
+
+
+def test_fused_buckets_send_one_signal_per_bucket_and_average_it():
+    """bucket_mb > 0: the compressed tensors are concatenated per bucket and sent as one FFT
+    payload; each rank's output is the mean of every rank's decode of its flat bucket."""
+    shapes = {"a.weight": (30, 40), "a.bias": (30,), "b.weight": (50, 24), "c.weight": (20, 70)}
+    n, spec = 3, "fft:theta=0.8,schedule=constant,min_numel=500,bucket_mb=0.01"  # 2,621 floats a bucket
+
+    def grads(rank):
+        g = torch.Generator().manual_seed(rank)
+        return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+    def fn(comm):
+        codec = build_codec(spec)
+        agg = Aggregator([(k, torch.zeros(s)) for k, s in shapes.items()], lambda name, t: codec, comm)
+        g = grads(comm.rank)
+        agg.reduce_(g)
+        return g, [(b.key, [s.name for s in b.slots]) for b in agg.buckets if b.fused and b.codec is codec], comm.meter
+
+    results = LocalWorld(n).run(fn)
+    fused = results[0][1]
+    assert fused == [("a.weight..b.weight", ["a.weight", "b.weight"]), ("c.weight", ["c.weight"])]
+    assert results[0][2].ops["all_gather"].calls == 2  # one per fused bucket (a.bias: all_reduce)
+    for key, names in fused:
+        codec = build_codec(spec)
+        decodes = [codec.decode(codec.encode(torch.cat([grads(r)[k].reshape(-1) for k in names]), key=key))
+                   for r in range(n)]
+        mean, off = sum(decodes) / n, 0
+        for k in names:
+            numel = math.prod(shapes[k])
+            for out, _, _ in results:
+                torch.testing.assert_close(out[k].reshape(-1), mean[off : off + numel], rtol=0, atol=1e-5)
+            off += numel
+    for out, _, _ in results:  # the bias travels as fp32: the exact mean
+        torch.testing.assert_close(out["a.bias"], sum(grads(r)["a.bias"] for r in range(n)) / n)
+
+
+def test_bucket_knob_rules():
+    with pytest.raises(ValueError, match="bucket_mb > 0 needs ef=false"):
+        build_codec("fft:bucket_mb=1,ef=true")
+    with pytest.raises(ValueError, match="bucket_mb must be >= 0"):
+        build_codec("fft:bucket_mb=-1")
+    assert not build_codec("fft").fusable and build_codec("fft:bucket_mb=2").bucket_cap(25 << 20) == 2 << 20

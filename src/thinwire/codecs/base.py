@@ -34,9 +34,10 @@ class Codec:
     summary: ClassVar[str] = ""  # one line for `thinwire methods`
     aggregation: ClassVar[Aggregation]
     rounds: ClassVar[int] = 1
-    # True when encode works element-wise on any flat view, so many tensors may be fused
-    # into one flat buffer and encoded once (identity, casts).
-    fusable: ClassVar[bool] = False
+    # True when many tensors may be fused into one flat buffer and encoded once: codecs that
+    # work element-wise on any flat view (identity, casts), or that choose to treat a bucket
+    # as one signal (fft with bucket_mb > 0). Fusion needs ef off (residuals are per tensor).
+    fusable: bool = False
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -49,6 +50,10 @@ class Codec:
         Default rule: tensors with ndim >= 2 and at least ``config.min_numel`` elements.
         """
         return len(shape) >= 2 and math.prod(shape) >= self.config.min_numel
+
+    def bucket_cap(self, cap: int) -> int:
+        """fp32 bytes per bucket of this codec's tensors, given the caller's cap."""
+        return cap
 
     # -- questions answered without working ---------------------------------------------
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:

@@ -5,7 +5,10 @@ length ``L`` (the padding is never sent); keep the ``K = ceil((1 - theta) B)`` o
 ``B = L//2 + 1`` bins with the largest Parseval-weighted energy ``w_k |X_k|^2`` (``w = 1``
 for DC and, when ``L`` is even, Nyquist; 2 otherwise), which minimises the L2 error of the
 reconstruction; send their positions and their real and imaginary parts as range-based
-floats. GATHER: every rank sums the decoded *spectra* and runs one ``irfft``.
+floats. GATHER: every rank sums the decoded *spectra* and runs one ``irfft``. With ``bucket_mb > 0``
+the tensors fft compresses are concatenated into flat buckets of up to that size, each sent
+as one signal (one FFT, one selection across the bucket's tensors); the default, one FFT
+per tensor, is thinwire's choice (the paper does not say how it groups gradients).
 
 Wire: the window exponent (int32; 0 when ``bits = 32``), positions as a ``B``-bit bitmap
 or ``K`` int32 indices, whichever is smaller (a pure function of shape and config), then
@@ -71,6 +74,10 @@ class FFTConfig(CodecConfig):
         0.01, "recover: a window's mean loss must beat the best earlier one by this share, or theta falls", "[0, 1)"
     )
     seed: int = knob(0, "seed of the bin-selection sample (which never changes the kept set)", "any integer")
+    bucket_mb: float = knob(
+        0.0, "fuse the tensors fft compresses into flat buckets of up to this many MB (fp32), one FFT "
+        "each; 0 = one FFT per tensor", ">= 0; > 0 needs ef=false",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +87,8 @@ class FFTConfig(CodecConfig):
         require(self.every >= 1, f"every must be >= 1, got {self.every}")
         require(self.factor > 1, f"factor must be > 1, got {self.factor}")
         require(0 <= self.tolerance < 1, f"tolerance must be in [0, 1), got {self.tolerance}")
+        require(self.bucket_mb >= 0, f"bucket_mb must be >= 0, got {self.bucket_mb}")
+        require(not (self.bucket_mb > 0 and self.ef), "bucket_mb > 0 needs ef=false (residuals are kept per tensor)")
         require(3 <= self.bits <= 8 or self.bits in (16, 32), f"bits must be in 3..8, 16 or 32, got {self.bits}")
         if self.bits != 32:  # 32 = plain fp32 parts: no range-float layout
             resolve_layout(self)
@@ -159,6 +168,13 @@ class FFT(Codec):
         self._theta = config.theta  # recover: the current theta ...
         self._best_loss: float | None = None  # ... and the best window mean loss so far
         self._theta_used: float | None = None  # by the last encode, for stats()
+
+    @property
+    def fusable(self) -> bool:  # type: ignore[override]
+        return self.config.bucket_mb > 0
+
+    def bucket_cap(self, cap: int) -> int:
+        return min(cap, int(self.config.bucket_mb * 2**20)) if self.fusable else cap
 
     def theta(self) -> float:
         """The drop ratio of the current step."""
