@@ -238,7 +238,7 @@ class FFT(Codec):
             energy[bins - 1] *= 0.5
         mask = top_mask(energy, kept, generator_for(self.config.seed, self.step, key, dev))  # (B,) K True
         idx = indices(mask)  # (K,) ascending
-        e_max, values = self._quantize(pairs[idx].reshape(-1))  # parts re, im, re, im, ...
+        e_max, values = self._quantize(torch.view_as_real(spec[idx]).reshape(-1))  # (2K,) re, im, re, im, ...
         pos = pack(mask, 1) if self._bitmap(bins, kept) else idx.to(torch.int32)
         header = torch.tensor([e_max], dtype=torch.int32, device=dev)
         return Payload((header, pos, values), x.shape, x.dtype)
@@ -272,7 +272,7 @@ class FFT(Codec):
         _, bins, kept = self._sizes(math.prod(payload.shape))
         if kept == 0:
             return
-        idx = indices(unpack(pos, bins, 1).bool()) if self._bitmap(bins, kept) else pos.long()  # (K,)
+        idx = indices(unpack(pos, bins, 1).view(torch.bool)) if self._bitmap(bins, kept) else pos.long()  # (K,)
         parts = self._dequantize(int(header[0].item()), values, 2 * kept).view(kept, 2)  # (K, 2)
         spec.index_add_(0, idx, torch.view_as_complex(parts))
 

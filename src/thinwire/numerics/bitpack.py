@@ -4,7 +4,8 @@ Layout: the codes form one big-endian bit stream. Code ``i`` occupies stream bit
 ``[i*bits, (i+1)*bits)``, most significant bit first, and stream bit ``b`` is bit
 ``7 - b % 8`` of byte ``b // 8``. So with ``bits=2`` the codes ``[3, 0, 1, 2]`` pack to the
 single byte ``0b11_00_01_10``. The last byte is zero-padded. Every ``bits`` in 1..8 is
-supported; 1, 2, 4 and 8 (codes never straddle a byte) take a faster path.
+supported; 1, 2, 4 and 8 (codes never straddle a byte) take a faster path, and 1 bit on
+the CPU numpy's ``packbits``/``unpackbits``, whose layout this is.
 
 Both ends of a collective compute the same layout from ``(n, bits)`` alone, so the packed
 size is known before packing (:func:`packed_nbytes`) and no length crosses the wire.
@@ -12,6 +13,7 @@ size is known before packing (:func:`packed_nbytes`) and no length crosses the w
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -31,6 +33,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     _check_bits(bits)
     flat = codes.reshape(-1).to(torch.uint8)  # (n,)
+    if bits == 1 and flat.device.type == "cpu":  # numpy's packbits has this very layout
+        return torch.from_numpy(np.packbits(flat.numpy()))
     if 8 % bits:
         return _pack_divisor(_to_bits(flat, bits), 1)
     return _pack_divisor(flat, bits)
@@ -40,6 +44,8 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: the first ``n`` codes as a new 1-D uint8 tensor."""
     if packed.numel() < packed_nbytes(n, bits):
         raise ValueError(f"need {packed_nbytes(n, bits)} bytes for {n} codes of {bits} bits, got {packed.numel()}")
+    if bits == 1 and packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.reshape(-1).to(torch.uint8).numpy(), count=n))
     if 8 % bits:
         stream = _unpack_divisor(packed, n * bits, 1)  # (n*bits,) of 0/1
         return _from_bits(stream, bits)

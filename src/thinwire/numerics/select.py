@@ -45,28 +45,27 @@ def top_mask(scores: torch.Tensor, k: int, generator: torch.Generator | None = N
 def _sampled(scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor | None:
     n = scores.numel()
     m = min(n, max(_MIN_SAMPLE, math.ceil(n * _SAMPLE_SHARE)))
-    pos = torch.randint(n, (m,), generator=generator, device=scores.device)  # (m,) with replacement
-    sample = scores[pos].sort(descending=True).values  # (m,)
+    sample = scores[torch.randint(n, (m,), generator=generator, device=scores.device)]  # (m,) with replacement
     expect = k * m / n  # sample scores expected above the k-th largest
     spread = _MARGIN_SIGMAS * math.sqrt(expect) + 1
-    j_hi, j_lo = math.floor(expect - spread), math.ceil(expect + spread)  # 1-based ranks
-    hi = sample[j_hi - 1] if j_hi >= 1 else None  # fewer than k scores lie above hi
-    lo = sample[j_lo - 1] if j_lo <= m else None  # more than k scores lie at or above lo
-    above = scores > hi if hi is not None else torch.zeros(n, dtype=torch.bool, device=scores.device)  # (n,)
-    n_above = int(torch.count_nonzero(above))  # (count_nonzero is much faster than sum on bools)
-    need = k - n_above
+    j_hi, j_lo = math.floor(expect - spread), math.ceil(expect + spread)  # 1-based ranks from the top
+    hi = sample.kthvalue(m - j_hi + 1).values if j_hi >= 1 else None  # fewer than k scores lie above hi
+    lo = sample.kthvalue(m - j_lo + 1).values if j_lo <= m else None  # more than k lie at or above lo
+    mask = scores > hi if hi is not None else torch.zeros(n, dtype=torch.bool, device=scores.device)  # (n,)
+    need = k - int(torch.count_nonzero(mask))  # (count_nonzero is much faster than sum on bools)
     if need == 0:
-        return above
-    in_band = ~above if lo is None else (scores >= lo) ^ above  # (n,) above lies inside scores >= lo
-    band = scores[indices(in_band)]  # (b,) the few scores that need ranking
+        return mask
+    in_band = ~mask if lo is None else (scores >= lo) ^ mask  # (n,) scores > hi lie inside scores >= lo
+    where = indices(in_band)  # (b,) ascending; every score equal to the k-th largest is in the band
+    band = scores[where]  # (b,) the few scores that need ranking
     if need < 0 or need > band.numel():
         return None  # the sample misjudged: the exact path
     kth = band.kthvalue(band.numel() - need + 1).values  # the k-th largest score overall
-    mask = scores >= kth  # (n,) every score above hi is >= kth
-    extra = int(torch.count_nonzero(band >= kth)) - need  # ties at kth beyond k
-    if extra > 0:
-        tied = indices(scores == kth)  # (t,) ascending
-        mask[tied[tied.numel() - extra :]] = False  # keep the lowest indices of the ties
+    pick = band > kth  # (b,)
+    short = need - int(torch.count_nonzero(pick))  # ties at kth to take, lowest indices first
+    if short:
+        pick[indices(band == kth)[:short]] = True
+    mask[where[pick]] = True
     return mask
 
 
