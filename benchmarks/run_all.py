@@ -27,7 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk", "bench_fft")
+BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk", "bench_fft", "bench_fft_training",
+           "bench_error_at_bytes")
 TIMEOUT_S = 1800
 
 

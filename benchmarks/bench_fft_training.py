@@ -1,0 +1,202 @@
+"""FFT compression in training: accuracy, bytes and modeled time to a target accuracy, mnist1d, 4 workers.
+
+Seven runs of ``thinwire train`` (one subprocess each), identical but for ``--method``:
+task mnist1d, 4 local workers, seed 0, the task's default steps (200 with ``--quick``),
+``--eval-every 25``, links ``1gbit,50us`` and ``100mbit,1ms``. Methods: identity (the fp32
+baseline), fft at a constant theta of 0.9 with 8-bit range floats, fft at its defaults
+(theta falling from 0.9 to 0.5, cosine), bf16, topk at 1%, qsgd and terngrad at their defaults.
+
+Targets, for each of the two fft runs:
+- final accuracy drop vs identity (identity - fft, in accuracy points) <= 1.0;
+- compression vs an fp32 all_reduce (summary.json's ``compression_ratio``) >= 15.
+
+Time to accuracy (no target, a comparison): for each method the first evaluation (every 25
+steps) with test accuracy >= TARGET_ACCURACY, and the modeled seconds at each link logged with
+it (measured compute + codec seconds + the link's time for the bytes actually sent). The full
+run also writes that table to benchmarks/results/fft_time_to_accuracy.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import Figure, Report, load_note, parser, table
+
+HERE = Path(__file__).resolve().parent
+TABLE_FILE = HERE / "results" / "fft_time_to_accuracy.md"
+
+TASK, WORKERS, SEED, EVAL_EVERY, QUICK_STEPS = "mnist1d", 4, 0, 25, 200
+LINKS = ("1gbit,50us", "100mbit,1ms")
+FFT_CONSTANT, FFT_DEFAULT = "fft:theta=0.9,bits=8,schedule=constant", "fft"
+METHODS = ("identity", FFT_CONSTANT, FFT_DEFAULT, "bf16", "topk:ratio=0.01", "qsgd", "terngrad")
+TARGET_ACCURACY = 0.90  # identity passes it at step 150 of 800 and ends near 0.946 (seed 0)
+DROP_TARGET = 1.0  # accuracy points, identity - fft
+COMPRESSION_TARGET = 15.0  # x vs fp32 all_reduce
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def train_args(method: str, steps: int | None) -> list[str]:
+    """The ``thinwire train`` arguments of one run (``steps`` None: the task's default)."""
+    args = ["train", "--task", TASK, "--method", method, "--workers", str(WORKERS), "--seed", str(SEED),
+            "--eval-every", str(EVAL_EVERY)]
+    for link in LINKS:
+        args += ["--link", link]
+    return args + (["--steps", str(steps)] if steps is not None else [])
+
+
+def run_one(method: str, steps: int | None, out: Path) -> dict:
+    """Train one method in a subprocess; returns its summary.json plus ``rows`` (metrics.jsonl,
+    one dict per evaluation) and ``seconds`` (wall time of the subprocess), or ``error``."""
+    cmd = [sys.executable, "-m", "thinwire", *train_args(method, steps), "--out", str(out), "--quiet", "--overwrite"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    summary_path, metrics_path = out / "summary.json", out / "metrics.jsonl"
+    if proc.returncode != 0 or not summary_path.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        return {"method": method, "error": f"exit code {proc.returncode}: {tail[0]}", "seconds": seconds, "rows": []}
+    summary = json.loads(summary_path.read_text())
+    summary["rows"] = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    summary["seconds"] = seconds
+    return summary
+
+
+def first_at_target(rows: list[dict], target: float) -> dict | None:
+    """The first evaluation row whose test accuracy reaches ``target``, or None."""
+    return next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target), None)
+
+
+# -- figures and tables ----------------------------------------------------------------------------
+def fft_figures(runs: dict[str, dict]) -> list[Figure]:
+    """Accuracy drop vs identity and compression, for each fft run (NaN, a MISS, when a run failed)."""
+    base = runs["identity"].get("final_accuracy")
+    figures = []
+    for spec in (FFT_CONSTANT, FFT_DEFAULT):
+        run = runs[spec]
+        acc, ratio = run.get("final_accuracy"), run.get("compression_ratio")
+        # accuracy points; rounded so that float noise cannot turn an exact 1.0 into a MISS
+        drop = round(100.0 * (base - acc), 6) if base is not None and acc is not None else float("nan")
+        detail = (f"identity {base:.4f}, {spec} {acc:.4f}" if base is not None and acc is not None
+                  else run.get("error", "identity run failed"))
+        figures.append(Figure(f"final accuracy drop vs identity [{spec}]", drop, "<=", DROP_TARGET, " pts", detail))
+        figures.append(Figure(
+            f"compression vs fp32 [{spec}]", ratio if ratio is not None else float("nan"), ">=", COMPRESSION_TARGET,
+            "x", f"{run['bytes_sent_per_worker'] / 1e6:.2f} MB vs {run['fp32_bytes_per_worker'] / 1e6:.2f} MB fp32"
+            if ratio is not None else run.get("error", "")))
+    return figures
+
+
+def theta_note(run: dict) -> str:
+    """First and last theta logged by an fft run (the schedule's range over this run)."""
+    thetas = [r["theta"] for r in run.get("rows", []) if "theta" in r]
+    return f"{thetas[0]:.3f} -> {thetas[-1]:.3f}" if thetas else "-"
+
+
+def time_table(runs: dict[str, dict]) -> str:
+    headers = ["method", "final acc", "compression", "MB sent / worker", f"step to {TARGET_ACCURACY:.2f}"]
+    headers += [f"modeled s to {TARGET_ACCURACY:.2f} @ {link}" for link in LINKS]
+    headers += [f"modeled s, whole run @ {link}" for link in LINKS]
+    rows = []
+    for spec, run in runs.items():
+        if "error" in run:
+            rows.append([spec, "failed: " + run["error"]] + ["-"] * (len(headers) - 2))
+            continue
+        hit = first_at_target(run["rows"], TARGET_ACCURACY)
+        reach = [str(hit["step"])] if hit else ["not reached"]
+        reach += [f"{hit[f'modeled_seconds@{link}']:.1f}" if hit else "not reached" for link in LINKS]
+        whole = [f"{run['modeled_seconds_by_link'][link]:.1f}" for link in LINKS]
+        rows.append([spec, f"{run['final_accuracy']:.4f}", f"{run['compression_ratio']:.1f}x",
+                     f"{run['bytes_sent_per_worker'] / 1e6:.2f}", *reach, *whole])
+    return table(headers, rows)
+
+
+def notes(steps: str, identity: dict) -> str:
+    ends = f"identity ends at {identity['final_accuracy']:.4f}" if "final_accuracy" in identity else "identity failed"
+    return (f"Task {TASK}, {WORKERS} workers, seed {SEED}, {steps}, evaluation every {EVAL_EVERY} steps; target "
+            f"test accuracy {TARGET_ACCURACY:.2f} ({ends}). Step to target: the first evaluation "
+            "at or above it. Modeled seconds = measured compute + codec seconds (CPU, shared machine: these move "
+            "from run to run) + the link's time for the bytes each worker actually sent (deterministic for the "
+            "seed). MB sent / worker and compression count every step of the run. Gather codecs (fft, topk, qsgd, "
+            f"terngrad) send (n-1)B per worker where an fp32 all_reduce sends 2(n-1)/n x 4N, so at {WORKERS} workers "
+            "their compression here is about half of a codec's own ratio (as in `thinwire bench codecs`).")
+
+
+def write_table_file(path: Path, command: str, env: dict, body: str) -> None:
+    from run_all import loadavg
+
+    lines = ["# FFT compression: modeled time to accuracy, mnist1d, 4 workers", ""]
+    lines += [f"- command: `{command}`", "- each run: `thinwire " + " ".join(train_args("METHOD", None)) + "`"]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- load average at end: {loadavg()}", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines + [body, ""]))
+
+
+def dirty() -> bool:
+    """Whether the working tree differs from the recorded commit (read-only ``git status``)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE.parent,
+                             capture_output=True, text=True, timeout=10)
+        return bool(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def environment() -> dict:
+    import datetime as dt
+    import platform
+
+    import torch
+    from run_all import cpu_model, git_commit, loadavg
+
+    return {
+        "git commit": f"`{git_commit()}`" + (" (working tree has uncommitted changes)" if dirty() else ""),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "CPU": cpu_model(),
+        "threads": "torch threads per worker: thinwire's default, max(1, cores / workers)",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "load average at start": loadavg(),
+    }
+
+
+# -- entry -----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parser(__doc__).parse_args(argv)
+    steps = QUICK_STEPS if args.quick else None
+    command = "python benchmarks/bench_fft_training.py" + (" --quick" if args.quick else "")
+    report = Report("FFT compression in training (mnist1d, 4 workers)", command)
+    env = environment()
+    step_note = f"{QUICK_STEPS} steps" if args.quick else "the task's default steps"
+    report.add(f"{len(METHODS)} runs of thinwire train, {step_note}; {load_note()}")
+
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, spec in enumerate(METHODS, 1):
+            run = run_one(spec, steps, Path(tmp) / f"run{i}")
+            runs[spec] = run
+            if "error" in run:
+                print(f"[{i}/{len(METHODS)}] {spec}: FAILED ({run['error']}) after {run['seconds']:.0f} s", flush=True)
+            else:
+                print(f"[{i}/{len(METHODS)}] {spec}: {run['steps']} steps, final accuracy {run['final_accuracy']:.4f}, "
+                      f"compression {run['compression_ratio']:.1f}x, {run['seconds']:.0f} s", flush=True)
+
+    thetas = "; ".join(f"{spec}: {theta_note(runs[spec])}" for spec in (FFT_CONSTANT, FFT_DEFAULT))
+    steps_run = next((r["steps"] for r in runs.values() if "steps" in r), None)
+    body = time_table(runs) + "\n\n" + notes(f"{steps_run} steps" if steps_run else step_note, runs["identity"])
+    body += f" Theta, first -> last evaluation: {thetas}."
+    report.add(body)
+    report.figures.extend(fft_figures(runs))
+    if not args.quick:
+        write_table_file(TABLE_FILE, command, env, body)
+        print(f"wrote {TABLE_FILE.relative_to(HERE.parent)}", flush=True)
+    return report.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
