@@ -3,6 +3,7 @@
 The public API (importing does no work beyond importing torch):
 
 * :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
+* :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
 * :class:`Aggregator`: average any named tensors through codecs (the building block).
@@ -17,10 +18,11 @@ from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter
 from thinwire.integrations import ddp
 from thinwire.payload import Aggregation, Payload
+from thinwire.policy import Policy, Rule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "Aggregator", "ByteMeter", "Link", "Payload", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "Aggregation", "Aggregator", "ByteMeter", "Link", "Payload", "Policy", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

@@ -29,6 +29,7 @@ import torch
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator, Handle
+from thinwire.comm.meter import sent_bytes
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Aggregation, Payload, spec_nbytes
 
@@ -106,6 +107,9 @@ class Aggregator:
         self.feedback = feedback if feedback is not None else ErrorFeedback()
         self.timing = Timing()
         self.step = 0
+        # bytes this rank sent for each tensor, summed over steps and rounds (as the meter
+        # counts them: the collective's algorithm factor applied to the tensor's payload bytes)
+        self.sent_bytes: dict[str, float] = {name: 0.0 for name, _ in named}
         self._fallback = Identity(IdentityConfig())
         self.buckets = self._plan(named, codec_for, int(bucket_mb * 2**20))
         self.codecs = _unique(b.codec for b in self.buckets)
@@ -122,11 +126,12 @@ class Aggregator:
         gives one collective per codec per round for a typical model, not one per tensor.
         """
         buckets: list[_Bucket] = []
+        fallback = self._fallback.describe()
         open_: dict[int, _Bucket] = {}  # id(codec) -> the bucket being filled
         for name, t in named:
             codec = codec_for(name, t)
-            if not codec.compresses(t.shape):
-                codec = self._fallback
+            if not codec.compresses(t.shape) or codec.describe() == fallback:
+                codec = self._fallback  # plain fp32 shares one bucket, whichever codec chose it
             b = open_.get(id(codec))
             if b is None or 4 * (b.numel + t.numel()) > codec.bucket_cap(cap) and b.slots:
                 b = open_[id(codec)] = _Bucket(codec, codec.fusable and not codec.config.ef, [])
@@ -205,6 +210,7 @@ class Aggregator:
         Returns the seconds spent inside the communicator's call (counted as communication).
         """
         codec = b.codec
+        self._account(b, f.payloads)
         if codec.aggregation is Aggregation.SUM:
             f.wire = self._pack_sum(b, r, f.payloads)
             f.wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
@@ -228,6 +234,20 @@ class Aggregator:
                 self.feedback.update_decoded(k, u, codec, p)
         self.timing.comm_seconds += in_comm
         return in_comm
+
+    def _account(self, b: _Bucket, payloads: list[Payload]) -> None:
+        """Add each tensor's share of this collective to ``sent_bytes`` (a fused payload's
+        bytes shared in proportion to size, as in :meth:`plan`)."""
+        op = "all_reduce" if b.codec.aggregation is Aggregation.SUM else "all_gather"
+        n = self.comm.world_size
+        if b.fused:
+            total = sum(p.nbytes for p in payloads)
+            shares = [total * s.numel // b.numel for s in b.slots]
+            shares[-1] += total - sum(shares)
+        else:
+            shares = [p.nbytes for p in payloads]
+        for s, nbytes in zip(b.slots, shares):
+            self.sent_bytes[s.name] += sent_bytes(op, nbytes, n)
 
     def _wait(self, f: "_Flight") -> None:
         t0 = time.perf_counter()
@@ -326,6 +346,7 @@ class Aggregator:
         """Step, residuals (by parameter name) and every codec's state, in codec order."""
         return {
             "step": self.step,
+            "sent_bytes": dict(self.sent_bytes),
             "feedback": self.feedback.state_dict(),
             "codecs": [c.describe() for c in self.codecs],
             "codec_states": [c.state_dict() for c in self.codecs],
@@ -337,6 +358,7 @@ class Aggregator:
         if saved != ours:
             raise ValueError(f"checkpoint was saved with codecs {saved}, this aggregator has {ours}")
         self.step = int(state["step"])
+        self.sent_bytes.update(state.get("sent_bytes", {}))
         self.feedback.load_state_dict(state["feedback"])
         for c, cs in zip(self.codecs, state["codec_states"]):
             c.load_state_dict(cs)

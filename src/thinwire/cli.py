@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, identity, 2 workers)")
     t.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
-    t.add_argument("--method", default="identity", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 (see `thinwire methods`)")
+    t.add_argument("--method", default="identity", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo (see `thinwire methods`)")
+    t.add_argument("--policy", metavar="FILE", help="TOML policy file: ordered rules giving each parameter its codec (instead of --method)")
     t.add_argument("--workers", type=int, default=2, help="local ranks to spawn (ignored under torchrun; default: 2)")
     t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
     t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
@@ -84,7 +85,7 @@ def _train(args: argparse.Namespace) -> int:
 
     options = _options(args.option)
     cfg = TrainConfig(
-        task=args.task, method=args.method, workers=args.workers, steps=args.steps, batch_size=args.batch_size,
+        task=args.task, method=args.method, policy=args.policy, workers=args.workers, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
         emulate_link=args.emulate_link, out=args.out, overwrite=args.overwrite, eval_every=args.eval_every,
         bucket_mb=args.bucket_mb, threads=args.threads, task_options=options,
@@ -154,8 +155,24 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
         table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
     console = Console()
     console.print(table)
+    if (s.get("method_report") or {}).get("policy") and s.get("per_parameter"):
+        console.print(_per_parameter_table(s["per_parameter"]))
     if out:
         console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl")
+
+
+def _per_parameter_table(rows: list[dict[str, Any]]):
+    """The codec each parameter got and the bytes it cost (runs with a policy)."""
+    from rich.table import Table
+
+    table = Table(title="per parameter: codec and bytes sent per worker over the run")
+    for col, right in (("parameter", False), ("shape", False), ("codec", False), ("sent", True), ("vs fp32", True)):
+        table.add_column(col, justify="right" if right else "left", overflow="fold")
+    for r in rows:
+        ratio = r["fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else 0.0
+        table.add_row(r["name"], "x".join(map(str, r["shape"])), r["codec"].split(":")[0],
+                      _size(r["bytes_sent_per_worker"]), f"{ratio:.1f}x" if ratio else "-")
+    return table
 
 
 def _size(n: float) -> str:
@@ -184,7 +201,27 @@ def _methods() -> int:
             table.add_row(knob, default, allowed, help_)
         console.print(table)
         console.print()
+    _presets(console)
     return 0
+
+
+def _presets(console) -> None:
+    from rich.table import Table
+
+    from thinwire.codecs.registry import knob_table
+    from thinwire.policy import PRESET_SUMMARIES, PRESETS
+
+    console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
+                  "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
+    for name, (config_cls, _) in PRESETS.items():
+        console.print(f"[bold cyan]{name}[/bold cyan]  (per layer)  {PRESET_SUMMARIES[name]}")
+        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
+        for col in ("knob", "default", "allowed", "meaning"):
+            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
+        for knob, default, allowed, help_ in knob_table(config_cls):
+            table.add_row(knob, default, allowed, help_)
+        console.print(table)
+        console.print()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,12 @@ BAD = [
     (["--method", "fft:bits=12"], "bits must be in 3..8, 16 or 32"),
     (["--method", "fft:schedule=exp"], "schedule must be one of"),
     (["--method", "fft:positions=list"], "positions must be one of"),
+    (["--method", "twobit:alpha=0"], "alpha must be > 0"),
+    (["--method", "hylo:alpha=-1"], "alpha must be > 0"),
+    (["--method", "hylo:r_min=0.5,r_max=0.2"], "r_min must be <= r_max"),
+    (["--method", "kernels:r_max=2"], "r_max must be in (0, 1]"),
+    (["--policy", "/nonexistent/policy.toml"], "cannot read policy file"),
+    (["--method", "topk", "--policy", "/nonexistent/policy.toml"], "--policy and --method are exclusive"),
 ]
 
 
@@ -96,6 +102,7 @@ def test_methods_lists_every_codec_and_knob(capsys):
     for name in available():
         assert name in text
     assert "ratio" in text and "rank" in text
+    assert "hylo" in text and "t_fc" in text and "t_conv" in text  # the policy presets and their knobs
 
 
 def _children(pid: int) -> list[int]:
@@ -188,3 +195,54 @@ def test_fft_recover_run_lowers_theta_at_each_stalled_window(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # used at step 8: 0.8 (it falls after steps 8, 12, 16, ...); at 16: 0.2; at 24: the floor
     assert [x["theta"] for x in lines] == [0.8, 0.2, 0.1]
+
+
+@pytest.mark.timeout(300)
+def test_hylo_run_reports_each_parameters_codec_and_bytes(tmp_path):
+    out = tmp_path / "hylo"
+    r = _cli("train", "--workers", "2", "--steps", "6", "--eval-every", "3", "--method", "hylo", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "per parameter" in r.stdout and "fc1.weight" in r.stdout  # the table printed at the end
+    s = json.loads((out / "summary.json").read_text())
+    rows = {x["name"]: x for x in s["per_parameter"]}
+    assert rows["fc1.weight"]["codec"].startswith("twobit:") and rows["conv2.weight"]["codec"].startswith("kernels:")
+    assert rows["conv1.weight"]["codec"].startswith("identity")
+    # twobit on fc1 (163840 values): 4 + 4 * ceil(163840 / 16) bytes per step, sent to 1 peer
+    assert rows["fc1.weight"]["bytes_sent_per_worker"] == 6 * (4 + 4 * 10240)
+    assert sum(x["bytes_sent_per_worker"] for x in rows.values()) == pytest.approx(s["bytes_sent_per_worker"], rel=1e-12)
+    assert sum(x["fp32_bytes_per_worker"] for x in rows.values()) == pytest.approx(s["fp32_bytes_per_worker"], rel=1e-12)
+    assert s["method"].startswith("hylo:t_conv=16384,t_fc=65536") and s["compression_ratio"] > 4
+
+
+POLICY = """\
+[[rule]]
+module = "conv"
+min_numel = 10000
+codec = "kernels:r_max=0.1"
+
+[[rule]]
+module = "linear"
+ndim = 2
+codec = "{linear}"
+
+[[rule]]
+codec = "identity"
+"""
+
+
+@pytest.mark.timeout(300)
+def test_policy_file_run_and_its_errors(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY.format(linear="twobit:alpha=2"))
+    out = tmp_path / "run"
+    r = _cli("train", "--workers", "2", "--steps", "4", "--policy", str(path), "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    rows = {x["name"]: x["codec"].split(":")[0] for x in s["per_parameter"]}
+    assert rows["conv2.weight"] == rows["conv3.weight"] == "kernels" and rows["conv1.weight"] == "identity"
+    assert rows["fc1.weight"] == rows["fc2.weight"] == "twobit" and rows["fc1.bias"] == "identity"
+    assert s["config"]["policy_rules"][0] == {"codec": "kernels:r_max=0.1", "module": ["conv"], "min_numel": 10000}
+    path.write_text(POLICY.format(linear="twobit:alpha=0"))
+    r = _cli("train", "--workers", "2", "--steps", "4", "--policy", str(path), "--quiet")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{path}:6: rule 2: alpha must be > 0, got 0" in r.stderr

@@ -28,6 +28,8 @@ VARIANTS = [
     "qsgd:levels=1", "qsgd:levels=3,bucket=64", "qsgd:bucket=512", "qsgd:levels=1000",
     "rangefloat:bits=16,exp_bits=5", "rangefloat:bits=4,exp_bits=2",
     "fft:theta=0,bits=32", "fft:theta=0.5,bits=16,exp_bits=5", "fft:positions=index", "fft:positions=bitmap,bits=4,exp_bits=2",
+    "twobit:stat=rms", "twobit:stat=max,alpha=0.5", "twobit:threshold=0.5", "kernels:granularity=filter",
+    "kernels:score=l2,positions=index",
 ]  # fmt: skip
 SPECS = list(CODECS) + [v for v in VARIANTS if v.split(":")[0] in CODECS]
 SINGLE_SPECS = [s for s in SPECS if s.split(":")[0] in SINGLE]
@@ -122,7 +124,32 @@ BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "fft:theta=0,bits=32": 1e-6,  # passthrough: rfft + irfft in fp32
     "fft:theta=0.5,bits=16,exp_bits=5": lambda x: _fft_bound(x, theta=0.5, exp_bits=5, man_bits=10),
     "fft:positions=bitmap,bits=4,exp_bits=2": lambda x: _fft_bound(x, theta=0.9, exp_bits=2, man_bits=1),
+    # 2-bit: every value becomes the nearest of {-t, 0, +t} on its side of +-t, so the error is
+    # exactly sum_{|x| >= t} (|x| - t)^2 + sum_{|x| < t} x^2 (float slack 1e-6)
+    "twobit": lambda x: _twobit_error(x, x.abs().mean().item()),
+    "twobit:stat=rms": lambda x: _twobit_error(x, x.square().mean().sqrt().item()),
+    "twobit:stat=max,alpha=0.5": lambda x: _twobit_error(x, 0.5 * x.abs().max().item()),
+    "twobit:threshold=0.5": lambda x: _twobit_error(x, 0.5),
+    # kernels on a matrix: one element per kernel unit, rate(65536) = 0.25 * (16384/65536)^0.5 =
+    # 0.125, so it is exact top-12.5%; by filter (rows), the energy outside the 32 best rows
+    "kernels": _topk_bound(0.125),
+    "kernels:granularity=filter": lambda x: _rows_error(x, 32, "l1"),
+    "kernels:score=l2,positions=index": _topk_bound(0.125),
 }
+
+
+def _twobit_error(x: torch.Tensor, t: float) -> float:
+    x = x.double()
+    big = x.abs() >= t
+    err2 = (x.abs()[big] - t).square().sum() + x[~big].square().sum()
+    return math.sqrt(err2.item()) / x.norm().item() + 1e-6
+
+
+def _rows_error(x: torch.Tensor, k: int, score: str) -> float:
+    rows = x.double().reshape(x.shape[0], -1)
+    s = rows.abs().sum(1) if score == "l1" else rows.square().sum(1)
+    kept = rows[s.topk(k).indices].square().sum()
+    return math.sqrt(1 - kept.item() / rows.square().sum().item()) + 1e-6
 
 
 def _fft_bound(x: torch.Tensor, theta: float, exp_bits: int, man_bits: int) -> float:
@@ -164,7 +191,7 @@ def bound_for(spec: str, x: torch.Tensor) -> float:
 def ef_is_exact(codec) -> bool:
     """decode(payload) + (u - decode(payload)) == u bit for bit: sparse codecs copy values
     exactly; casts satisfy Sterbenz (fl(u) is within a factor 2 of u, so u - fl(u) is exact)."""
-    return codec.name in ("identity", "bf16", "fp16", "topk") or (
+    return codec.name in ("identity", "bf16", "fp16", "topk", "kernels") or (
         codec.name == "randomk" and not codec.config.rescale
     )
 
@@ -319,6 +346,15 @@ def test_describe_rebuilds_the_same_config(spec):
         ("qsgd:levels=40000", r"levels must be in 1..32767, got 40000"),
         ("qsgd:bucket=-1", r"bucket must be >= 0 \(0 = whole tensor\), got -1"),
         ("terngrad:seed=x", r"seed must be an integer, got 'x'"),
+        ("twobit:alpha=0", r"alpha must be > 0, got 0"),
+        ("twobit:alpha=-1", r"alpha must be > 0, got -1"),
+        ("twobit:threshold=0", r"threshold must be > 0, got 0"),
+        ("twobit:stat=median", r"stat must be one of mean\|rms\|max, got 'median'"),
+        ("kernels:r_max=1.5", r"r_max must be in \(0, 1\], got 1.5"),
+        ("kernels:r_min=0", r"r_min must be in \(0, 1\], got 0"),
+        ("kernels:r_min=0.5", r"r_min must be <= r_max, got r_min=0.5 > r_max=0.25"),
+        ("kernels:beta=-1", r"beta must be >= 0, got -1"),
+        ("kernels:granularity=channel", r"granularity must be one of kernel\|filter, got 'channel'"),
     ],
 )
 def test_bad_knobs_raise_with_the_rule(spec, rule):
@@ -327,7 +363,8 @@ def test_bad_knobs_raise_with_the_rule(spec, rule):
 
 
 @pytest.mark.parametrize(
-    "name, ef", [("topk", True), ("randomk", True), ("signsgd", True), ("qsgd", False), ("terngrad", False)]
+    "name, ef", [("topk", True), ("randomk", True), ("signsgd", True), ("qsgd", False), ("terngrad", False),
+                 ("twobit", True), ("kernels", True)]
 )
 def test_error_feedback_defaults(name, ef):
     assert build_codec(name).config.ef is ef
@@ -335,7 +372,8 @@ def test_error_feedback_defaults(name, ef):
 
 @pytest.mark.parametrize(
     "name, kind",
-    [("topk", "GATHER"), ("randomk", "SUM"), ("qsgd", "GATHER"), ("signsgd", "GATHER"), ("terngrad", "GATHER")],
+    [("topk", "GATHER"), ("randomk", "SUM"), ("qsgd", "GATHER"), ("signsgd", "GATHER"), ("terngrad", "GATHER"),
+     ("twobit", "GATHER"), ("kernels", "GATHER")],
 )
 def test_aggregation_kinds(name, kind):
     assert CODECS[name].aggregation is Aggregation[kind]

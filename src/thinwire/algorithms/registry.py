@@ -1,7 +1,8 @@
-"""Method specs: an algorithm name with knobs, or any codec spec (synchronous averaging).
+"""Method specs: an algorithm name with knobs, a policy preset, or any codec spec.
 
 ``build_method("topk:ratio=0.01", model, comm)`` gives a :class:`SyncReducer` over that
-codec. Algorithms with their own schedule (local SGD, gossip, ...) register here under
+codec; a policy preset (``"hylo"``) a :class:`SyncReducer` with a codec per parameter.
+Algorithms with their own schedule (local SGD, gossip, ...) register here under
 their own names and take precedence over codec names.
 """
 
@@ -26,7 +27,9 @@ def register_algorithm(name: str, validate: Callable[[str], str], build: Callabl
 
 
 def method_names() -> list[str]:
-    return list(available_codecs()) + list(_ALGORITHMS)
+    from thinwire.policy import PRESETS
+
+    return list(available_codecs()) + list(PRESETS) + list(_ALGORITHMS)
 
 
 def resolve_method(spec: str) -> str:
@@ -34,9 +37,13 @@ def resolve_method(spec: str) -> str:
 
     Raises ``ValueError`` naming the problem (unknown method or knob, value out of range).
     """
+    from thinwire.policy import PRESETS, Policy
+
     name, _ = parse_spec(spec)
     if name in _ALGORITHMS:
         return _ALGORITHMS[name][0](spec)
+    if name in PRESETS:
+        return Policy.preset(spec).describe()
     if name not in available_codecs():
         raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
     return build_codec(spec).describe()

@@ -18,13 +18,16 @@ from thinwire.aggregate import Aggregator, Timing
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
+from thinwire.policy import Assignment, Policy, as_policy
 
 
 class SyncReducer:
-    """Averages the gradients of ``model`` over all ranks through one codec.
+    """Averages the gradients of ``model`` over all ranks through one codec or a policy.
 
-    ``method`` is a codec spec (``"powersgd:rank=2"``) or a built codec. ``comm`` defaults
-    to the default ``torch.distributed`` process group. Parameters are taken in
+    ``method`` is a codec spec (``"powersgd:rank=2"``), a built codec, a policy preset spec
+    (``"hylo:t_fc=100000"``) or a :class:`~thinwire.policy.Policy` (a codec per parameter;
+    give the model itself when a rule matches by module type). ``comm`` defaults to the
+    default ``torch.distributed`` process group. Parameters are taken in
     ``named_parameters()`` order (identical on all ranks, which keeps the collectives in
     lockstep); parameters without ``requires_grad`` are left alone.
     """
@@ -32,22 +35,38 @@ class SyncReducer:
     def __init__(
         self,
         model: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
-        method: str | Codec = "identity",
+        method: str | Codec | Policy = "identity",
         comm: Communicator | None = None,
         *,
         bucket_mb: float = 25.0,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            model = list(model)
         named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         self.params = [(n, p) for n, p in named if p.requires_grad]
         if not self.params:
             raise ValueError("SyncReducer needs at least one parameter with requires_grad=True")
-        self.codec = build_codec(method) if isinstance(method, str) else method
+        self.policy = as_policy(method)
+        if self.policy is not None:
+            self.assignment: Assignment | None = self.policy.assign(model)
+            chooser = self.assignment.codec_for
+            self.method = self.policy.describe()
+        else:
+            self.assignment = None
+            codec = build_codec(method) if isinstance(method, str) else method
+            chooser = lambda name, t: codec  # noqa: E731
+            self.method = codec.describe()
         if comm is None:
             from thinwire.comm.torch_dist import TorchComm
 
             comm = TorchComm()
         self.comm = comm
-        self.aggregator = Aggregator(self.params, lambda name, t: self.codec, comm, bucket_mb=bucket_mb)
+        self.aggregator = Aggregator(self.params, chooser, comm, bucket_mb=bucket_mb)
+        self.codecs = self.aggregator.codecs  # the codecs in use, the fp32 fallback included
+        windows = sorted({c.loss_window() for c in self.codecs} - {0})
+        if len(windows) > 1:
+            raise ValueError(f"codecs of one reducer must share one loss window, got windows of {windows} steps")
+        self._window = windows[0] if windows else 0
         self._loss_sum = 0.0  # this rank's training loss summed over the current window
 
     @property
@@ -67,9 +86,9 @@ class SyncReducer:
         the end of each of their windows the ranks agree on the window's mean loss with one
         8-byte all_reduce (counted by the meter) and the codec sees it.
         """
-        window = self.codec.loss_window()
+        window = self._window
         if window and loss is None:
-            raise ValueError(f"{self.codec.describe()} follows the training loss: call reduce(loss=...) every step")
+            raise ValueError(f"{self.method} follows the training loss: call reduce(loss=...) every step")
         grads = {}
         for name, p in self.params:
             if p.grad is None:
@@ -85,7 +104,10 @@ class SyncReducer:
         device = self.params[0][1].device
         total = torch.tensor([self._loss_sum], dtype=torch.float64, device=device)  # (1,)
         self.comm.all_reduce(total)  # identical on every rank, so is the codec's reaction
-        self.codec.observe_loss(total.item() / (window * self.comm.world_size))
+        mean = total.item() / (window * self.comm.world_size)
+        for codec in self.codecs:
+            if codec.loss_window():
+                codec.observe_loss(mean)
         self._loss_sum = 0.0
 
     # -- the trainer's interface (see algorithms/registry.py) -------------------------------
@@ -96,12 +118,33 @@ class SyncReducer:
         """Nothing to do after the optimizer step: the gradients were already averaged."""
 
     def stats(self) -> dict:
-        """The codec's figures for the last step (logged in metrics.jsonl)."""
-        return self.codec.stats()
+        """The codecs' figures for the last step (logged in metrics.jsonl); a name two codecs
+        share is logged once per codec as ``name@codec``."""
+        out: dict = {}
+        seen: dict[str, int] = {}
+        every = [c.stats() for c in self.codecs]
+        for s in every:
+            for k in s:
+                seen[k] = seen.get(k, 0) + 1
+        for c, s in zip(self.codecs, every):
+            for k, v in s.items():
+                out[k if seen[k] == 1 else f"{k}@{c.name}"] = v
+        return out
 
     def report(self) -> dict:
-        """Extra figures for summary.json: the codec each parameter got and its bytes."""
-        return {"codec": self.codec.describe(), "layers": self.plan()}
+        """Extra figures for summary.json: the method, each tensor's codec and per-step wire
+        bytes, and the policy's rules when there is one."""
+        out = {"codec": self.method, "layers": self.plan()}
+        if self.policy is not None:
+            out["policy"] = self.policy.to_dicts()
+        return out
+
+    def per_parameter(self) -> list[dict]:
+        """Per parameter: name, shape, codec spec and the bytes this rank sent for it so far
+        (all steps, as the byte meter counts them)."""
+        sent = self.aggregator.sent_bytes
+        return [{"name": r["name"], "shape": r["shape"], "codec": r["codec"], "bytes_sent": sent[r["name"]]}
+                for r in self.plan()]
 
     def plan(self) -> list[dict]:
         return self.aggregator.plan()

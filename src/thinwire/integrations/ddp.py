@@ -22,30 +22,46 @@ from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.feedback import ErrorFeedback
+from thinwire.policy import Assignment, Policy, as_policy
 
 
 @dataclass
 class HookState:
-    """What the hook keeps across calls: per-bucket aggregators keyed by parameter names."""
+    """What the hook keeps across calls: per-bucket aggregators keyed by parameter names.
 
-    codec: Codec
+    ``codec`` is the one codec of every parameter, or None when ``assignment`` (a policy
+    applied to the model) gives each parameter its own."""
+
+    codec: Codec | None
     comm: Communicator
     names: dict[int, str]  # id(parameter) -> qualified name
+    assignment: Assignment | None = None
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     aggregators: dict[tuple[str, ...], Aggregator] = field(default_factory=dict)
     step: int = 0  # iterations completed; identical on all ranks
 
+    def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
+        return self.codec if self.assignment is None else self.assignment.codec_for(name)
+
+    @property
+    def codecs(self) -> list[Codec]:
+        return [self.codec] if self.assignment is None else self.assignment.codecs
+
+    def describe(self) -> str:
+        return self.codec.describe() if self.assignment is None else self.assignment.policy.describe()
+
     def state_dict(self) -> dict:
-        """Step, residuals by parameter name, and the codec's state (for checkpoints)."""
-        return {"step": self.step, "codec": self.codec.describe(), "feedback": self.feedback.state_dict(),
-                "codec_state": self.codec.state_dict()}
+        """Step, residuals by parameter name, and the codecs' state (for checkpoints)."""
+        return {"step": self.step, "codec": self.describe(), "feedback": self.feedback.state_dict(),
+                "codec_state": [c.state_dict() for c in self.codecs]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["codec"] != self.codec.describe():
-            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this hook has {self.codec.describe()}")
+        if state["codec"] != self.describe():
+            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this hook has {self.describe()}")
         self.step = int(state["step"])
         self.feedback.load_state_dict(state["feedback"])
-        self.codec.load_state_dict(state["codec_state"])
+        for c, cs in zip(self.codecs, state["codec_state"]):
+            c.load_state_dict(cs)
 
     @property
     def timing(self) -> Timing:
@@ -70,7 +86,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         for old in [k for k in state.aggregators if set(k) & set(names)]:
             del state.aggregators[old]
         named = list(zip(names, grads))
-        agg = state.aggregators[names] = Aggregator(named, lambda n, t: state.codec, state.comm, feedback=state.feedback)
+        agg = state.aggregators[names] = Aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
     agg.step = state.step
     agg.reduce_(dict(zip(names, grads)))
     if bucket.is_last():
@@ -81,21 +97,30 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
 
 def register(
-    model: DistributedDataParallel, method: "str | Codec" = "identity", comm: "Communicator | None" = None
+    model: DistributedDataParallel, method: "str | Codec | Policy" = "identity", comm: "Communicator | None" = None
 ) -> HookState:
     """Register thinwire's hook on a DDP model and return its state (for timing and checkpoints).
 
-    ``comm`` defaults to the DDP model's process group.
+    ``method`` is a codec spec or codec, or a policy (a preset spec such as ``"hylo"``, or a
+    :class:`~thinwire.policy.Policy`) applied to ``model.module``. ``comm`` defaults to the
+    DDP model's process group.
     """
-    codec = build_codec(method) if isinstance(method, str) else method
-    if codec.loss_window():
-        raise ValueError(f"{codec.describe()} follows the training loss, which a DDP hook never sees; "
-                         "use thinwire.SyncReducer and reduce(loss)")
+    policy = as_policy(method)
+    if policy is not None:
+        codec, assignment = None, policy.assign(model.module)
+        codecs = assignment.codecs
+    else:
+        codec, assignment = (build_codec(method) if isinstance(method, str) else method), None
+        codecs = [codec]
+    for c in codecs:
+        if c.loss_window():
+            raise ValueError(f"{c.describe()} follows the training loss, which a DDP hook never sees; "
+                             "use thinwire.SyncReducer and reduce(loss)")
     if comm is None:
         from thinwire.comm.torch_dist import TorchComm
 
         comm = TorchComm(model.process_group)
     names = {id(p): n for n, p in model.module.named_parameters()}
-    state = HookState(codec, comm, names)
+    state = HookState(codec, comm, names, assignment)
     model.register_comm_hook(state, hook)
     return state

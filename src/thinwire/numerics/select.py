@@ -36,9 +36,20 @@ def top_mask(scores: torch.Tensor, k: int, generator: torch.Generator | None = N
     if k == n:
         return torch.ones(n, dtype=torch.bool, device=scores.device)
     mask = _sampled(scores, k, generator) if n >= SAMPLED_MIN else None
-    if mask is None:
-        mask = torch.zeros(n, dtype=torch.bool, device=scores.device)
-        mask[torch.topk(scores, k, sorted=False).indices] = True
+    return mask if mask is not None else _exact(scores, k)
+
+
+def _exact(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``torch.topk``'s set, with ties at the ``k``-th score resolved to the lowest indices."""
+    top = torch.topk(scores, k, sorted=False)
+    kth = top.values.min()
+    mask = scores > kth  # (n,)
+    short = k - int(torch.count_nonzero(mask))
+    if short > 0:
+        mask[indices(scores == kth)[:short]] = True
+    if int(torch.count_nonzero(mask)) != k:  # NaN scores (never equal to themselves): topk's own set
+        mask = torch.zeros_like(mask)
+        mask[top.indices] = True
     return mask
 
 

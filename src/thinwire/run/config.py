@@ -17,6 +17,8 @@ class TrainConfig:
 
     task: str = "mnist1d"
     method: str = "identity"
+    policy: str | None = None  # a policy file (TOML): a codec per parameter instead of --method
+    policy_rules: tuple[dict[str, Any], ...] = ()  # the file's rules, read once by resolve()
     workers: int = 2
     steps: int | None = None  # None: the task's default budget
     batch_size: int | None = None  # per rank; None: the task's default
@@ -61,14 +63,29 @@ class TrainConfig:
                 f"--out {self.out} already holds a run (summary.json or metrics.jsonl); "
                 "pass --overwrite to replace it or choose another directory",
             )
+        method, rules = self.method, self.policy_rules
+        if self.policy is not None:
+            from thinwire.policy import Policy
+
+            require(self.method == "identity", "--policy and --method are exclusive: the policy gives every "
+                    "parameter its codec (leave --method out)")
+            policy = Policy.from_toml(self.policy)
+            method, rules = policy.describe(), tuple(policy.to_dicts())
+        elif rules:
+            from thinwire.policy import Policy
+
+            method = Policy(rules).describe()
+        else:
+            method = resolve_method(self.method)
         return dataclasses.replace(
-            self, method=resolve_method(self.method), steps=steps, batch_size=batch, lr=lr,
+            self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links,
         )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["links"] = list(self.links)
+        d["policy_rules"] = list(self.policy_rules)
         return d
 
 

@@ -1,0 +1,210 @@
+"""Adaptive 2-bit threshold quantization (Hylo's fully-connected branch; MXNet's 2-bit layout).
+
+Per tensor and step, with ``u`` the tensor (the aggregator adds the error-feedback residual
+first): a threshold ``t = alpha * stat(|u|)`` (``stat`` = mean, rms or max) or, with
+``threshold=``, a fixed ``t`` (MXNet's behaviour). Each value becomes a 2-bit code:
+``u >= t`` -> ``0b11`` (decodes to ``+t``), ``u <= -t`` -> ``0b10`` (``-t``), otherwise
+``0b00`` (0). What a code does not carry stays in the residual: ``r = u - decode``, so a
+value sent as ``+t`` keeps ``u - t`` and a zero code keeps all of ``u`` (error feedback is
+on by default; the method needs it).
+
+Wire (GATHER): ``t`` as one fp32, then the codes four to a byte, the first value in the two
+most significant bits, zero-padded to whole 32-bit words (16 values per word):
+``4 + 4 * ceil(N / 16)`` bytes. The codes of MXNet's 2-bit compression have this layout.
+
+Non-finite input: with the adaptive threshold, a NaN or infinite value makes ``t``
+non-finite and the whole tensor is sent as zeros (all of it stays in the residual); with a
+fixed threshold NaN compares false both ways and travels as 0, and +-inf as +-t. ``t = 0``
+(an all-zero tensor) sends zeros only. The default ``alpha = 1.0``
+with ``stat = mean`` is thinwire's choice: the thesis says the threshold adapts to the
+layer's gradient magnitude but not how.
+
+On the CPU (fp32) encode and decode run through NumPy in cache-sized chunks: the codes of
+four values form one little-endian 32-bit word that a single multiply folds into the byte
+(``(c0 | c1 << 8 | c2 << 16 | c3 << 24) * (2^30 + 2^20 + 2^10 + 1)`` holds
+``c0 << 6 | c1 << 4 | c2 << 2 | c3`` in its top byte, with no carries), and decoding looks
+every byte up in a 256-row table of four values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from thinwire.codecs.base import Codec
+from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.registry import register
+from thinwire.numerics.bitpack import pack, unpack
+from thinwire.payload import Aggregation, Payload, WireSpec
+
+_CHUNK = 1 << 16  # CPU values per pass: the chunk and its codes stay in cache
+_FOLD = np.uint32((1 << 30) + (1 << 20) + (1 << 10) + 1)  # four byte-wide codes -> one packed byte
+_LEVELS = (0.0, 0.0, -1.0, 1.0)  # code -> multiple of t (0b01 is never sent; it decodes to 0)
+# byte -> the multiples of t of its four values, first value first
+_BYTE_LEVELS = np.array([[_LEVELS[(b >> s) & 3] for s in (6, 4, 2, 0)] for b in range(256)], np.float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoBitConfig(CodecConfig):
+    ef: bool = knob(True, "error feedback: what was not sent is added to the next step's tensor", "true|false")
+    alpha: float = knob(1.0, "threshold t = alpha * stat(|u|); higher = fewer, larger steps sent", "> 0")
+    stat: Literal["mean", "rms", "max"] = knob(
+        "mean", "the magnitude statistic the threshold scales: mean |u|, rms of u, or max |u|", "mean|rms|max"
+    )
+    threshold: float | None = knob(
+        None, "a fixed threshold t instead of the adaptive one (MXNet's 2-bit compression)", "> 0, or none"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.alpha > 0, f"alpha must be > 0, got {self.alpha}")
+        require(self.threshold is None or self.threshold > 0, f"threshold must be > 0, got {self.threshold}")
+
+
+def packed_words_nbytes(n: int) -> int:
+    """Bytes of ``n`` 2-bit codes padded to whole 32-bit words: ``4 * ceil(n / 16)``."""
+    return 4 * ((n + 15) // 16)
+
+
+@register
+class TwoBit(Codec):
+    """Codes +t / -t / 0 against a per-tensor threshold, four values per byte."""
+
+    name = "twobit"
+    summary = "adaptive 2-bit: +t / -t / 0 with t = alpha * mean|u| (or fixed), t + packed codes (all_gather), EF on"
+    Config = TwoBitConfig
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: TwoBitConfig) -> None:
+        super().__init__(config)
+        self._scratch: dict[str, np.ndarray] = {}  # CPU chunk buffers, reused
+
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        return [((1,), torch.float32), ((packed_words_nbytes(math.prod(shape)),), torch.uint8)]
+
+    def threshold(self, flat: torch.Tensor) -> torch.Tensor:
+        """The threshold for the fp32 values ``flat`` as a (1,) fp32 tensor on their device."""
+        cfg = self.config
+        if cfg.threshold is not None:
+            return torch.full((1,), cfg.threshold, dtype=torch.float32, device=flat.device)
+        n = flat.numel()
+        if n == 0:
+            return flat.new_zeros(1)
+        if cfg.stat == "max":
+            lo, hi = torch.aminmax(flat)
+            stat = torch.maximum(hi, -lo)
+        elif cfg.stat == "rms":
+            stat = torch.linalg.vector_norm(flat, 2, dtype=torch.float64) / math.sqrt(n)
+        else:
+            stat = self._l1(flat) / n
+        return (cfg.alpha * stat).to(torch.float32).reshape(1)
+
+    def _l1(self, flat: torch.Tensor) -> torch.Tensor:
+        """sum |x| in fp64 (a dot product with ones per chunk on the CPU: torch's own L1 norm
+        is several times slower there than a BLAS dot)."""
+        if flat.device.type != "cpu":
+            return torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
+        a = flat.numpy()
+        mag, ones = self._np("mag", np.float32), self._np("ones", np.float32, fill=1.0)
+        total = 0.0
+        for i in range(0, a.size, _CHUNK):
+            c = a[i : i + _CHUNK]
+            m = mag[: c.size]
+            np.abs(c, out=m)
+            total += float(np.dot(m, ones[: c.size]))
+        return torch.tensor(total, dtype=torch.float64)
+
+    # -- work ----------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        flat = x.reshape(-1).float()  # (N,) only read
+        t = self.threshold(flat)  # (1,)
+        n = flat.numel()
+        packed = torch.zeros(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
+        tv = float(t.item()) if n else 0.0
+        if n and 0 < tv < math.inf:  # t == 0 (all zeros), inf or NaN: every code stays 0
+            if flat.device.type == "cpu":
+                self._encode_numpy(flat.numpy(), np.float32(tv), packed.numpy())
+            else:
+                code = ((flat >= t) * 3 + (flat <= -t) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
+                codes = pack(code, 2)
+                packed[: codes.numel()] = codes
+        return Payload((t, packed), x.shape, x.dtype)
+
+    def _encode_numpy(self, a: np.ndarray, t: np.float32, out: np.ndarray) -> None:
+        ge, le = self._np("ge", np.bool_), self._np("le", np.bool_)
+        code = self._np("code", np.uint8, extra=3)  # room to pad a chunk to whole words
+        word = self._np("word", np.uint32, size=_CHUNK // 4 + 1)
+        for i in range(0, a.size, _CHUNK):
+            c = a[i : i + _CHUNK]
+            n = c.size
+            g, lo = ge[:n], le[:n]
+            np.greater_equal(c, t, out=g)
+            np.less_equal(c, -t, out=lo)
+            cd = code[: (n + 3) // 4 * 4]
+            cd[n:] = 0
+            np.bitwise_or(g.view(np.uint8), lo.view(np.uint8), out=cd[:n])  # 1 where sent
+            np.left_shift(cd[:n], 1, out=cd[:n])
+            np.bitwise_or(cd[:n], g.view(np.uint8), out=cd[:n])  # 0b11 / 0b10 / 0
+            w = word[: cd.size // 4]
+            np.multiply(cd.view("<u4"), _FOLD, out=w)
+            np.right_shift(w, 24, out=w)
+            out[i // 4 : i // 4 + w.size] = w  # _CHUNK is a multiple of 4: chunks start on a byte
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        t, packed = payload.tensors
+        n = math.prod(payload.shape)
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        self._decode_into(t, packed, out.view(-1))
+        return out.to(payload.dtype).view(payload.shape)
+
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        t, packed = payload.tensors
+        if out.dtype == torch.float32 and out.is_contiguous():
+            self._decode_into(t, packed, out.view(-1), add=True)
+        else:
+            out.add_(self.decode(payload))
+
+    def _decode_into(self, t: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+        n = out.numel()
+        if n == 0:
+            return
+        if out.device.type == "cpu":
+            self._decode_numpy(float(t.item()), packed.numpy(), out.numpy(), add)
+            return
+        levels = torch.tensor(_LEVELS, dtype=torch.float32, device=out.device)
+        code = unpack(packed, n, 2).long()  # (N,)
+        values = torch.where(code >= 2, levels[code] * t, 0.0)  # (N,) 0 even if t is not finite
+        out.add_(values) if add else out.copy_(values)
+
+    def _decode_numpy(self, t: float, packed: np.ndarray, out: np.ndarray, add: bool) -> None:
+        # one 16-byte row of the table per packed byte: its four values, read as one complex128
+        # (a non-finite t only comes with all-zero codes, which decode to 0)
+        table = (_BYTE_LEVELS * np.float32(t) if math.isfinite(t) else np.zeros_like(_BYTE_LEVELS))
+        table = table.view(np.complex128).reshape(256)
+        n = out.size
+        whole = n // 4
+        rows = out[: whole * 4].view(np.complex128) if not add else None
+        tmp = self._np("rows", np.complex128, size=_CHUNK // 4)
+        for i in range(0, whole, _CHUNK // 4):
+            j = min(whole, i + _CHUNK // 4)
+            if add:
+                np.take(table, packed[i:j], out=tmp[: j - i])
+                chunk = out[4 * i : 4 * j]
+                np.add(chunk, tmp[: j - i].view(np.float32), out=chunk)
+            else:
+                np.take(table, packed[i:j], out=rows[i:j])
+        if n > whole * 4:  # the last, partial byte
+            last = table[packed[whole]].reshape(1).view(np.float32)[: n - whole * 4]
+            out[whole * 4 :] = out[whole * 4 :] + last if add else last
+
+    def _np(self, role: str, dtype, size: int = _CHUNK, extra: int = 0, fill: float | None = None) -> np.ndarray:
+        buf = self._scratch.get(role)
+        if buf is None or buf.size < size + extra or buf.dtype != dtype:
+            buf = self._scratch[role] = np.empty(size + extra, dtype)
+            if fill is not None:
+                buf.fill(fill)
+        return buf
