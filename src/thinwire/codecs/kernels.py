@@ -117,8 +117,8 @@ class Kernels(Codec):
             parts = [torch.zeros(s, dtype=d, device=x.device) for s, d in self.wire_spec(x.shape, x.dtype)]
             return Payload(tuple(parts), x.shape, x.dtype)
         rows = x.reshape(count, size).float()  # (U, S) only read
-        if self.config.score == "l1":
-            score = torch.linalg.vector_norm(rows, 1, dim=1) if size > 1 else rows.abs().reshape(-1)  # (U,)
+        if self.config.score == "l1":  # (vector_norm's L1 over a dim measured 30x slower on the CPU)
+            score = rows.abs().sum(1)  # (U,)
         else:
             score = torch.linalg.vector_norm(rows, 2, dim=1)  # (U,)
         mask = top_mask(score, k, generator_for(self.config.seed, self.step, key, x.device))  # (U,) k True

@@ -19,18 +19,21 @@ fixed threshold NaN compares false both ways and travels as 0, and +-inf as +-t.
 with ``stat = mean`` is thinwire's choice: the thesis says the threshold adapts to the
 layer's gradient magnitude but not how.
 
-On the CPU (fp32) encode and decode run through NumPy in cache-sized chunks: the codes of
-four values form one little-endian 32-bit word that a single multiply folds into the byte
-(``(c0 | c1 << 8 | c2 << 16 | c3 << 24) * (2^30 + 2^20 + 2^10 + 1)`` holds
-``c0 << 6 | c1 << 4 | c2 << 2 | c3`` in its top byte, with no carries), and decoding looks
-every byte up in a 256-row table of four values.
+On the CPU both directions run in cache-sized chunks through reused buffers. Encoding
+(NumPy): the codes of four values form one little-endian 32-bit word that a single multiply
+folds into the byte (``(c0 | c1 << 8 | c2 << 16 | c3 << 24) * (2^30 + 2^20 + 2^10 + 1)``
+holds ``c0 << 6 | c1 << 4 | c2 << 2 | c3`` in its top byte, with no carries). Decoding: every
+byte selects its four values from a 256-row table (``index_select`` of 16-byte rows).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -41,8 +44,10 @@ from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 
-_CHUNK = 1 << 16  # CPU values per pass: the chunk and its codes stay in cache
+_CHUNK = 1 << 18  # CPU values per encoding pass (1 MB of fp32): the chunk and its codes stay in cache
+_DECODE_BYTES = 1 << 18  # CPU packed bytes per decoding pass (1M values)
 _FOLD = np.uint32((1 << 30) + (1 << 20) + (1 << 10) + 1)  # four byte-wide codes -> one packed byte
+T = TypeVar("T")
 _LEVELS = (0.0, 0.0, -1.0, 1.0)  # code -> multiple of t (0b01 is never sent; it decodes to 0)
 # byte -> the multiples of t of its four values, first value first
 _BYTE_LEVELS = np.array([[_LEVELS[(b >> s) & 3] for s in (6, 4, 2, 0)] for b in range(256)], np.float32)
@@ -65,6 +70,27 @@ class TwoBitConfig(CodecConfig):
         require(self.threshold is None or self.threshold > 0, f"threshold must be > 0, got {self.threshold}")
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _in_parts(fn: Callable[[int, int, int], T], n: int, chunk: int = _CHUNK) -> list[T]:
+    """``fn(part, lo, hi)`` over contiguous spans of ``range(n)`` (whole chunks each), one per
+    torch thread, on a shared pool (NumPy and torch release the GIL inside their loops);
+    inline when torch runs one thread or ``n`` is a single chunk."""
+    chunks = -(-n // chunk)
+    parts = max(1, min(torch.get_num_threads(), chunks))
+    per = -(-chunks // parts) * chunk
+    spans = [(j, lo, min(n, lo + per)) for j, lo in enumerate(range(0, n, per))] or [(0, 0, 0)]
+    if len(spans) == 1:
+        return [fn(*spans[0])]
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="thinwire-twobit")
+    return list(_pool.map(lambda span: fn(*span), spans))
+
+
 def packed_words_nbytes(n: int) -> int:
     """Bytes of ``n`` 2-bit codes padded to whole 32-bit words: ``4 * ceil(n / 16)``."""
     return 4 * ((n + 15) // 16)
@@ -82,6 +108,7 @@ class TwoBit(Codec):
     def __init__(self, config: TwoBitConfig) -> None:
         super().__init__(config)
         self._scratch: dict[str, np.ndarray] = {}  # CPU chunk buffers, reused
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_words_nbytes(math.prod(shape)),), torch.uint8)]
@@ -109,50 +136,59 @@ class TwoBit(Codec):
         if flat.device.type != "cpu":
             return torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
         a = flat.numpy()
-        mag, ones = self._np("mag", np.float32), self._np("ones", np.float32, fill=1.0)
-        total = 0.0
-        for i in range(0, a.size, _CHUNK):
-            c = a[i : i + _CHUNK]
-            m = mag[: c.size]
-            np.abs(c, out=m)
-            total += float(np.dot(m, ones[: c.size]))
-        return torch.tensor(total, dtype=torch.float64)
+
+        def part(j: int, lo: int, hi: int) -> float:
+            mag, ones = self._np(f"mag{j}", np.float32), self._np("ones", np.float32, fill=1.0)
+            total = 0.0
+            for i in range(lo, hi, _CHUNK):
+                c = a[i : min(hi, i + _CHUNK)]
+                m = mag[: c.size]
+                np.abs(c, out=m)
+                total += float(np.dot(m, ones[: c.size]))
+            return total
+
+        return torch.tensor(sum(_in_parts(part, a.size)), dtype=torch.float64)
 
     # -- work ----------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.reshape(-1).float()  # (N,) only read
         t = self.threshold(flat)  # (1,)
         n = flat.numel()
-        packed = torch.zeros(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
+        packed = torch.empty(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
         tv = float(t.item()) if n else 0.0
-        if n and 0 < tv < math.inf:  # t == 0 (all zeros), inf or NaN: every code stays 0
-            if flat.device.type == "cpu":
-                self._encode_numpy(flat.numpy(), np.float32(tv), packed.numpy())
-            else:
-                code = ((flat >= t) * 3 + (flat <= -t) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
-                codes = pack(code, 2)
-                packed[: codes.numel()] = codes
+        if not (n and 0 < tv < math.inf):  # t == 0 (all zeros), inf or NaN: every code stays 0
+            packed.zero_()
+        elif flat.device.type == "cpu":
+            packed[(n + 3) // 4 :] = 0  # the word padding
+            self._encode_numpy(flat.numpy(), np.float32(tv), packed.numpy())
+        else:
+            code = ((flat >= t) * 3 + (flat <= -t) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
+            codes = pack(code, 2)
+            packed.zero_()
+            packed[: codes.numel()] = codes
         return Payload((t, packed), x.shape, x.dtype)
 
     def _encode_numpy(self, a: np.ndarray, t: np.float32, out: np.ndarray) -> None:
-        ge, le = self._np("ge", np.bool_), self._np("le", np.bool_)
-        code = self._np("code", np.uint8, extra=3)  # room to pad a chunk to whole words
-        word = self._np("word", np.uint32, size=_CHUNK // 4 + 1)
-        for i in range(0, a.size, _CHUNK):
-            c = a[i : i + _CHUNK]
-            n = c.size
-            g, lo = ge[:n], le[:n]
-            np.greater_equal(c, t, out=g)
-            np.less_equal(c, -t, out=lo)
-            cd = code[: (n + 3) // 4 * 4]
-            cd[n:] = 0
-            np.bitwise_or(g.view(np.uint8), lo.view(np.uint8), out=cd[:n])  # 1 where sent
-            np.left_shift(cd[:n], 1, out=cd[:n])
-            np.bitwise_or(cd[:n], g.view(np.uint8), out=cd[:n])  # 0b11 / 0b10 / 0
-            w = word[: cd.size // 4]
-            np.multiply(cd.view("<u4"), _FOLD, out=w)
-            np.right_shift(w, 24, out=w)
-            out[i // 4 : i // 4 + w.size] = w  # _CHUNK is a multiple of 4: chunks start on a byte
+        def part(j: int, lo: int, hi: int) -> None:
+            ge, le = self._np(f"ge{j}", np.bool_, extra=3), self._np(f"le{j}", np.bool_, extra=3)  # room to pad
+            word = self._np(f"word{j}", np.uint32, size=_CHUNK // 4 + 1)
+            for i in range(lo, hi, _CHUNK):
+                c = a[i : min(hi, i + _CHUNK)]
+                n, padded = c.size, (c.size + 3) // 4 * 4
+                g, lo_ = ge[:padded], le[:padded]
+                g[n:] = lo_[n:] = False
+                np.greater_equal(c, t, out=g[:n])
+                np.less_equal(c, -t, out=lo_[:n])
+                code = lo_.view(np.uint8)  # -> 2 * (g + l) + g: 0b11 where u >= t, 0b10 where u <= -t, else 0
+                code += g.view(np.uint8)
+                code += code
+                code += g.view(np.uint8)
+                w = word[: padded // 4]
+                np.multiply(code.view("<u4"), _FOLD, out=w)  # each word's four codes -> its top byte
+                np.right_shift(w, 24, out=w)
+                out[i // 4 : i // 4 + w.size] = w  # chunks start on a multiple of 4 values: on a byte
+
+        _in_parts(part, a.size)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         t, packed = payload.tensors
@@ -168,38 +204,60 @@ class TwoBit(Codec):
         else:
             out.add_(self.decode(payload))
 
+    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        """The first payload decodes straight into ``out``, the others add to it."""
+        if not (out.dtype == torch.float32 and out.is_contiguous()) or not payloads:
+            return super().decode_sum(payloads, out)
+        for i, p in enumerate(payloads):
+            self._decode_into(p.tensors[0], p.tensors[1], out.view(-1), add=i > 0)
+
     def _decode_into(self, t: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+        """``out = decode`` (or ``+=``) for the flat fp32 ``out``."""
         n = out.numel()
         if n == 0:
             return
         if out.device.type == "cpu":
-            self._decode_numpy(float(t.item()), packed.numpy(), out.numpy(), add)
+            self._decode_cpu(float(t.item()), packed, out, add)
             return
         levels = torch.tensor(_LEVELS, dtype=torch.float32, device=out.device)
         code = unpack(packed, n, 2).long()  # (N,)
         values = torch.where(code >= 2, levels[code] * t, 0.0)  # (N,) 0 even if t is not finite
         out.add_(values) if add else out.copy_(values)
 
-    def _decode_numpy(self, t: float, packed: np.ndarray, out: np.ndarray, add: bool) -> None:
-        # one 16-byte row of the table per packed byte: its four values, read as one complex128
+    def _decode_cpu(self, t: float, packed: torch.Tensor, out: torch.Tensor, add: bool) -> None:
+        """Every packed byte looks up its four values, one 16-byte row of a 256-row table read
+        as a complex128, in cache-sized chunks (the index must be int64 for torch)."""
         # (a non-finite t only comes with all-zero codes, which decode to 0)
-        table = (_BYTE_LEVELS * np.float32(t) if math.isfinite(t) else np.zeros_like(_BYTE_LEVELS))
-        table = table.view(np.complex128).reshape(256)
-        n = out.size
+        table = _BYTE_LEVELS * np.float32(t) if math.isfinite(t) else np.zeros_like(_BYTE_LEVELS)
+        rows_of = torch.from_numpy(table.view(np.complex128).reshape(256))  # (256,) four fp32 each
+        n = out.numel()
         whole = n // 4
-        rows = out[: whole * 4].view(np.complex128) if not add else None
-        tmp = self._np("rows", np.complex128, size=_CHUNK // 4)
-        for i in range(0, whole, _CHUNK // 4):
-            j = min(whole, i + _CHUNK // 4)
-            if add:
-                np.take(table, packed[i:j], out=tmp[: j - i])
-                chunk = out[4 * i : 4 * j]
-                np.add(chunk, tmp[: j - i].view(np.float32), out=chunk)
-            else:
-                np.take(table, packed[i:j], out=rows[i:j])
+        direct = not add and out.storage_offset() % 4 == 0  # a complex128 view needs 16-byte steps
+
+        def part(k: int, lo: int, hi: int) -> None:
+            index = self._tensor(f"index{k}", _DECODE_BYTES, torch.int64)
+            tmp = None if direct else self._tensor(f"rows{k}", _DECODE_BYTES, torch.complex128)
+            for i in range(lo, hi, _DECODE_BYTES):
+                j = min(hi, i + _DECODE_BYTES)
+                idx = index[: j - i]
+                idx.copy_(packed[i:j])
+                if direct:
+                    torch.index_select(rows_of, 0, idx, out=out[4 * i : 4 * j].view(torch.complex128))
+                    continue
+                torch.index_select(rows_of, 0, idx, out=tmp[: j - i])
+                values = tmp[: j - i].view(torch.float32)
+                out[4 * i : 4 * j].add_(values) if add else out[4 * i : 4 * j].copy_(values)
+
+        _in_parts(part, whole, _DECODE_BYTES)
         if n > whole * 4:  # the last, partial byte
-            last = table[packed[whole]].reshape(1).view(np.float32)[: n - whole * 4]
-            out[whole * 4 :] = out[whole * 4 :] + last if add else last
+            last = torch.from_numpy(table[int(packed[whole])][: n - whole * 4].copy())
+            out[whole * 4 :].add_(last) if add else out[whole * 4 :].copy_(last)
+
+    def _tensor(self, role: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(role)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = self._buffers[role] = torch.empty(size, dtype=dtype)
+        return buf
 
     def _np(self, role: str, dtype, size: int = _CHUNK, extra: int = 0, fill: float | None = None) -> np.ndarray:
         buf = self._scratch.get(role)
