@@ -18,14 +18,12 @@ run also writes that table to benchmarks/results/fft_time_to_accuracy.md.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
+from _training import environment, first_at_target, progress_line, run_training, write_table_file
 
 HERE = Path(__file__).resolve().parent
 TABLE_FILE = HERE / "results" / "fft_time_to_accuracy.md"
@@ -40,35 +38,13 @@ COMPRESSION_TARGET = 15.0  # x vs fp32 all_reduce
 
 
 # -- runs ------------------------------------------------------------------------------------------
-def train_args(method: str, steps: int | None) -> list[str]:
-    """The ``thinwire train`` arguments of one run (``steps`` None: the task's default)."""
-    args = ["train", "--task", TASK, "--method", method, "--workers", str(WORKERS), "--seed", str(SEED),
-            "--eval-every", str(EVAL_EVERY)]
+def train_args(steps: int | None) -> list[str]:
+    """The ``thinwire train`` arguments of every run but ``--method`` (``steps`` None: the
+    task's default)."""
+    args = ["--task", TASK, "--workers", str(WORKERS), "--seed", str(SEED), "--eval-every", str(EVAL_EVERY)]
     for link in LINKS:
         args += ["--link", link]
     return args + (["--steps", str(steps)] if steps is not None else [])
-
-
-def run_one(method: str, steps: int | None, out: Path) -> dict:
-    """Train one method in a subprocess; returns its summary.json plus ``rows`` (metrics.jsonl,
-    one dict per evaluation) and ``seconds`` (wall time of the subprocess), or ``error``."""
-    cmd = [sys.executable, "-m", "thinwire", *train_args(method, steps), "--out", str(out), "--quiet", "--overwrite"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    summary_path, metrics_path = out / "summary.json", out / "metrics.jsonl"
-    if proc.returncode != 0 or not summary_path.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-        return {"method": method, "error": f"exit code {proc.returncode}: {tail[0]}", "seconds": seconds, "rows": []}
-    summary = json.loads(summary_path.read_text())
-    summary["rows"] = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    summary["seconds"] = seconds
-    return summary
-
-
-def first_at_target(rows: list[dict], target: float) -> dict | None:
-    """The first evaluation row whose test accuracy reaches ``target``, or None."""
-    return next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target), None)
 
 
 # -- figures and tables ----------------------------------------------------------------------------
@@ -126,45 +102,6 @@ def notes(steps: str, identity: dict) -> str:
             "their compression here is about half of a codec's own ratio (as in `thinwire bench codecs`).")
 
 
-def write_table_file(path: Path, command: str, env: dict, body: str) -> None:
-    from run_all import loadavg
-
-    lines = ["# FFT compression: modeled time to accuracy, mnist1d, 4 workers", ""]
-    lines += [f"- command: `{command}`", "- each run: `thinwire " + " ".join(train_args("METHOD", None)) + "`"]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += [f"- load average at end: {loadavg()}", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines + [body, ""]))
-
-
-def dirty() -> bool:
-    """Whether the working tree differs from the recorded commit (read-only ``git status``)."""
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE.parent,
-                             capture_output=True, text=True, timeout=10)
-        return bool(out.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def environment() -> dict:
-    import datetime as dt
-    import platform
-
-    import torch
-    from run_all import cpu_model, git_commit, loadavg
-
-    return {
-        "git commit": f"`{git_commit()}`" + (" (working tree has uncommitted changes)" if dirty() else ""),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "CPU": cpu_model(),
-        "threads": "torch threads per worker: thinwire's default, max(1, cores / workers)",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "load average at start": loadavg(),
-    }
-
-
 # -- entry -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
@@ -178,13 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, spec in enumerate(METHODS, 1):
-            run = run_one(spec, steps, Path(tmp) / f"run{i}")
-            runs[spec] = run
-            if "error" in run:
-                print(f"[{i}/{len(METHODS)}] {spec}: FAILED ({run['error']}) after {run['seconds']:.0f} s", flush=True)
-            else:
-                print(f"[{i}/{len(METHODS)}] {spec}: {run['steps']} steps, final accuracy {run['final_accuracy']:.4f}, "
-                      f"compression {run['compression_ratio']:.1f}x, {run['seconds']:.0f} s", flush=True)
+            runs[spec] = run_training(spec, train_args(steps), Path(tmp) / f"run{i}")
+            print(progress_line(i, len(METHODS), spec, runs[spec]), flush=True)
 
     thetas = "; ".join(f"{spec}: {theta_note(runs[spec])}" for spec in (FFT_CONSTANT, FFT_DEFAULT))
     steps_run = next((r["steps"] for r in runs.values() if "steps" in r), None)
@@ -193,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add(body)
     report.figures.extend(fft_figures(runs))
     if not args.quick:
-        write_table_file(TABLE_FILE, command, env, body)
+        each = "thinwire train --method METHOD " + " ".join(train_args(None))
+        write_table_file(TABLE_FILE, "FFT compression: modeled time to accuracy, mnist1d, 4 workers", command, each,
+                         env, body)
         print(f"wrote {TABLE_FILE.relative_to(HERE.parent)}", flush=True)
     return report.finish(args.json)
 

@@ -140,11 +140,12 @@ class SyncReducer:
         return out
 
     def per_parameter(self) -> list[dict]:
-        """Per parameter: name, shape, codec spec and the bytes this rank sent for it so far
-        (all steps, as the byte meter counts them)."""
+        """Per parameter, in ``named_parameters()`` order: name, shape, codec spec and the bytes
+        this rank sent for it so far (all steps, as the byte meter counts them)."""
         sent = self.aggregator.sent_bytes
-        return [{"name": r["name"], "shape": r["shape"], "codec": r["codec"], "bytes_sent": sent[r["name"]]}
-                for r in self.plan()]
+        plan = {r["name"]: r for r in self.plan()}
+        return [{"name": name, "shape": plan[name]["shape"], "codec": plan[name]["codec"], "bytes_sent": sent[name]}
+                for name, _ in self.params]  # in parameter order
 
     def plan(self) -> list[dict]:
         return self.aggregator.plan()
