@@ -248,3 +248,12 @@ def test_hylo_sends_one_collective_per_codec_group_and_counts_bytes_per_paramete
 
 def test_param_info_numel():
     assert ParamInfo("w", torch.Size([3, 4]), None).numel == 12
+
+
+def test_the_example_policy_file_parses_and_assigns():
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "policy.toml"
+    got = _codecs(Policy.from_toml(path), cnn())
+    assert {n for n, c in got.items() if c != "identity"} == {"conv2.weight", "conv3.weight", "fc1.weight"}
+    assert got["fc1.weight"] == "twobit" and got["conv2.weight"] == "kernels"
