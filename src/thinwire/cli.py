@@ -202,7 +202,27 @@ def _methods() -> int:
         console.print(table)
         console.print()
     _presets(console)
+    _algorithms(console)
     return 0
+
+
+def _algorithms(console) -> None:
+    from rich.table import Table
+
+    from thinwire.algorithms.registry import algorithms
+    from thinwire.codecs.registry import knob_table
+
+    console.print("[bold]algorithms[/bold]: model averaging on their own schedule "
+                  "(train --method NAME[:knobs]; in Python attach after backward and after optimizer.step)\n")
+    for name, (cls, config_cls) in algorithms().items():
+        console.print(f"[bold cyan]{name}[/bold cyan]  (model averaging)  {cls.summary}")
+        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
+        for col in ("knob", "default", "allowed", "meaning"):
+            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
+        for knob, default, allowed, help_ in knob_table(config_cls):
+            table.add_row(knob, default, allowed, help_)
+        console.print(table)
+        console.print()
 
 
 def _presets(console) -> None:

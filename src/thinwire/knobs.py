@@ -49,3 +49,11 @@ def convert(value: Any, typ: Any, what: str) -> Any:
         except ValueError:
             raise ValueError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
     return str(value)
+
+
+def describe_config(name: str, config: Any) -> str:
+    """``name:key=value,...`` with every field of the config dataclass (booleans lower-case)."""
+    import dataclasses
+
+    show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return f"{name}:" + ",".join(f"{k}={show(v)}" for k, v in dataclasses.asdict(config).items())

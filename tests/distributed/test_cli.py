@@ -79,6 +79,12 @@ BAD = [
     (["--method", "kernels:r_max=2"], "r_max must be in (0, 1]"),
     (["--policy", "/nonexistent/policy.toml"], "cannot read policy file"),
     (["--method", "topk", "--policy", "/nonexistent/policy.toml"], "--policy and --method are exclusive"),
+    (["--method", "dasgd:period=0"], "period must be >= 1"),
+    (["--method", "dasgd:delay=5"], "delay must be <= period"),
+    (["--method", "dasgd:delay=-1"], "delay must be >= 0"),
+    (["--method", "dasgd:warmup=-1"], "warmup must be >= 0"),
+    (["--method", "dasgd:codec=topk"], "codec must be a single-round SUM codec"),
+    (["--method", "localsgd:period=0"], "period must be >= 1"),
 ]
 
 
@@ -103,6 +109,7 @@ def test_methods_lists_every_codec_and_knob(capsys):
         assert name in text
     assert "ratio" in text and "rank" in text
     assert "hylo" in text and "t_fc" in text and "t_conv" in text  # the policy presets and their knobs
+    assert "dasgd" in text and "localsgd" in text and "delay" in text  # the averaging algorithms
 
 
 def _children(pid: int) -> list[int]:
@@ -246,3 +253,19 @@ def test_policy_file_run_and_its_errors(tmp_path):
     r = _cli("train", "--workers", "2", "--steps", "4", "--policy", str(path), "--quiet")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{path}:6: rule 2: alpha must be > 0, got 0" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_dasgd_run_reports_hidden_fraction_and_delay(tmp_path):
+    out = tmp_path / "dasgd"
+    r = _cli("train", "--workers", "2", "--steps", "24", "--eval-every", "12", "--method",
+             "dasgd:period=4,delay=auto,warmup=4", "--link", "1gbit,50us", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    report = s["method_report"]
+    assert 0 <= report["delay"] <= 4 and report["launches"] == 5  # after local steps 4, 8, ..., 20
+    assert s["hidden_fraction"] is not None and 0.0 <= s["hidden_fraction"] <= 1.0
+    # 4 warm-up gradient all_reduces and 5 model all_reduces of the same size: 9/24 of fp32's bytes
+    assert s["bytes_sent_per_worker"] == pytest.approx(s["fp32_bytes_per_worker"] * 9 / 24, rel=1e-12)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["launches"] for x in lines] == [2, 5]

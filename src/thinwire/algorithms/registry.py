@@ -15,21 +15,39 @@ import torch
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec, parse_spec
 from thinwire.comm.base import Communicator
+from thinwire.knobs import describe_config
 
 # name -> (validate(spec) -> resolved spec string, build(spec, model, optimizer, comm) -> method)
 _ALGORITHMS: dict[str, tuple[Callable[[str], str], Callable[..., Any]]] = {}
 
 
 def register_algorithm(name: str, validate: Callable[[str], str], build: Callable[..., Any]) -> None:
-    if name in _ALGORITHMS or name in available_codecs():
+    if name in _ALGORITHMS or name in available_codecs() or name in algorithms():
         raise ValueError(f"method {name!r} registered twice")
     _ALGORITHMS[name] = (validate, build)
+
+
+def algorithms() -> dict[str, type]:
+    """Built-in algorithms with their own schedule, by name: name -> class (``Config``-typed
+    knobs, built as ``cls(model, optimizer, comm, config, bucket_mb=...)``)."""
+    from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
+    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+
+    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig)}
+
+
+def _config_of(spec: str):
+    from thinwire.codecs.registry import build_config
+
+    name, knobs = parse_spec(spec)
+    cls, config_cls = algorithms()[name]
+    return cls, build_config(config_cls, knobs, name)
 
 
 def method_names() -> list[str]:
     from thinwire.policy import PRESETS
 
-    return list(available_codecs()) + list(PRESETS) + list(_ALGORITHMS)
+    return list(available_codecs()) + list(PRESETS) + list(algorithms()) + list(_ALGORITHMS)
 
 
 def resolve_method(spec: str) -> str:
@@ -42,6 +60,9 @@ def resolve_method(spec: str) -> str:
     name, _ = parse_spec(spec)
     if name in _ALGORITHMS:
         return _ALGORITHMS[name][0](spec)
+    if name in algorithms():
+        cls, config = _config_of(spec)
+        return describe_config(cls.name, config)
     if name in PRESETS:
         return Policy.preset(spec).describe()
     if name not in available_codecs():
@@ -56,6 +77,10 @@ def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     name, _ = parse_spec(spec)
     if name in _ALGORITHMS:
         return _ALGORITHMS[name][1](spec, model, optimizer, comm, **kw)
+    if name in algorithms():
+        cls, config = _config_of(spec)
+        return cls(model, optimizer, comm, config, **kw)
     from thinwire.algorithms.sync import SyncReducer
 
     return SyncReducer(model, spec, comm, **kw)
+

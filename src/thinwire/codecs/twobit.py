@@ -151,7 +151,7 @@ class TwoBit(Codec):
 
     # -- work ----------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
-        flat = x.reshape(-1).float()  # (N,) only read
+        flat = x.detach().reshape(-1).float()  # (N,) only read
         t = self.threshold(flat)  # (1,)
         n = flat.numel()
         packed = torch.empty(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)

@@ -126,13 +126,16 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         comm_seconds=t.comm_seconds,
     )
     for link in cfg.links:
-        record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t)
+        record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
     return record
 
 
-def _modeled(link: Link, comm: Communicator, clock: Clock, timing) -> float:
-    """compute + codec + modeled communication: the run's time on ``link`` (blocking methods)."""
-    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size)
+def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) -> float:
+    """compute + codec + modeled communication: the run's time on ``link``. Communication a
+    method overlaps with computation (DaSGD's delayed averages) counts only where it
+    outlasts the computation it ran behind."""
+    hidden = method.hidden_link_seconds(link, comm.world_size) if hasattr(method, "hidden_link_seconds") else 0.0
+    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size) - hidden
 
 
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device) -> dict[str, Any]:
@@ -142,7 +145,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
     per_worker = sent.item() / comm.world_size
     fp32 = fp32_per_step * cfg.steps
     t = method.timing
-    modeled = {link: _modeled(Link.parse(link), comm, clock, t) for link in cfg.links}
+    modeled = {link: _modeled(Link.parse(link), comm, clock, t, method) for link in cfg.links}
     return {
         "task": cfg.task,
         "method": cfg.method,
@@ -164,6 +167,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "messages_per_worker": comm.meter.messages,
         "method_report": method.report() if hasattr(method, "report") else {},
         "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),
+        "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,
         "config": cfg.to_dict(),
         "version": version,
     }

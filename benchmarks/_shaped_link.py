@@ -1,0 +1,87 @@
+"""A real, shaped network link between two local ranks (Linux, root, iproute2 with tc).
+
+Two network namespaces joined by one veth pair, created straight inside the namespaces (the
+root namespace is never touched): addresses 198.18.0.1/30 and 198.18.0.2/30 (the
+benchmarking range, RFC 2544), loopback up in each, and a token-bucket filter (``tbf``) on
+both ends limiting each direction to the given rate. Each rank runs under ``ip netns exec``
+with gloo bound to its veth (``GLOO_SOCKET_IFNAME``), so every byte of its collectives
+crosses the shaped link. Leaving the ``with`` block (or an error) deletes both namespaces,
+which deletes the veth pair and its shaping. Latency is not shaped (no ``netem`` here): it
+is the veth's own, a few microseconds.
+
+Not part of the package (STYLE.md §15).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Sequence
+
+ADDRESSES = ("198.18.0.1", "198.18.0.2")
+
+
+def unavailable() -> str | None:
+    """Why a shaped pair cannot be made here, or None when it can."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"{tool} (iproute2) is not installed"
+    probe = f"twprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class ShapedPair:
+    """Two namespaces and a veth pair shaped to ``rate_mbit`` Mbit/s each way."""
+
+    def __init__(self, rate_mbit: float, burst_kbyte: int = 32) -> None:
+        tag = f"tw{os.getpid() % 100000}"
+        self.namespaces = (f"{tag}a", f"{tag}b")
+        self.devices = (f"{tag}a0", f"{tag}b0")  # interface names stay under 16 characters
+        self.rate_mbit, self.burst_kbyte = rate_mbit, burst_kbyte
+
+    def __enter__(self) -> "ShapedPair":
+        try:
+            for ns in self.namespaces:
+                _ip("netns", "add", ns)
+            (a, b), (da, db) = self.namespaces, self.devices
+            _ip("link", "add", da, "netns", a, "type", "veth", "peer", "name", db, "netns", b)
+            for ns, dev, addr in zip(self.namespaces, self.devices, ADDRESSES):
+                _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                      f"{self.rate_mbit:.3f}mbit", "burst", f"{self.burst_kbyte}kb", "latency", "200ms"])
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.namespaces:  # deleting a namespace deletes its veth end and the qdisc
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def popen(self, rank: int, cmd: Sequence[str], env: dict[str, str], **kw) -> subprocess.Popen:
+        """Start ``cmd`` as rank ``rank`` inside its namespace, gloo bound to its veth, rank 0
+        the rendezvous (``MASTER_ADDR`` = its address)."""
+        env = dict(env, MASTER_ADDR=ADDRESSES[0], RANK=str(rank), WORLD_SIZE="2",
+                   GLOO_SOCKET_IFNAME=self.devices[rank])
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *cmd], env=env, **kw)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")

@@ -1,0 +1,78 @@
+"""The state that model averaging keeps in agreement, as one flat fp32 vector.
+
+Local SGD and DaSGD average *models*, not gradients: every trainable parameter, every
+floating-point buffer (BatchNorm's running mean and variance; integer buffers such as
+``num_batches_tracked`` are left alone) and, with ``average_momentum``, the optimizer's
+per-parameter state tensors of the parameter's shape (SGD's momentum buffer, Adam's two
+moments). Every rank lists them in the same order (module registration order), so the flat
+vectors line up across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ModelState:
+    """Gathers a model's averaged tensors into a flat fp32 vector and writes one back."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 average_momentum: bool = False) -> None:
+        if average_momentum and optimizer is None:
+            raise ValueError("average_momentum needs the optimizer")
+        self.model = model
+        self.optimizer = optimizer
+        self.average_momentum = average_momentum
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model averaging needs at least one parameter with requires_grad=True")
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._momentum: list[torch.Tensor] | None = None  # found at the first gather (optimizers create state lazily)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Parameters, float buffers, then (with ``average_momentum``) optimizer state tensors."""
+        out = [p.data for p in self.params] + list(self.buffers)
+        if self.average_momentum:
+            if self._momentum is None:
+                self._momentum = self._find_momentum()
+            out += self._momentum
+        return out
+
+    def _find_momentum(self) -> list[torch.Tensor]:
+        found = []
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                t = state[key]
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape:
+                    found.append(t)
+        return found
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors())
+
+    def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensors, flattened into ``out`` (fp32, allocated when None)."""
+        ts = self.tensors()
+        n = sum(t.numel() for t in ts)
+        if out is None or out.numel() != n:
+            out = torch.empty(n, dtype=torch.float32, device=ts[0].device)
+        off = 0
+        for t in ts:
+            out[off : off + t.numel()].copy_(t.reshape(-1))
+            off += t.numel()
+        return out
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Write ``flat`` back into the tensors (cast to each tensor's dtype)."""
+        off = 0
+        for t in self.tensors():
+            t.copy_(flat[off : off + t.numel()].view(t.shape))
+            off += t.numel()
+
+    def add_(self, flat: torch.Tensor) -> None:
+        """Add ``flat`` to the tensors in place."""
+        off = 0
+        for t in self.tensors():
+            t.add_(flat[off : off + t.numel()].view(t.shape).to(t.dtype))
+            off += t.numel()

@@ -1,0 +1,120 @@
+"""Local SGD: workers step on their own and average their models every ``period`` steps.
+
+    averager = thinwire.LocalSGD(model, optimizer, period=4, warmup=100)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        averager.after_backward()   # averages gradients during the warm-up steps only
+        optimizer.step()
+        averager.after_step()       # every `period` steps after the warm-up: average the models
+
+The first ``warmup`` steps are synchronous data-parallel SGD (gradients averaged through
+fp32 all_reduce, as :class:`~thinwire.SyncReducer` does). After them, every ``period``-th
+step ends with a blocking all_reduce of the model state (parameters, float buffers such as
+BatchNorm statistics, and the optimizer's momentum with ``average_momentum``): the models
+leave the step identical. ``period=1`` with plain SGD is synchronous SGD again (averaging
+models after identical-start steps equals averaging the gradients). This is the baseline
+that :class:`~thinwire.algorithms.dasgd.DaSGD` hides behind computation.
+
+Every rank counts the same steps, so the ranks launch the same collectives at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.aggregate import Aggregator, Timing
+from thinwire.algorithms.averaging import ModelState
+from thinwire.codecs.identity import Identity, IdentityConfig
+from thinwire.comm.base import Communicator
+from thinwire.knobs import describe_config, knob, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig:
+    period: int = knob(4, "steps between model averages (tau); 1 = average after every step", ">= 1")
+    warmup: int = knob(0, "synchronous gradient-averaging steps before local steps begin", ">= 0")
+    average_momentum: bool = knob(False, "also average the optimizer's momentum at each average", "true|false")
+
+    def __post_init__(self) -> None:
+        require(self.period >= 1, f"period must be >= 1, got {self.period}")
+        require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
+
+
+class LocalSGD:
+    """Blocking periodic model averaging after ``warmup`` synchronous steps."""
+
+    name = "localsgd"
+    summary = "local SGD: every rank steps alone, models averaged (blocking all_reduce) every period steps"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Communicator | None = None, config: LocalSGDConfig | None = None, *,
+                 bucket_mb: float = 25.0, **knobs) -> None:
+        self.config = config if config is not None else LocalSGDConfig(**knobs)
+        if comm is None:
+            from thinwire.comm.torch_dist import TorchComm
+
+            comm = TorchComm()
+        self.comm = comm
+        self.state = ModelState(model, optimizer, self.config.average_momentum)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        fp32 = Identity(IdentityConfig())
+        self._sync = Aggregator(named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+        self._named = named
+        self._flat: torch.Tensor | None = None
+        self.step = 0  # optimizer steps completed; identical on every rank
+        self.averages = 0
+        self._timing = Timing()
+
+    @property
+    def timing(self) -> Timing:
+        t = Timing(self._timing.codec_seconds + self._sync.timing.codec_seconds,
+                   self._timing.comm_seconds + self._sync.timing.comm_seconds)
+        return t
+
+    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+        """During the warm-up, replace every gradient with its mean over the ranks."""
+        if self.step < self.config.warmup:
+            grads = {}
+            for name, p in self._named:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads[name] = p.grad
+            self._sync.reduce_(grads)
+
+    def after_step(self) -> None:
+        """Count the step; at every ``period``-th step after the warm-up, average the models."""
+        self.step += 1
+        local = self.step - self.config.warmup
+        if local > 0 and local % self.config.period == 0:
+            self.average()
+
+    def average(self) -> None:
+        """Blocking: every rank's model state becomes the mean over the ranks."""
+        t0 = time.perf_counter()
+        flat = self._flat = self.state.gather(self._flat)
+        flat.div_(self.comm.world_size)
+        t1 = time.perf_counter()
+        self.comm.all_reduce(flat)
+        t2 = time.perf_counter()
+        self.state.scatter(flat)
+        self.averages += 1
+        self._timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self._timing.comm_seconds += t2 - t1
+
+    def stats(self) -> dict:
+        return {"averages": self.averages}
+
+    def report(self) -> dict:
+        return {"method": describe_config(self.name, self.config), "averages": self.averages,
+                "extra_memory_bytes": 4 * self.state.numel()}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "averages": self.averages, "sync": self._sync.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.averages = int(state["step"]), int(state["averages"])
+        self._sync.load_state_dict(state["sync"])

@@ -1,0 +1,100 @@
+"""DaSGD over real gloo ranks: the asynchronous all_reduce gives the in-process result, the
+training loss falls, and the models agree at every blocking average."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from spawn import run_ranks
+
+
+def _base() -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # a learnable rule
+
+
+def _train(comm, spec: str, steps: int):
+    from thinwire.algorithms.registry import build_method
+
+    model = copy.deepcopy(_base())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    method = build_method(spec, model, opt, comm)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(comm.rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        method.after_backward()
+        opt.step()
+        method.after_step()
+        losses.append(loss.item())
+    flat = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+    return flat, losses, method.report()
+
+
+def _gloo(rank, world, spec, steps):
+    from thinwire.comm.torch_dist import TorchComm
+
+    return _train(TorchComm(), spec, steps)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("spec", ["dasgd:period=4,delay=2,warmup=2", "dasgd:period=3,delay=3,warmup=0,codec=bf16",
+                                  "localsgd:period=4,warmup=2"])
+def test_gloo_matches_the_in_process_result_and_learns(spec):
+    """Two ranks: a sum of two values is the same in any order, so gloo's asynchronous
+    all_reduce must give the in-process communicator's result bit for bit."""
+    from thinwire.comm.local import LocalWorld
+
+    steps = 40
+    gloo = run_ranks(_gloo, 2, spec, steps)  # 1 torch thread per rank
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels as the ranks (results can depend on the thread count)
+    try:
+        local = LocalWorld(2).run(lambda comm: _train(comm, spec, steps))
+    finally:
+        torch.set_num_threads(threads)
+    for (a, losses, report), (b, _, _) in zip(gloo, local):
+        assert torch.equal(a, b)
+        assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
+    assert gloo[0][2]["method"].startswith(spec.split(":")[0])
+
+
+def _blocking_agreement(rank, world):
+    from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
+    from thinwire.comm.torch_dist import TorchComm
+
+    model = copy.deepcopy(_base())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    m = DaSGD(model, opt, TorchComm(), DaSGDConfig(period=2, delay="0", warmup=0))
+    flats = []
+    for step in range(6):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        m.after_step()
+        if (step + 1) % 2 == 0:
+            flats.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return flats
+
+
+@pytest.mark.timeout(120)
+def test_delay_zero_leaves_every_average_identical_on_all_ranks():
+    results = run_ranks(_blocking_agreement, 4)
+    for flats in results[1:]:
+        for a, b in zip(flats, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
