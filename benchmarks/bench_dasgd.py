@@ -157,7 +157,7 @@ def shaped_section(report: Report, t_step: float, model_bytes: int, steps: int, 
         out = os.path.join(tmp, "shaped.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--shaped-rank", out, "--steps", str(steps),
                "--warmup", str(warmup), "--blocks", str(blocks)]
-        env = dict(os.environ, MASTER_PORT="29517", OMP_NUM_THREADS="1")
+        env = dict(os.environ, MASTER_PORT="29517", OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
         procs = [pair.popen(r, cmd, env) for r in range(2)]
         codes = [p.wait(timeout=900) for p in procs]
         if any(codes):
