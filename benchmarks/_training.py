@@ -13,7 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+from _common import table
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,6 +49,27 @@ def progress_line(i: int, total: int, label: str, run: dict) -> str:
 def first_at_target(rows: list[dict], target: float) -> dict | None:
     """The first evaluation row whose test accuracy reaches ``target``, or None."""
     return next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target), None)
+
+
+def time_table(runs: dict[str, dict], target: float, links: Sequence[str],
+               label: Callable[[str], str] = lambda spec: spec) -> str:
+    """Per run: final accuracy, compression, MB sent, the first evaluation at ``target`` and
+    the modeled seconds to it and for the whole run at each link."""
+    headers = ["method", "final acc", "compression", "MB sent / worker", f"step to {target:.2f}"]
+    headers += [f"modeled s to {target:.2f} @ {link}" for link in links]
+    headers += [f"modeled s, whole run @ {link}" for link in links]
+    rows = []
+    for spec, run in runs.items():
+        if "error" in run:
+            rows.append([label(spec), "failed: " + run["error"]] + ["-"] * (len(headers) - 2))
+            continue
+        hit = first_at_target(run["rows"], target)
+        reach = [str(hit["step"])] if hit else ["not reached"]
+        reach += [f"{hit[f'modeled_seconds@{link}']:.1f}" if hit else "not reached" for link in links]
+        whole = [f"{run['modeled_seconds_by_link'][link]:.1f}" for link in links]
+        rows.append([label(spec), f"{run['final_accuracy']:.4f}", f"{run['compression_ratio']:.1f}x",
+                     f"{run['bytes_sent_per_worker'] / 1e6:.2f}", *reach, *whole])
+    return table(headers, rows)
 
 
 def dirty() -> bool:

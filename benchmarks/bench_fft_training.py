@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import Figure, Report, load_note, parser, table
-from _training import environment, first_at_target, progress_line, run_training, write_table_file
+from _common import Figure, Report, load_note, parser
+from _training import environment, progress_line, run_training, time_table, write_table_file
 
 HERE = Path(__file__).resolve().parent
 TABLE_FILE = HERE / "results" / "fft_time_to_accuracy.md"
@@ -73,24 +73,6 @@ def theta_note(run: dict) -> str:
     return f"{thetas[0]:.3f} -> {thetas[-1]:.3f}" if thetas else "-"
 
 
-def time_table(runs: dict[str, dict]) -> str:
-    headers = ["method", "final acc", "compression", "MB sent / worker", f"step to {TARGET_ACCURACY:.2f}"]
-    headers += [f"modeled s to {TARGET_ACCURACY:.2f} @ {link}" for link in LINKS]
-    headers += [f"modeled s, whole run @ {link}" for link in LINKS]
-    rows = []
-    for spec, run in runs.items():
-        if "error" in run:
-            rows.append([spec, "failed: " + run["error"]] + ["-"] * (len(headers) - 2))
-            continue
-        hit = first_at_target(run["rows"], TARGET_ACCURACY)
-        reach = [str(hit["step"])] if hit else ["not reached"]
-        reach += [f"{hit[f'modeled_seconds@{link}']:.1f}" if hit else "not reached" for link in LINKS]
-        whole = [f"{run['modeled_seconds_by_link'][link]:.1f}" for link in LINKS]
-        rows.append([spec, f"{run['final_accuracy']:.4f}", f"{run['compression_ratio']:.1f}x",
-                     f"{run['bytes_sent_per_worker'] / 1e6:.2f}", *reach, *whole])
-    return table(headers, rows)
-
-
 def notes(steps: str, identity: dict) -> str:
     ends = f"identity ends at {identity['final_accuracy']:.4f}" if "final_accuracy" in identity else "identity failed"
     return (f"Task {TASK}, {WORKERS} workers, seed {SEED}, {steps}, evaluation every {EVAL_EVERY} steps; target "
@@ -120,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     thetas = "; ".join(f"{spec}: {theta_note(runs[spec])}" for spec in (FFT_CONSTANT, FFT_DEFAULT))
     steps_run = next((r["steps"] for r in runs.values() if "steps" in r), None)
-    body = time_table(runs) + "\n\n" + notes(f"{steps_run} steps" if steps_run else step_note, runs["identity"])
+    body = time_table(runs, TARGET_ACCURACY, LINKS) + "\n\n"
+    body += notes(f"{steps_run} steps" if steps_run else step_note, runs["identity"])
     body += f" Theta, first -> last evaluation: {thetas}."
     report.add(body)
     report.figures.extend(fft_figures(runs))

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from _common import Figure, Report, load_note, parser, table
-from _training import environment, first_at_target, progress_line, run_training, write_table_file
+from _training import environment, first_at_target, progress_line, run_training, time_table, write_table_file
 
 HERE = Path(__file__).resolve().parent
 TABLE_FILE = HERE / "results" / "hylo_time_to_accuracy.md"
@@ -110,22 +110,8 @@ def matched_topk(model, n: int) -> tuple[str, float, float]:
 
 
 # -- tables ---------------------------------------------------------------------------------------
-def time_table(runs: dict[str, dict], target: float) -> str:
-    headers = ["method", "final acc", "compression", "MB sent / worker", f"step to {target:.2f}"]
-    headers += [f"modeled s to {target:.2f} @ {link}" for link in LINKS]
-    headers += [f"modeled s, whole run @ {link}" for link in LINKS]
-    rows = []
-    for spec, run in runs.items():
-        if "error" in run:
-            rows.append([spec, "failed: " + run["error"]] + ["-"] * (len(headers) - 2))
-            continue
-        hit = first_at_target(run["rows"], target)
-        reach = [str(hit["step"])] if hit else ["not reached"]
-        reach += [f"{hit[f'modeled_seconds@{link}']:.1f}" if hit else "not reached" for link in LINKS]
-        whole = [f"{run['modeled_seconds_by_link'][link]:.1f}" for link in LINKS]
-        rows.append([spec.split(":")[0] if spec.startswith("hylo") else spec, f"{run['final_accuracy']:.4f}",
-                     f"{run['compression_ratio']:.1f}x", f"{run['bytes_sent_per_worker'] / 1e6:.2f}", *reach, *whole])
-    return table(headers, rows)
+def _label(spec: str) -> str:
+    return "hylo" if spec.startswith("hylo") else spec
 
 
 def layer_table(run: dict) -> str:
@@ -198,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f"vs {hylo.get('fp32_bytes_per_worker', 0) / 1e6:.2f} MB fp32"))
             note, _ = speed_note(runs, target)
             steps_run = next((r["steps"] for r in runs.values() if "steps" in r), steps)
-            body = (f"## {task}: {steps_run} steps, target test accuracy {target:.2f}\n\n" + time_table(runs, target)
+            body = (f"## {task}: {steps_run} steps, target test accuracy {target:.2f}\n\n" + time_table(runs, target, LINKS, _label)
                     + f"\n\n{note} topk is matched to hylo's bytes per step ({topk_bytes / 1e3:.1f} KB vs "
                     f"{hylo_bytes / 1e3:.1f} KB per worker, predicted from the codecs' sizes).\n\n"
                     + "hylo, per parameter:\n\n" + layer_table(hylo))

@@ -185,63 +185,41 @@ def _size(n: float) -> str:
 
 def _methods() -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from thinwire.codecs.registry import available, knob_table
+    from thinwire.algorithms.registry import algorithms
+    from thinwire.codecs.registry import available
+    from thinwire.policy import PRESET_SUMMARIES, PRESETS
 
     console = Console()
     console.print("[bold]thinwire methods[/bold]: spec name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
     console.print("Each codec runs under synchronous gradient averaging (train --method, SyncReducer, ddp.register).\n")
     for name, cls in available().items():
-        console.print(f"[bold cyan]{name}[/bold cyan]  ({cls.aggregation.value})  {cls.summary}")
-        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
-        for col in ("knob", "default", "allowed", "meaning"):
-            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
-        for knob, default, allowed, help_ in knob_table(cls.Config):
-            table.add_row(knob, default, allowed, help_)
-        console.print(table)
-        console.print()
-    _presets(console)
-    _algorithms(console)
-    return 0
-
-
-def _algorithms(console) -> None:
-    from rich.table import Table
-
-    from thinwire.algorithms.registry import algorithms
-    from thinwire.codecs.registry import knob_table
-
-    console.print("[bold]algorithms[/bold]: model averaging on their own schedule "
-                  "(train --method NAME[:knobs]; in Python attach after backward and after optimizer.step)\n")
-    for name, (cls, config_cls) in algorithms().items():
-        console.print(f"[bold cyan]{name}[/bold cyan]  (model averaging)  {cls.summary}")
-        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
-        for col in ("knob", "default", "allowed", "meaning"):
-            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
-        for knob, default, allowed, help_ in knob_table(config_cls):
-            table.add_row(knob, default, allowed, help_)
-        console.print(table)
-        console.print()
-
-
-def _presets(console) -> None:
-    from rich.table import Table
-
-    from thinwire.codecs.registry import knob_table
-    from thinwire.policy import PRESET_SUMMARIES, PRESETS
-
+        _method(console, name, cls.aggregation.value, cls.summary, cls.Config)
     console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
                   "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
     for name, (config_cls, _) in PRESETS.items():
-        console.print(f"[bold cyan]{name}[/bold cyan]  (per layer)  {PRESET_SUMMARIES[name]}")
-        table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
-        for col in ("knob", "default", "allowed", "meaning"):
-            table.add_column(col, overflow="fold", no_wrap=col != "meaning")
-        for knob, default, allowed, help_ in knob_table(config_cls):
-            table.add_row(knob, default, allowed, help_)
-        console.print(table)
-        console.print()
+        _method(console, name, "per layer", PRESET_SUMMARIES[name], config_cls)
+    console.print("[bold]algorithms[/bold]: model averaging on their own schedule "
+                  "(train --method NAME[:knobs]; in Python attach after backward and after optimizer.step)\n")
+    for name, (cls, config_cls) in algorithms().items():
+        _method(console, name, "model averaging", cls.summary, config_cls)
+    return 0
+
+
+def _method(console, name: str, kind: str, summary: str, config_cls: type) -> None:
+    """One method's heading and its knob table: knob, default, allowed range, meaning."""
+    from rich.table import Table
+
+    from thinwire.codecs.registry import knob_table
+
+    console.print(f"[bold cyan]{name}[/bold cyan]  ({kind})  {summary}")
+    table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
+    for col in ("knob", "default", "allowed", "meaning"):
+        table.add_column(col, overflow="fold", no_wrap=col != "meaning")
+    for knob, default, allowed, help_ in knob_table(config_cls):
+        table.add_row(knob, default, allowed, help_)
+    console.print(table)
+    console.print()
 
 
 if __name__ == "__main__":

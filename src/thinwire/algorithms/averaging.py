@@ -10,7 +10,37 @@ vectors line up across ranks.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from thinwire.aggregate import Aggregator
+from thinwire.codecs.identity import Identity, IdentityConfig
+from thinwire.comm.base import Communicator
+
+
+def grads_of(named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """Every parameter's ``.grad`` by name, a zero gradient first where it is None (so every
+    rank still sends the same tensors)."""
+    grads = {}
+    for name, p in named:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads[name] = p.grad
+    return grads
+
+
+class GradientMean:
+    """Synchronous fp32 gradient averaging (local SGD's and DaSGD's warm-up steps)."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], comm: Communicator, bucket_mb: float) -> None:
+        self.named = list(named)
+        fp32 = Identity(IdentityConfig())  # one per object: the aggregator sets its rank
+        self.aggregator = Aggregator(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+
+    def reduce(self) -> None:
+        """Replace every gradient with its mean over the ranks."""
+        self.aggregator.reduce_(grads_of(self.named))
 
 
 class ModelState:

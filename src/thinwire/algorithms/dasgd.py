@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.aggregate import Aggregator, Timing
-from thinwire.algorithms.averaging import ModelState
+from thinwire.aggregate import Timing
+from thinwire.algorithms.averaging import GradientMean, ModelState
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator, Handle
@@ -109,12 +109,11 @@ class DaSGD:
             comm = TorchComm()
         self.comm = comm
         self.state = ModelState(model, optimizer, self.config.average_momentum)
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        fp32 = Identity(IdentityConfig())
-        self._sync = Aggregator(self._named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
+        self._sync = self._warmup.aggregator
         self.codec = build_codec(self.config.codec.replace(";", ","))
         self.codec.rank = comm.rank
-        self._exact = self.codec.describe() == fp32.describe()  # identity: send snapshots, not deltas
+        self._exact = self.codec.describe() == Identity(IdentityConfig()).describe()  # send snapshots, not deltas
         self.feedback = ErrorFeedback()
         self.delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
         self.step = 0  # optimizer steps completed; identical on every rank
@@ -149,13 +148,8 @@ class DaSGD:
         if self.step >= self.config.warmup:
             return
         now = time.perf_counter()
-        grads = {}
-        for name, p in self._named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads[name] = p.grad
         before = self._sync.timing.comm_seconds
-        self._sync.reduce_(grads)
+        self._warmup.reduce()
         if self._last_step_end is not None:  # skip the first step (one-time costs)
             self._warm["comm"] += self._sync.timing.comm_seconds - before
             self._warm["step"] += now - self._last_step_end

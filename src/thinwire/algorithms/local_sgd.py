@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.aggregate import Aggregator, Timing
-from thinwire.algorithms.averaging import ModelState
-from thinwire.codecs.identity import Identity, IdentityConfig
+from thinwire.aggregate import Timing
+from thinwire.algorithms.averaging import GradientMean, ModelState
 from thinwire.comm.base import Communicator
 from thinwire.knobs import describe_config, knob, require
 
@@ -60,10 +59,8 @@ class LocalSGD:
             comm = TorchComm()
         self.comm = comm
         self.state = ModelState(model, optimizer, self.config.average_momentum)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        fp32 = Identity(IdentityConfig())
-        self._sync = Aggregator(named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
-        self._named = named
+        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
+        self._sync = self._warmup.aggregator
         self._flat: torch.Tensor | None = None
         self.step = 0  # optimizer steps completed; identical on every rank
         self.averages = 0
@@ -78,12 +75,7 @@ class LocalSGD:
     def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
         """During the warm-up, replace every gradient with its mean over the ranks."""
         if self.step < self.config.warmup:
-            grads = {}
-            for name, p in self._named:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads[name] = p.grad
-            self._sync.reduce_(grads)
+            self._warmup.reduce()
 
     def after_step(self) -> None:
         """Count the step; at every ``period``-th step after the warm-up, average the models."""

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from thinwire.aggregate import Aggregator, Timing
+from thinwire.algorithms.averaging import grads_of
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
@@ -89,12 +90,7 @@ class SyncReducer:
         window = self._window
         if window and loss is None:
             raise ValueError(f"{self.method} follows the training loss: call reduce(loss=...) every step")
-        grads = {}
-        for name, p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads[name] = p.grad
-        self.aggregator.reduce_(grads)
+        self.aggregator.reduce_(grads_of(self.params))
         if window:
             self._loss_sum += float(loss)
             if self.step % window == 0:
