@@ -22,8 +22,8 @@ After each step ``t`` (steps counted after the warm-up):
   steps later (``d = 0``: at once, which is blocking local SGD exactly).
 
 The steps between launch and merge touch only the live model, never the snapshot or the
-buffer in flight. Memory: two flat fp32 copies of the averaged state (snapshot and buffer),
-plus a third for the merge and, with a ``codec``, an anchor and its residual.
+buffer in flight. Memory: two flat fp32 copies of the averaged state (snapshot and buffer);
+a ``codec`` adds the delta, the anchor and, with error feedback, its residual.
 
 ``delay=auto`` measures, during the warm-up (synchronous gradient averaging, the same bytes
 as one model average), the mean time of one all_reduce and of one step's computation,
@@ -272,7 +272,8 @@ class DaSGD:
         return {"delay": self.delay, "launches": self.launches, "hidden_fraction": self.hidden_fraction()}
 
     def report(self) -> dict:
-        flats = 3 + (0 if self._exact else 2)
+        # snapshot and buffer; a codec adds the delta, the anchor and (with EF) the residual
+        flats = 2 if self._exact else 4 + int(bool(self.codec.config.ef))
         return {
             "method": describe_config(self.name, self.config), "delay": self.delay, "launches": self.launches,
             "blocked_seconds": self.blocked_seconds, "average_seconds": self._watch.total,
