@@ -85,6 +85,8 @@ BAD = [
     (["--method", "dasgd:warmup=-1"], "warmup must be >= 0"),
     (["--method", "dasgd:codec=topk"], "codec must be a single-round SUM codec"),
     (["--method", "localsgd:period=0"], "period must be >= 1"),
+    (["--method", "dpsgd:topology=torus", "--workers", "4"], "a torus needs workers = rows x cols"),
+    (["--method", "dpsgd:topology=star"], "unknown topology 'star'"),
 ]
 
 
@@ -269,3 +271,15 @@ def test_dasgd_run_reports_hidden_fraction_and_delay(tmp_path):
     assert s["bytes_sent_per_worker"] == pytest.approx(s["fp32_bytes_per_worker"] * 9 / 24, rel=1e-12)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["launches"] for x in lines] == [2, 5]
+
+
+@pytest.mark.timeout(300)
+def test_dpsgd_ring_run_sends_degree_times_the_model(tmp_path):
+    out = tmp_path / "dpsgd"
+    r = _cli("train", "--workers", "4", "--steps", "6", "--eval-every", "3", "--method", "dpsgd:topology=ring",
+             "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    # each worker sends its model to 2 neighbours per step; fp32 all_reduce sends 2(n-1)/n = 1.5 models
+    assert s["compression_ratio"] == pytest.approx(1.5 / 2, rel=1e-12)
+    assert "ring (4 workers, 4 edges" in s["method_report"]["topology"]

@@ -31,9 +31,20 @@ def algorithms() -> dict[str, type]:
     """Built-in algorithms with their own schedule, by name: name -> class (``Config``-typed
     knobs, built as ``cls(model, optimizer, comm, config, bucket_mb=...)``)."""
     from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
+    from thinwire.algorithms.gossip import DPSGD, DPSGDConfig
     from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 
-    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig)}
+    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig)}
+
+
+def check_world(spec: str, workers: int) -> None:
+    """Raise ``ValueError`` when a resolved method cannot run on ``workers`` ranks (a
+    topology that does not fit, for instance)."""
+    name, _ = parse_spec(spec)
+    if name in algorithms():
+        cls, config = _config_of(spec)
+        if hasattr(cls, "check_world"):
+            cls.check_world(config, workers)
 
 
 def _config_of(spec: str):

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinwire.algorithms.registry import resolve_method
+from thinwire.algorithms.registry import check_world, resolve_method
 from thinwire.codecs.config import require
 
 
@@ -77,6 +77,8 @@ class TrainConfig:
             method = Policy(rules).describe()
         else:
             method = resolve_method(self.method)
+            # under torchrun the world is torchrun's, not --workers
+            check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links,
