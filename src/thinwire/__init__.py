@@ -5,7 +5,8 @@ The public API (importing does no work beyond importing torch):
 * :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
-  the next steps; :class:`DPSGD`: gossip with graph neighbours (``thinwire.topology``); all
+  the next steps; :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
+  plain or low-rank compressed (``thinwire.topology``); all
   attach with ``after_backward()`` and ``after_step()``.
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
@@ -17,6 +18,7 @@ from thinwire.aggregate import Aggregator
 from thinwire.algorithms.dasgd import DaSGD
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
+from thinwire.algorithms.powergossip import PowerGossip
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec
@@ -29,6 +31,6 @@ from thinwire.policy import Policy, Rule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "Aggregation", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

@@ -87,6 +87,10 @@ BAD = [
     (["--method", "localsgd:period=0"], "period must be >= 1"),
     (["--method", "dpsgd:topology=torus", "--workers", "4"], "a torus needs workers = rows x cols"),
     (["--method", "dpsgd:topology=star"], "unknown topology 'star'"),
+    (["--method", "powergossip:rank=0"], "rank must be >= 1"),
+    (["--method", "powergossip:iters=0"], "iters must be >= 1"),
+    (["--method", "powergossip:gamma=0"], "gamma must be > 0"),
+    (["--method", "powergossip:topology=torus", "--workers", "7"], "7 has no such factorisation"),
 ]
 
 
@@ -283,3 +287,14 @@ def test_dpsgd_ring_run_sends_degree_times_the_model(tmp_path):
     # each worker sends its model to 2 neighbours per step; fp32 all_reduce sends 2(n-1)/n = 1.5 models
     assert s["compression_ratio"] == pytest.approx(1.5 / 2, rel=1e-12)
     assert "ring (4 workers, 4 edges" in s["method_report"]["topology"]
+
+
+@pytest.mark.timeout(300)
+def test_powergossip_run_sends_what_the_formula_says(tmp_path):
+    out = tmp_path / "pg"
+    r = _cli("train", "--workers", "4", "--steps", "4", "--eval-every", "2", "--method", "powergossip:rank=1",
+             "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["bytes_sent_per_worker"] == pytest.approx(4 * s["method_report"]["bytes_per_step_model"], rel=1e-12)
+    assert s["compression_ratio"] > 10

@@ -33,8 +33,10 @@ def algorithms() -> dict[str, type]:
     from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
     from thinwire.algorithms.gossip import DPSGD, DPSGDConfig
     from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+    from thinwire.algorithms.powergossip import PowerGossip, PowerGossipConfig
 
-    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig)}
+    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig),
+            "powergossip": (PowerGossip, PowerGossipConfig)}
 
 
 def check_world(spec: str, workers: int) -> None:
