@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     bc.add_argument("--quick", action="store_true", help="small tensors and few repeats")
     bc.add_argument("--methods", help="comma-separated codec specs (default: every codec at its defaults)")
     bc.add_argument("--repeats", type=int, help="timed repeats per codec (median reported)")
+    bn = bsub.add_parser("consensus", help="gossip alone: consensus error vs bits sent (dpsgd, powergossip ranks)")
+    bn.add_argument("--quick", action="store_true", help="at most 200 steps per method")
+    bn.add_argument("--methods", help="';'-separated gossip specs (default: dpsgd;powergossip:rank=1;...=2;...=4)")
+    bn.add_argument("--workers", type=int, default=8, help="in-process workers (default: 8)")
+    bn.add_argument("--size", type=int, default=100, help="each worker's matrix is SIZE x SIZE (default: 100)")
+    bn.add_argument("--topology", default="ring", help="ring | torus | complete | exponential | FILE (default: ring)")
+    bn.add_argument("--max-steps", type=int, help="steps per method at most (default: 3000; 200 with --quick)")
+    bn.add_argument("--out", help="write every curve to this CSV file (method, step, bits_per_worker, relative_error)")
     return p
 
 
@@ -69,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from thinwire.run.bench_codecs import main as bench_codecs
 
             return bench_codecs(quick=args.quick, methods=args.methods, repeats=args.repeats)
+        if args.command == "bench" and args.bench == "consensus":
+            from thinwire.run.bench_consensus import main as bench_consensus
+
+            return bench_consensus(quick=args.quick, methods=args.methods, workers=args.workers, size=args.size,
+                                   topology=args.topology, max_steps=args.max_steps, out=args.out)
         _parser().print_help()
         return EXIT_BAD_INPUT if args.command is None else 0
     except BadInput as e:
