@@ -298,3 +298,7 @@ def test_powergossip_run_sends_what_the_formula_says(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["bytes_sent_per_worker"] == pytest.approx(4 * s["method_report"]["bytes_per_step_model"], rel=1e-12)
     assert s["compression_ratio"] > 10
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # the averaged model is evaluated; the local models' mean accuracy and their spread are logged
+    assert all(x["consensus_distance"] > 0 and 0 <= x["local_test_accuracy_mean"] <= 1 for x in lines)
+    assert s["final_accuracy"] == lines[-1]["test_accuracy"]

@@ -43,6 +43,7 @@ class DPSGD:
     """Gossip of the whole model with the topology's neighbours after every backward pass."""
 
     name = "dpsgd"
+    decentralized = True  # the ranks' models differ: the trainer evaluates their average
     summary = "D-PSGD: every step, mix the model with the graph neighbours' (sum_j W_ij x_j), then step"
 
     @staticmethod

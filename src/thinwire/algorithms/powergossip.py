@@ -21,9 +21,10 @@ no error feedback is needed. With ``warm_start`` the product becomes the edge's 
 (or ``Q``); without, the next one is drawn afresh from ``(seed, lo, hi, index, counter)``.
 Every half-iteration's messages to one neighbour travel as one flat buffer.
 
-Parameters of one dimension or none (biases, norm weights) and floating-point buffers
-(BatchNorm statistics) gossip uncompressed once per step, ``x_i = sum_j W_ij x_j``, in the
-first half-iteration's buffer. Orthogonalisation: Gram-Schmidt, ``1e-8`` added to each norm
+Parameters of one dimension or none (biases, norm weights) gossip uncompressed once per
+step, ``x_i = sum_j W_ij x_j``, in the first half-iteration's buffer. Buffers (BatchNorm
+statistics) stay local, as in the paper's accounting; the trainer averages them only to
+evaluate the averaged model. Orthogonalisation: Gram-Schmidt, ``1e-8`` added to each norm
 (rank 1 is a normalisation). Defaults follow the paper's (``rank`` 1, one half-iteration per
 step, ``gamma`` 1, warm start); unlike its code this sends the matrices' projections on the
 first step too (they are zero while the models agree).
@@ -77,6 +78,7 @@ class PowerGossip:
     """Low-rank gossip of model differences with each graph neighbour, every step."""
 
     name = "powergossip"
+    decentralized = True  # the ranks' models differ: the trainer evaluates their average
     summary = "PowerGossip: decentralized; each edge sends rank-r power-iteration projections of the model difference"
 
     @staticmethod
@@ -94,9 +96,10 @@ class PowerGossip:
         self.comm = comm
         self.topology = build_topology(self.config.topology, comm.world_size)
         self.neighbours = self.topology.neighbours(comm.rank)
+        self.state_module = model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.matrices = [(n, p) for n, p in named if p.dim() >= 2]
-        self.vectors = [p for _, p in named if p.dim() < 2] + [b for b in model.buffers() if b.is_floating_point()]
+        self.vectors = [p for _, p in named if p.dim() < 2]
         self.counter = 0  # half-iterations done; identical on every rank
         self.step = 0
         self.pq: dict[tuple[int, int], list[list[torch.Tensor]]] = {}  # neighbour -> per matrix [P, Q]
@@ -181,11 +184,8 @@ class PowerGossip:
 
     # -- figures and state ---------------------------------------------------------------------
     def bytes_per_step(self) -> float:
-        """Bytes one worker sends per step on average: deg * 4 * (iters * sum r'(m+n)/2 + sum numel(vectors))."""
-        mats = sum(min(p.shape[0], p[0].numel(), self.config.rank) * (p.shape[0] + p[0].numel()) / 2
-                   for _, p in self.matrices)
-        vecs = sum(v.numel() for v in self.vectors)
-        return len(self.neighbours) * 4 * (self.config.iters * mats + vecs)
+        """Bytes this worker sends per step on average (see :func:`bytes_per_step`)."""
+        return bytes_per_step(self.state_module, len(self.neighbours), self.config.rank, self.config.iters)
 
     def stats(self) -> dict:
         return {}
@@ -211,3 +211,19 @@ class PowerGossip:
                 p, q = state["pq"][f"{name}@{lo}-{hi}"]
                 self.pq[j][k] = [p.clone(), q.clone()]
 
+
+def bytes_per_step(model: torch.nn.Module, degree: int, rank: int = 1, iters: int = 1) -> float:
+    """Bytes a worker of ``degree`` neighbours sends per step, on average over the alternating
+    half-iterations: ``degree * 4 * (iters * sum r'(m + n) / 2 + sum numel(vectors))`` over the
+    matrix parameters (``m x n`` views, ``r' = min(m, n, rank)``) and the vectors (parameters
+    of fewer than two dimensions)."""
+    mats = vecs = 0.0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2:
+            m, n = p.shape[0], p[0].numel()
+            mats += min(m, n, rank) * (m + n) / 2
+        else:
+            vecs += p.numel()
+    return degree * 4 * (iters * mats + vecs)

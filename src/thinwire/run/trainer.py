@@ -110,8 +110,11 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         agreed = loss.detach().reshape(1).to(torch.float32).clone()
         comm.all_reduce(agreed)
         record: dict[str, Any] = {"step": step, "train_loss": agreed.item() / comm.world_size}
-        ev = task.evaluate(model)
-        record.update({f"test_{k}": v for k, v in ev.items()})
+        if getattr(method, "decentralized", False):
+            record.update(_decentralized_eval(task, model, comm))
+        else:
+            ev = task.evaluate(model)
+            record.update({f"test_{k}": v for k, v in ev.items()})
         comm.barrier()  # evaluation skew is not charged to the next timed collective
     if hasattr(method, "stats"):
         record.update(method.stats())  # e.g. the theta FFT used at this step
@@ -128,6 +131,34 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
     for link in cfg.links:
         record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
     return record
+
+
+def _decentralized_eval(task, model, comm) -> dict[str, Any]:
+    """Gossip methods: the ranks' models differ, so report the averaged model's test metrics
+    (as ``test_*``), the mean of the local models' accuracies and the consensus distance
+    ``mean_i ||x_i - x_mean||^2`` over parameters and float buffers (all_reduces issued with
+    the meter paused by the caller: bookkeeping, not method traffic)."""
+    state = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    local = task.evaluate(model)
+    own = torch.cat([t.detach().reshape(-1).double() for t in state])  # (numel,)
+    mean = own.clone()
+    comm.all_reduce(mean)
+    mean /= comm.world_size
+    figures = torch.tensor([(own - mean).square().sum().item(), local["accuracy"] or 0.0], dtype=torch.float64)
+    comm.all_reduce(figures)
+    saved = [t.detach().clone() for t in state]
+    off = 0
+    with torch.no_grad():
+        for t in state:
+            t.copy_(mean[off : off + t.numel()].view(t.shape))
+            off += t.numel()
+        averaged = task.evaluate(model)
+        for t, keep in zip(state, saved):
+            t.copy_(keep)
+    out = {f"test_{k}": v for k, v in averaged.items()}
+    out["local_test_accuracy_mean"] = figures[1].item() / comm.world_size
+    out["consensus_distance"] = figures[0].item() / comm.world_size
+    return out
 
 
 def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) -> float:
