@@ -19,6 +19,15 @@ from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 
 
+def comm_or_world(comm: Communicator | None) -> Communicator:
+    """``comm``, or the default ``torch.distributed`` process group as a communicator."""
+    if comm is not None:
+        return comm
+    from thinwire.comm.torch_dist import TorchComm
+
+    return TorchComm()
+
+
 def grads_of(named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     """Every parameter's ``.grad`` by name, a zero gradient first where it is None (so every
     rank still sends the same tensors)."""

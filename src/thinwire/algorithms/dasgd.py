@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import GradientMean, ModelState
+from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator, Handle
@@ -103,11 +103,7 @@ class DaSGD:
                  comm: Communicator | None = None, config: DaSGDConfig | None = None, *,
                  bucket_mb: float = 25.0, **knobs) -> None:
         self.config = config if config is not None else DaSGDConfig(**knobs)
-        if comm is None:
-            from thinwire.comm.torch_dist import TorchComm
-
-            comm = TorchComm()
-        self.comm = comm
+        self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
         self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
         self._sync = self._warmup.aggregator

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import GradientMean, ModelState
+from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
 from thinwire.comm.base import Communicator
 from thinwire.knobs import describe_config, knob, require
 
@@ -53,11 +53,7 @@ class LocalSGD:
                  comm: Communicator | None = None, config: LocalSGDConfig | None = None, *,
                  bucket_mb: float = 25.0, **knobs) -> None:
         self.config = config if config is not None else LocalSGDConfig(**knobs)
-        if comm is None:
-            from thinwire.comm.torch_dist import TorchComm
-
-            comm = TorchComm()
-        self.comm = comm
+        self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
         self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
         self._sync = self._warmup.aggregator

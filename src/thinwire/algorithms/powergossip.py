@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.aggregate import Timing
+from thinwire.algorithms.averaging import comm_or_world
 from thinwire.comm.base import Communicator
 from thinwire.knobs import describe_config, knob, require
 from thinwire.topology import NAMES, build_topology
@@ -89,11 +90,7 @@ class PowerGossip:
                  comm: Communicator | None = None, config: PowerGossipConfig | None = None, *,
                  bucket_mb: float = 25.0, **knobs) -> None:
         self.config = config if config is not None else PowerGossipConfig(**knobs)
-        if comm is None:
-            from thinwire.comm.torch_dist import TorchComm
-
-            comm = TorchComm()
-        self.comm = comm
+        self.comm = comm = comm_or_world(comm)
         self.topology = build_topology(self.config.topology, comm.world_size)
         self.neighbours = self.topology.neighbours(comm.rank)
         self.state_module = model

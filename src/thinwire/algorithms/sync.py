@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from thinwire.aggregate import Aggregator, Timing
-from thinwire.algorithms.averaging import grads_of
+from thinwire.algorithms.averaging import comm_or_world, grads_of
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
@@ -57,11 +57,7 @@ class SyncReducer:
             codec = build_codec(method) if isinstance(method, str) else method
             chooser = lambda name, t: codec  # noqa: E731
             self.method = codec.describe()
-        if comm is None:
-            from thinwire.comm.torch_dist import TorchComm
-
-            comm = TorchComm()
-        self.comm = comm
+        self.comm = comm = comm_or_world(comm)
         self.aggregator = Aggregator(self.params, chooser, comm, bucket_mb=bucket_mb)
         self.codecs = self.aggregator.codecs  # the codecs in use, the fp32 fallback included
         windows = sorted({c.loss_window() for c in self.codecs} - {0})
