@@ -57,3 +57,14 @@ def describe_config(name: str, config: Any) -> str:
 
     show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
     return f"{name}:" + ",".join(f"{k}={show(v)}" for k, v in dataclasses.asdict(config).items())
+
+
+def read_user_file(path, what: str) -> str:
+    """The text of a file the user named; ``ValueError`` ("cannot read WHAT PATH: reason")
+    instead of an OSError, so the CLI can print one line."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None

@@ -46,7 +46,7 @@ from torch import nn
 
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec, build_config, parse_spec
-from thinwire.knobs import knob, require
+from thinwire.knobs import knob, read_user_file, require
 
 RULE_KEYS = ("codec", "module", "name", "min_numel", "max_numel", "ndim")
 MODULE_GROUPS: dict[str, tuple[type, ...]] = {
@@ -192,12 +192,7 @@ class Policy:
     @classmethod
     def from_toml(cls, path: str | Path) -> "Policy":
         """Rules from a TOML file: an array of ``[[rule]]`` tables."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read policy file {path}: {e.strerror or e}") from None
-        return cls.from_toml_text(text, str(path))
+        return cls.from_toml_text(read_user_file(path, "policy file"), str(path))
 
     @classmethod
     def from_toml_text(cls, text: str, source: str = "<policy>") -> "Policy":

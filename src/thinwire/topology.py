@@ -16,7 +16,7 @@ Built-in graphs (``build_topology(name, n)``):
   Metropolis-Hastings weights ``1 / (1 + max(deg_i, deg_j))`` (uniform: the graph is
   regular);
 * a file: ``n`` rows of ``n`` numbers (whitespace or commas; ``#`` starts a comment), or
-  any matrix through :meth:`Topology.from_matrix`.
+  any matrix through ``Topology(matrix)``.
 
 Weights are kept in float64; validation allows 1e-9 of rounding in the sums and symmetry.
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from thinwire.knobs import read_user_file
 
 TOLERANCE = 1e-9
 NAMES = ("ring", "torus", "complete", "exponential")
@@ -62,17 +64,10 @@ class Topology:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_matrix(cls, weights, name: str = "custom") -> "Topology":
-        return cls(weights, name)
-
-    @classmethod
     def from_file(cls, path: str | Path) -> "Topology":
         """``n`` rows of ``n`` numbers, separated by whitespace or commas; ``#`` comments."""
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read mixing matrix file {path}: {e.strerror or e}") from None
+        text = read_user_file(path, "mixing matrix file")
         rows = []
         for lineno, line in enumerate(text.splitlines(), 1):
             line = line.split("#", 1)[0].strip()
