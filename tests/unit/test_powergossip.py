@@ -130,3 +130,29 @@ def test_resume_from_a_checkpoint_continues_exactly():
     resumed = LocalWorld(4).run(lambda comm: fn(comm, 3))
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", [dict(rank=1), dict(rank=3, iters=2)])
+def test_gossip_still_mixes_after_steps_where_the_models_agree(spec):
+    """Identical models (the usual start of training) give a zero product on every edge; the
+    edges must keep a usable P and Q, so that the models still mix once they drift apart."""
+    def fn(comm):
+        model = Square(0)  # the same matrix on every rank
+        g = PowerGossip(model, None, comm, PowerGossipConfig(**spec))
+        for _ in range(3):
+            g.after_backward()  # nothing to mix yet
+        with torch.no_grad():  # a local update: the models drift apart
+            model.x.add_(torch.randn(100, 100, generator=torch.Generator().manual_seed(comm.rank)))
+        xs = [model.x.detach().clone()]
+        for _ in range(30):
+            g.after_backward()
+            xs.append(model.x.detach().clone())
+        return xs
+
+    results = LocalWorld(8).run(fn)
+    errors = []
+    for t in range(31):
+        xs = torch.stack([r[t] for r in results]).double()
+        errors.append((xs - xs.mean(0)).square().sum((1, 2)).mean().item())
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.8 * errors[0]

@@ -26,8 +26,9 @@ step, ``x_i = sum_j W_ij x_j``, in the first half-iteration's buffer. Buffers (B
 statistics) stay local, as in the paper's accounting; the trainer averages them only to
 evaluate the averaged model. Orthogonalisation: Gram-Schmidt, ``1e-8`` added to each norm
 (rank 1 is a normalisation). Defaults follow the paper's (``rank`` 1, one half-iteration per
-step, ``gamma`` 1, warm start); unlike its code this sends the matrices' projections on the
-first step too (they are zero while the models agree).
+step, ``gamma`` 1, warm start). Unlike its code this also sends on the first step (models
+that start apart mix at once); a warm-start column that comes back exactly zero, because the
+models agree along it, keeps its previous value instead, or the edge would stop mixing.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ def orthonormalize(v: torch.Tensor) -> torch.Tensor:
             col.sub_(torch.dot(col, out[:, k]) * out[:, k])
         col.div_(torch.linalg.vector_norm(col) + EPS)
     return out
+
+
+def _keep_live(product: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The warm start's next input: ``product``, except that a column which is exactly zero
+    (the two models agree along it, as at the start of training) keeps ``previous``'s column.
+    A zero column would stay zero in every later product, and the edge would never mix again.
+    Both ends hold bit-identical ``product`` and ``previous``, so they choose alike."""
+    dead = torch.linalg.vector_norm(product, dim=0) == 0
+    if not bool(dead.any()):
+        return product
+    return torch.where(dead, previous, product)
 
 
 class PowerGossip:
@@ -163,8 +175,8 @@ class PowerGossip:
                 out = (mine - other) if rank == hi else (other - mine)  # msg_hi - msg_lo, same at both ends
                 delta = out @ v.T if use_q else v @ out.T  # (m, n): the projection of X_hi - X_lo
                 updates[k].add_(delta, alpha=scale)
-                if self.config.warm_start:
-                    self.pq[j][k][0 if use_q else 1] = out  # the product is the next input
+                if self.config.warm_start:  # the product is the next input
+                    self.pq[j][k][0 if use_q else 1] = _keep_live(out, self.pq[j][k][0 if use_q else 1])
                 else:
                     self.pq[j][k] = self._draw(j, k, self.matrices[k][1], self.counter + 1)
             if with_vectors:
