@@ -6,8 +6,9 @@ The public API (importing does no work beyond importing torch):
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
   the next steps; :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
-  plain or low-rank compressed (``thinwire.topology``); all
-  attach with ``after_backward()`` and ``after_step()``.
+  plain or low-rank compressed (``thinwire.topology``); :class:`ABTraining`: low-rank
+  ``A·B`` factors trained in groups (``thinwire.nn.Factorized``); all attach with
+  ``after_backward()`` and ``after_step()``.
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
 * :class:`Aggregator`: average any named tensors through codecs (the building block).
@@ -15,6 +16,7 @@ The public API (importing does no work beyond importing torch):
 """
 
 from thinwire.aggregate import Aggregator
+from thinwire.algorithms.ab import ABTraining
 from thinwire.algorithms.dasgd import DaSGD
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
@@ -31,6 +33,6 @@ from thinwire.policy import Policy, Rule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "ABTraining", "Aggregation", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

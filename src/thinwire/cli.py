@@ -141,10 +141,14 @@ def _check_task(cfg) -> None:
     """Build the task once here so a missing or corrupt data directory fails before any rank starts."""
     from thinwire.tasks import get as get_task
 
+    from thinwire.algorithms.registry import check_model
+
     try:
-        get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+        task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
     except TypeError as e:
         raise ValueError(f"bad --option for task {cfg.task}: {e}") from None
+    if not cfg.policy_rules:
+        check_model(cfg.method, task.build_model())
 
 
 def _print_summary(s: dict[str, Any], out: str | None) -> None:
@@ -227,8 +231,8 @@ def _method(console, name: str, kind: str, summary: str, config_cls: type) -> No
 
     console.print(f"[bold cyan]{name}[/bold cyan]  ({kind})  {summary}")
     table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)
-    for col in ("knob", "default", "allowed", "meaning"):
-        table.add_column(col, overflow="fold", no_wrap=col != "meaning")
+    for col, width in (("knob", None), ("default", None), ("allowed", 24), ("meaning", None)):
+        table.add_column(col, overflow="fold", no_wrap=col in ("knob", "default"), max_width=width)
     for knob, default, allowed, help_ in knob_table(config_cls):
         table.add_row(knob, default, allowed, help_)
     console.print(table)

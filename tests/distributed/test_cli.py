@@ -91,6 +91,14 @@ BAD = [
     (["--method", "powergossip:iters=0"], "iters must be >= 1"),
     (["--method", "powergossip:gamma=0"], "gamma must be > 0"),
     (["--method", "powergossip:topology=torus", "--workers", "7"], "7 has no such factorisation"),
+    (["--method", "ab:cutoff=1"], "cutoff must be in (0, 1)"),
+    (["--method", "ab:cycle=5,full_steps=5"], "cycle must be > full_steps"),
+    (["--method", "ab:warmup=-1"], "warmup must be >= 0"),
+    (["--method", "ab:sync=some"], "sync must be one of"),
+    (["--method", "ab:group_size=2", "--workers", "2"], "needs at least one A group and one B group"),
+    (["--method", "ab:group_size=3", "--workers", "4"], "group_size 3 must divide the 4 workers"),
+    (["--method", "ab", "--workers", "3"], "needs an even number of workers"),
+    (["--method", "ab:exclude=first;fc9"], "'fc9' matches no Linear or Conv layer"),
 ]
 
 
@@ -302,3 +310,25 @@ def test_powergossip_run_sends_what_the_formula_says(tmp_path):
     # the averaged model is evaluated; the local models' mean accuracy and their spread are logged
     assert all(x["consensus_distance"] > 0 and 0 <= x["local_test_accuracy_mean"] <= 1 for x in lines)
     assert s["final_accuracy"] == lines[-1]["test_accuracy"]
+
+
+@pytest.mark.timeout(300)
+def test_ab_run_reports_phases_ranks_and_compression(tmp_path):
+    out = tmp_path / "ab"
+    r = _cli("train", "--workers", "2", "--steps", "14", "--eval-every", "7", "--method",
+             "ab:warmup=4,cycle=6,full_steps=2,rebound=2", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    # two groups of one: the group phases send nothing, so every byte is a warm-up, full-rank or sync byte
+    phases = s["bytes_by_phase"]
+    assert phases["group"] == 0 and phases["warmup"] > 0 and phases["sync"] > 0 and phases["full"] > 0
+    assert sum(phases.values()) == pytest.approx(s["bytes_sent_per_worker"], rel=1e-12)
+    # 4 warm-up + 2 full-rank steps send full gradients: 6/14 of fp32's bytes, plus 3 syncs and 1 rank agreement
+    assert phases["warmup"] + phases["full"] > s["fp32_bytes_per_worker"] * 6 / 14
+    assert set(s["ranks"]) == {"conv2", "conv3", "fc1"}  # conv1 and fc2: the first and last layers stay full rank
+    ratio = s["param_compression_ratio"]
+    assert ratio["factorized_layers"] > 0 and ratio["model"] > 0
+    report = s["method_report"]
+    assert report["steps_by_phase"] == {"warmup": 4, "group": 6, "full": 4} and report["syncs"] == 3
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["ab_phase"] for x in lines] == ["full", "full"]  # step 7: after the sync at 6; step 14: finish()

@@ -30,13 +30,14 @@ def register_algorithm(name: str, validate: Callable[[str], str], build: Callabl
 def algorithms() -> dict[str, type]:
     """Built-in algorithms with their own schedule, by name: name -> class (``Config``-typed
     knobs, built as ``cls(model, optimizer, comm, config, bucket_mb=...)``)."""
+    from thinwire.algorithms.ab import ABConfig, ABTraining
     from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
     from thinwire.algorithms.gossip import DPSGD, DPSGDConfig
     from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
     from thinwire.algorithms.powergossip import PowerGossip, PowerGossipConfig
 
     return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig),
-            "powergossip": (PowerGossip, PowerGossipConfig)}
+            "powergossip": (PowerGossip, PowerGossipConfig), "ab": (ABTraining, ABConfig)}
 
 
 def check_world(spec: str, workers: int) -> None:
@@ -47,6 +48,16 @@ def check_world(spec: str, workers: int) -> None:
         cls, config = _config_of(spec)
         if hasattr(cls, "check_world"):
             cls.check_world(config, workers)
+
+
+def check_model(spec: str, model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
+    excluded layer names, for instance)."""
+    name, _ = parse_spec(spec)
+    if name in algorithms():
+        cls, config = _config_of(spec)
+        if hasattr(cls, "check_model"):
+            cls.check_model(config, model)
 
 
 def _config_of(spec: str):

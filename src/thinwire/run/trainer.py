@@ -53,6 +53,7 @@ def train_rank(
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
     if cfg.policy_rules:  # a policy file: a codec per parameter
         from thinwire.algorithms.sync import SyncReducer
         from thinwire.policy import Policy
@@ -60,7 +61,6 @@ def train_rank(
         method = SyncReducer(model, Policy(cfg.policy_rules), comm, bucket_mb=cfg.bucket_mb)
     else:
         method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
     writer = MetricsWriter(cfg.out) if (rank == 0 and cfg.out) else None
     batches = task.train_batches(rank, n, cfg.batch_size)
@@ -80,6 +80,8 @@ def train_rank(
         optimizer.step()
         t3 = time.perf_counter()
         method.after_step()
+        if step == cfg.steps and hasattr(method, "finish"):
+            method.finish()  # e.g. AB-training's final sync: one model on every rank
         t4 = time.perf_counter()
         clock.compute += (t1 - t0) + (t3 - t2)
         clock.train_wall += t4 - t0
@@ -199,6 +201,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "method_report": method.report() if hasattr(method, "report") else {},
         "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),
         "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,
+        **(method.summary_fields() if hasattr(method, "summary_fields") else {}),
         "config": cfg.to_dict(),
         "version": version,
     }
