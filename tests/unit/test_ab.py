@@ -334,3 +334,10 @@ def test_an_excluded_name_must_match_a_layer():
         ABTraining.check_model(ABConfig(exclude="conv0;conv1;fc1;fc2"), Net())
     ABTraining.check_model(ABConfig(exclude="none"), Net())  # every layer factored: fine
     assert list(factorize_model(Net(), ABConfig(exclude="none").excluded())) == ["conv0", "conv1", "fc1", "fc2"]
+
+
+def test_transposed_convolutions_are_left_alone():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ConvTranspose2d(4, 4, 3), nn.Conv2d(4, 4, 3), nn.Linear(4, 2))
+    assert list(factorize_model(model, [])) == ["0", "2", "3"]
+    with pytest.raises(TypeError, match="non-transposed"):
+        Factorized(nn.ConvTranspose1d(2, 2, 3))

@@ -33,8 +33,8 @@ class Factorized(nn.Module):
 
     def __init__(self, layer: nn.Linear | _ConvNd) -> None:
         super().__init__()
-        if not isinstance(layer, (nn.Linear, _ConvNd)) or layer.weight.dim() < 2:
-            raise TypeError(f"Factorized wraps nn.Linear or a Conv layer, got {type(layer).__name__}")
+        if not _supported(layer):
+            raise TypeError(f"Factorized wraps nn.Linear or a (non-transposed) Conv layer, got {type(layer).__name__}")
         object.__setattr__(self, "_layer", layer)  # its config (stride, padding, ...), not a submodule
         self.weight = layer.weight
         self.bias = layer.bias
@@ -147,6 +147,12 @@ class Factorized(nn.Module):
                                       unexpected_keys, error_msgs)
 
 
+def _supported(m: nn.Module) -> bool:
+    if isinstance(m, _ConvNd) and m.transposed:  # ConvTranspose: another forward, left alone
+        return False
+    return isinstance(m, (nn.Linear, _ConvNd)) and m.weight is not None and m.weight.dim() >= 2
+
+
 def rank_for(singular_values: torch.Tensor, cutoff: float) -> int:
     """How many singular values exceed ``cutoff · σ_1`` (at least one)."""
     s = singular_values
@@ -154,10 +160,8 @@ def rank_for(singular_values: torch.Tensor, cutoff: float) -> int:
 
 
 def factorizable(model: nn.Module) -> list[str]:
-    """Names of the Linear and Conv layers (with a weight of two or more dimensions) in
-    registration order."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, (nn.Linear, _ConvNd, Factorized)) and n and m.weight is not None and m.weight.dim() >= 2]
+    """Names of the Linear and Conv layers (not ConvTranspose) in registration order."""
+    return [n for n, m in model.named_modules() if n and (isinstance(m, Factorized) or _supported(m))]
 
 
 def resolve_exclude(model: nn.Module, exclude: Iterable[str]) -> list[str]:
