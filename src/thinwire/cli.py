@@ -216,10 +216,16 @@ def _methods() -> int:
                   "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
     for name, (config_cls, _) in PRESETS.items():
         _method(console, name, "per layer", PRESET_SUMMARIES[name], config_cls)
-    console.print("[bold]algorithms[/bold]: model averaging on their own schedule "
+    console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
                   "(train --method NAME[:knobs]; in Python attach after backward and after optimizer.step)\n")
+    builtins = {n: c for n, c in algorithms().items() if getattr(c[0], "builtin", False)}
     for name, (cls, config_cls) in algorithms().items():
-        _method(console, name, "model averaging", cls.summary, config_cls)
+        if name not in builtins:
+            _method(console, name, "algorithm", cls.summary, config_cls)
+    console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
+                  "harness and byte meter (train --method NAME[:knobs]; the peers to compare against)\n")
+    for name, (cls, config_cls) in builtins.items():
+        _method(console, name, "PyTorch", cls.summary, config_cls)
     return 0
 
 

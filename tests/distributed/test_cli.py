@@ -99,6 +99,11 @@ BAD = [
     (["--method", "ab:group_size=3", "--workers", "4"], "group_size 3 must divide the 4 workers"),
     (["--method", "ab", "--workers", "3"], "needs an even number of workers"),
     (["--method", "ab:exclude=first;fc9"], "'fc9' matches no Linear or Conv layer"),
+    (["--method", "torch-bf16"], "torch-bf16 is unavailable on CPU/gloo"),
+    (["--method", "torch-powersgd:rank=0"], "rank must be >= 1"),
+    (["--method", "torch-powersgd:start_iter=1"], "start_iter must be >= 2"),
+    (["--method", "torch-postlocalsgd:period=0"], "period must be >= 1"),
+    (["--method", "torch-ddp:rank=2"], "unknown knob"),
 ]
 
 

@@ -36,8 +36,11 @@ def algorithms() -> dict[str, type]:
     from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
     from thinwire.algorithms.powergossip import PowerGossip, PowerGossipConfig
 
+    from thinwire.integrations.torch_builtins import BUILTINS
+
     return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig),
-            "powergossip": (PowerGossip, PowerGossipConfig), "ab": (ABTraining, ABConfig)}
+            "powergossip": (PowerGossip, PowerGossipConfig), "ab": (ABTraining, ABConfig),
+            **{name: (cls, cls.config_cls) for name, cls in BUILTINS.items()}}
 
 
 def check_world(spec: str, workers: int) -> None:

@@ -1,0 +1,260 @@
+"""PyTorch's own DDP communication as methods in thinwire's harness: the peers to beat.
+
+``torch-ddp`` (DDP's all_reduce, as its default ``allreduce_hook``), ``torch-fp16`` and
+``torch-bf16`` (the compress hooks), ``torch-powersgd:rank=R`` (``powerSGD_hook``) and
+``torch-postlocalsgd:period=τ`` (``post_localSGD_hook`` with a ``PeriodicModelAverager``)
+train the same model, data, seed and optimizer as thinwire's methods, through
+``torch.nn.parallel.DistributedDataParallel``. Their bytes are counted by the same meter:
+while one of PyTorch's hooks (or the averager) runs, ``torch.distributed.all_reduce`` on
+the world group is routed through thinwire's communicator, which counts the bytes (and
+delays them under ``--emulate-link``) and completes before it returns, so the hook's
+future is already done. Time spent inside the hooks, outside the all_reduce, counts as
+codec time; the all_reduce's as communication; the rest of the backward pass as compute.
+
+Deliberate differences from a stock DDP script, so that the comparison is like for like:
+``broadcast_buffers=False`` (thinwire's synchronous methods leave BatchNorm statistics
+local too, and DDP's per-forward buffer broadcast would bypass the meter), and the
+post-local-SGD hook does no intra-node all_reduce after its warm-up (every worker is taken
+to be its own machine). Buckets follow ``--bucket-mb``. These methods need
+``torch.distributed`` (``thinwire train`` starts it); a peer that PyTorch cannot run on this
+backend (``torch-bf16`` on CPU/gloo) fails at its first step with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from thinwire.aggregate import Timing
+from thinwire.comm.base import Communicator
+from thinwire.knobs import describe_config, knob, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoKnobs:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchPowerSGDConfig:
+    rank: int = knob(1, "matrix_approximation_rank of PyTorch's PowerSGDState", ">= 1")
+    start_iter: int = knob(10, "start_powerSGD_iter: plain all_reduce before it (PyTorch's default is 1,000; "
+                           "ours is scaled to the bundled tasks)", ">= 2")
+    min_compression_rate: float = knob(2.0, "compress a matrix only if it shrinks at least this much", ">= 1")
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        require(self.start_iter >= 2, f"start_iter must be >= 2 (PyTorch's error feedback needs it), got {self.start_iter}")
+        require(self.min_compression_rate >= 1, f"min_compression_rate must be >= 1, got {self.min_compression_rate}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchPostLocalSGDConfig:
+    period: int = knob(4, "steps between model averages (PeriodicModelAverager's period)", ">= 1")
+    warmup: int = knob(0, "synchronous all_reduce steps first (start_localSGD_iter and the averager's warmup_steps)",
+                       ">= 0")
+
+    def __post_init__(self) -> None:
+        require(self.period >= 1, f"period must be >= 1, got {self.period}")
+        require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
+
+
+class _Done:
+    """The part of ``torch.distributed.Work`` that PyTorch's hooks use, already complete."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result([tensor])
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextmanager
+def routed_all_reduce(comm: Communicator, timing: Timing):
+    """While active, ``torch.distributed.all_reduce`` (SUM, world group) runs through ``comm``:
+    metered, emulated where ``comm`` is, and complete on return."""
+    original = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.SUM or (group is not None and group is not dist.group.WORLD
+                                       and dist.get_world_size(group) != comm.world_size):
+            raise RuntimeError("thinwire meters PyTorch's hooks only for SUM all_reduce over the world group")
+        t0 = time.perf_counter()
+        dist.all_reduce = original  # the communicator's own all_reduce is torch.distributed's
+        try:
+            comm.all_reduce(tensor)
+        finally:
+            dist.all_reduce = all_reduce
+        timing.comm_seconds += time.perf_counter() - t0
+        return _Done(tensor) if async_op else None
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
+    def metered(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        t0, before = time.perf_counter(), timing.comm_seconds
+        with routed_all_reduce(comm, timing):
+            fut = hook(state, bucket)
+            fut.wait()
+        timing.codec_seconds += time.perf_counter() - t0 - (timing.comm_seconds - before)
+        return fut
+
+    # DDP checks a hook's annotations: the real classes, not this module's postponed strings
+    metered.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                               "return": torch.futures.Future[torch.Tensor]}
+    return metered
+
+
+class TorchBuiltin:
+    """A model wrapped in DDP with one of PyTorch's communication hooks; the trainer runs
+    forward and backward through :attr:`module`."""
+
+    name = "torch-ddp"
+    config_cls: type = NoKnobs
+    summary = "PyTorch DDP, default all_reduce (allreduce_hook), fp32"
+    builtin = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0, **knobs) -> None:
+        self.config = config if config is not None else self.config_cls(**knobs)
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(f"{self.name} runs PyTorch's DDP and needs torch.distributed (thinwire train starts it)")
+        if comm is None:
+            from thinwire.comm.torch_dist import TorchComm
+
+            comm = TorchComm()
+        self.comm, self.model, self.optimizer = comm, model, optimizer
+        self._timing = Timing()
+        self.step = 0
+        from torch.nn.parallel import DistributedDataParallel
+
+        local = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                 else {"broadcast_buffers": False})  # BatchNorm statistics stay local, as under thinwire's methods
+        self.module = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **local)
+        state, hook = self._hook()
+        check = getattr(self.module, "_check_comm_hook", None)
+        if check is not None:  # PyTorch's own verdict on its hook here (bf16 needs CUDA + NCCL)
+            try:
+                check(hook)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{self.name} is unavailable here: {e}") from None
+        self.module.register_comm_hook(state, _wrap(hook, comm, self._timing))
+        self.hook_state = state
+
+    def _hook(self) -> tuple[Any, Callable]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.allreduce_hook
+
+    @property
+    def timing(self) -> Timing:
+        return self._timing
+
+    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+        """Nothing: DDP averaged the gradients during the backward pass."""
+
+    def after_step(self) -> None:
+        self.step += 1
+
+    def stats(self) -> dict:
+        return {}
+
+    def report(self) -> dict:
+        return {"method": describe_config(self.name, self.config), "peer": "PyTorch DDP communication hook"}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class TorchFP16(TorchBuiltin):
+    name = "torch-fp16"
+    summary = "PyTorch DDP with fp16_compress_hook (gradients cast to fp16 for the all_reduce)"
+
+    def _hook(self):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.fp16_compress_hook
+
+
+class TorchBF16(TorchBuiltin):
+    name = "torch-bf16"
+    summary = ("PyTorch DDP with bf16_compress_hook (gradients cast to bf16 for the all_reduce); PyTorch "
+               "accepts it only with CUDA + NCCL 2.10+ (or XPU), so not on CPU/gloo")
+
+    @staticmethod
+    def check_world(config: Any, workers: int) -> None:
+        """Refuse locally spawned runs up front: they use gloo, where PyTorch's DDP rejects
+        this hook (under torchrun the rank checks the backend it got)."""
+        if "RANK" not in os.environ:
+            raise ValueError("torch-bf16 is unavailable on CPU/gloo: PyTorch's DDP accepts bf16_compress_hook only "
+                             "with CUDA 11+ and NCCL 2.10+ (or XPU and XCCL); use bf16 (thinwire's cast codec) here")
+
+    def _hook(self):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.bf16_compress_hook
+
+
+class TorchPowerSGD(TorchBuiltin):
+    name = "torch-powersgd"
+    config_cls = TorchPowerSGDConfig
+    summary = "PyTorch DDP with powerSGD_hook (rank-r P/Q all_reduces, error feedback, warm start)"
+
+    def _hook(self):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        cfg = self.config
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
+                                 start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
+                                 use_error_feedback=True, warm_start=True, random_seed=0)
+        return state, ps.powerSGD_hook
+
+
+class TorchPostLocalSGD(TorchBuiltin):
+    name = "torch-postlocalsgd"
+    config_cls = TorchPostLocalSGDConfig
+    summary = "PyTorch post-local SGD: post_localSGD_hook + PeriodicModelAverager (parameters every period steps)"
+
+    def _hook(self):
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        cfg = self.config
+        self.averager = PeriodicModelAverager(period=cfg.period, warmup_steps=cfg.warmup)
+        state = pl.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=cfg.warmup,
+                                     post_local_gradient_allreduce=False)
+        return state, pl.post_localSGD_hook
+
+    def after_step(self) -> None:
+        """Every ``period`` steps after the warm-up, average the parameters (metered)."""
+        t0, before = time.perf_counter(), self._timing.comm_seconds
+        with routed_all_reduce(self.comm, self._timing):
+            self.averager.average_parameters(self.model.parameters())
+        self._timing.codec_seconds += time.perf_counter() - t0 - (self._timing.comm_seconds - before)
+        self.step += 1
+
+
+BUILTINS: dict[str, type[TorchBuiltin]] = {c.name: c for c in (TorchBuiltin, TorchFP16, TorchBF16, TorchPowerSGD,
+                                                                 TorchPostLocalSGD)}
