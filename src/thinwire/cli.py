@@ -47,6 +47,31 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
+                       "against steps, bytes and modeled time per link")
+    c.add_argument("--methods", action="append", required=True, metavar="M1,M2,...",
+                   help="method specs separated by commas (a key=value token continues the spec before it: "
+                   "identity,topk:ratio=0.01,ef=false,torch-ddp); repeatable")
+    c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    c.add_argument("--workers", type=int, default=2, help="local ranks per run (default: 2)")
+    c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")
+    c.add_argument("--link", action="append", default=[], metavar="LINK",
+                   help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
+    c.add_argument("--emulate-link", action="store_true", help="delay real collectives by the first --link's modeled time")
+    c.add_argument("--out", required=True, help="directory for report.md, results.csv, the PNGs and runs/")
+    c.add_argument("--overwrite", action="store_true", help="allow --out to replace an earlier comparison")
+    c.add_argument("--target", type=float, help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
+    c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
+    c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
+    c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
+    c.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
+    c.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
+    c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
+    c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
+
     sub.add_parser("methods", help="every method and knob, with default and allowed range")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -73,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "methods":
             return _methods()
+        if args.command == "compare":
+            return _compare(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "bench" and args.bench == "codecs":
             from thinwire.run.bench_codecs import main as bench_codecs
 
@@ -116,6 +143,33 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_summary(summary, cfg.out)
     return 0
+
+
+def _compare(args: argparse.Namespace, argv: list[str]) -> int:
+    from thinwire.run import compare
+    from thinwire.run.config import TrainConfig
+
+    base = TrainConfig(
+        task=args.task, workers=args.workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
+        emulate_link=args.emulate_link, eval_every=args.eval_every, bucket_mb=args.bucket_mb, threads=args.threads,
+        task_options=_options(args.option),
+    )
+    try:
+        _check_task(base.resolve())
+        race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
+    done = compare.finish(race, results, compare.command_line(argv))
+    for link, best in done["best"].items():
+        print(f"best at {link}: {best or 'none'}")
+    print(f"wrote {done['report']}, {done['csv']} and {len(done['plots'])} plots")
+    failed = [r["label"] for r in results if r["status"] != "ok"]
+    if failed:
+        print(f"thinwire: {len(failed)} of {len(results)} methods failed: {', '.join(failed)} (see the report)",
+              file=sys.stderr)
+    return 1 if len(failed) == len(results) else 0
 
 
 def _options(items: list[str]) -> dict[str, Any]:

@@ -337,3 +337,41 @@ def test_ab_run_reports_phases_ranks_and_compression(tmp_path):
     assert report["steps_by_phase"] == {"warmup": 4, "group": 6, "full": 4} and report["syncs"] == 3
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["ab_phase"] for x in lines] == ["full", "full"]  # step 7: after the sync at 6; step 14: finish()
+
+
+@pytest.mark.timeout(300)
+def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
+    import csv
+
+    out = tmp_path / "race"
+    r = _cli("compare", "--task", "synthetic", "--methods", "identity,torch-ddp", "--workers", "2", "--steps", "6",
+             "--eval-every", "3", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "[1/2] identity" in r.stdout and "[2/2] torch-ddp" in r.stdout and "best at 1gbit,50us" in r.stdout
+    for name in ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png",
+                 "accuracy_vs_time_1gbit_50us.png", "accuracy_vs_time_100mbit_1ms.png", "time_breakdown.png"):
+        assert (out / name).stat().st_size > 0, name
+    with open(out / "results.csv") as f:
+        rows = {row["method"]: row for row in csv.DictReader(f)}
+    for run in sorted((out / "runs").iterdir()):
+        s = json.loads((run / "summary.json").read_text())
+        row = rows[s["method"].split(":")[0]]
+        for key in ("final_accuracy", "final_loss", "bytes_sent_per_worker", "compression_ratio", "wall_seconds",
+                    "compute_seconds", "codec_seconds", "comm_seconds"):
+            assert float(row[key]) == s[key], key  # the CSV holds the summary's own numbers
+        assert float(row["modeled_seconds@1gbit,50us"]) == s["modeled_seconds_by_link"]["1gbit,50us"]
+    # PyTorch's DDP and thinwire's identity: the same losses and bytes on the same seed
+    assert float(rows["torch-ddp"]["final_loss"]) == pytest.approx(float(rows["identity"]["final_loss"]), rel=1e-6)
+    assert rows["torch-ddp"]["bytes_sent_per_worker"] == rows["identity"]["bytes_sent_per_worker"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--methods", "identity,nosuch"], "unknown method 'nosuch'"),
+    (["--methods", "identity,identity"], "appears twice"),
+    (["--methods", "torch-bf16"], "torch-bf16 is unavailable on CPU/gloo"),
+    (["--methods", "identity", "--target", "2"], "target must be in (0, 1]"),
+])
+def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path):
+    assert main(["compare", "--task", "synthetic", "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
