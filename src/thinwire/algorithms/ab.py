@@ -39,6 +39,10 @@ per-parameter state of ``A`` and ``B`` (momentum, Adam moments) is sliced to the
 ``B = S^1/2 V^T``; under ``only-b`` ``A = U`` and ``B = S V^T``, as the reference code does
 (its frozen ``A`` is then an orthonormal basis).
 
+Use Adam or AdamW (the paper's choice): with ``B`` fixed, a step on ``A`` moves ``W`` by
+``-lr grad_W B^T B``, scaled by the singular values, and plain SGD at a high learning rate
+can diverge (measured: the small VGG at SGD lr 0.1 fell to chance accuracy).
+
 Default knobs (ours, scaled to the bundled 600-800-step tasks; the paper's runs use
 thousands of steps): warm-up 100, cycle 100, 10 full-rank steps, cutoff 0.15 (METHODS.md),
 rebound 20 steps, groups of half the world.
