@@ -93,7 +93,7 @@ def _breakdown(path: Path, runs: list[dict[str, Any]], link: str | None) -> Path
         modeled = (s.get("modeled_seconds_by_link") or {}).get(link) if link else None
         comm.append(max(0.0, modeled - s["compute_seconds"] - s["codec_seconds"]) if modeled is not None
                     else s["comm_seconds"])
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 2.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 2.2), dpi=110, layout="constrained")
     ys = range(len(labels))
     ax.barh(ys, compute, label="compute (measured)")
     ax.barh(ys, codec, left=compute, label="codec (measured)")
@@ -104,8 +104,7 @@ def _breakdown(path: Path, runs: list[dict[str, Any]], link: str | None) -> Path
     ax.set_xlabel("seconds per worker, whole run")
     ax.set_title("where the time goes")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
-    fig.tight_layout()
+    fig.legend(fontsize=8, loc="outside lower center", ncol=3, frameon=False)
     fig.savefig(path)
     plt.close(fig)
     return path
