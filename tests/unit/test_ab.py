@@ -205,9 +205,10 @@ def test_bytes_per_phase_follow_the_formulas():
             return sent_bytes("all_reduce", 4 * (factor + others), 2)
         untruncated = {n: min(s) for n, s in shapes.items()}
         assert by_phase["group"] == 2 * group_bytes(untruncated) + 4 * group_bytes(ranks)
-        # syncs at steps 6 and 12, with-stale: A and B, untruncated then at the agreed ranks
+        # syncs at steps 6 and 12, with-stale: A and B, untruncated then at the agreed ranks, with
+        # the unfactored parameters, their two Adam moments and the float buffers
         stale = lambda rank_of: sum(rank_of[n] * (m + n_) for n, (m, n_) in shapes.items())  # noqa: E731
-        assert by_phase["sync"] == sum(sent_bytes("all_reduce", 4 * (stale(r) + others + buffers), 4)
+        assert by_phase["sync"] == sum(sent_bytes("all_reduce", 4 * (stale(r) + 3 * others + buffers), 4)
                                        for r in (untruncated, ranks))
 
 
@@ -221,8 +222,8 @@ def test_sync_modes_send_what_they_reconcile():
             return ab.bytes_by_phase["sync"] - before
         sizes[sync] = LocalWorld(4).run(fn)[0]
     ref = Net()
-    rest = sum(p.numel() for p in ref.parameters()) - ref.conv1.weight.numel() - ref.fc1.weight.numel()
-    rest += sum(b.numel() for b in ref.buffers() if b.is_floating_point())
+    rest = 3 * (sum(p.numel() for p in ref.parameters()) - ref.conv1.weight.numel() - ref.fc1.weight.numel())
+    rest += sum(b.numel() for b in ref.buffers() if b.is_floating_point())  # parameters + 2 Adam moments + buffers
     per = lambda numel: sent_bytes("all_reduce", 4 * (numel + rest), 4)  # noqa: E731
     assert sizes["full"] == per(36 * 8 + 64 * 32)  # the products
     assert sizes["with-stale"] == sizes["only-learned"] == per(8 * (36 + 8) + 32 * (64 + 32))
@@ -341,3 +342,58 @@ def test_transposed_convolutions_are_left_alone():
     assert list(factorize_model(model, [])) == ["0", "2", "3"]
     with pytest.raises(TypeError, match="non-transposed"):
         Factorized(nn.ConvTranspose1d(2, 2, 3))
+
+
+def test_full_rank_steps_after_a_sync_run_identically_on_every_rank():
+    """The groups averaged the unfactored parameters' gradients apart; the sync averages their
+    optimizer state too, so a run that ends inside the full-rank phase ends with one model."""
+    def fn(comm):
+        model, ab, _ = _train(comm, SPEC, 7)  # sync at 6, full-rank step 6 (of 6-7)
+        assert ab.phase == "full"
+        # parameters (BatchNorm's running statistics are local to each rank, as under identity)
+        return torch.cat([p.detach().reshape(-1) for k, p in model.named_parameters() if not k.endswith((".a", ".b"))])
+
+    flats = LocalWorld(4).run(fn)
+    for f in flats[1:]:
+        assert torch.equal(f, flats[0])
+
+
+def test_a_run_ending_on_the_factorising_step_keeps_its_full_rank_weights():
+    def fn(comm):
+        seen = {}
+
+        def watch(step, model, ab):
+            if step == 7:
+                seen["w"] = model.fc1.weight.detach().clone()
+        model, ab, _ = _train(comm, SPEC, 8, watch=watch)  # step 8 = 8 % 6 == 2: re-factorised, then finish()
+        return seen["w"], model.fc1.weight.detach().clone(), model.fc1.mode, ab.syncs
+
+    for before, after, mode, syncs in LocalWorld(4).run(fn):
+        assert mode == "full" and syncs == 1  # no sync of the truncated factors
+        assert not torch.equal(before, after)  # step 8 trained W ...
+    results = LocalWorld(4).run(fn)
+    assert all(torch.equal(r[1], results[0][1]) for r in results)  # ... identically on every rank
+
+
+def test_the_method_state_must_load_after_the_model():
+    def fn(comm):
+        kept = {}
+        _train(comm, SPEC, 5, watch=lambda step, model, ab: kept.setdefault(step, ab.state_dict()))
+        saved = kept[5]  # inside the first group phase
+        model = _net()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        fresh = ABTraining(model, opt, comm, ABConfig(**SPEC))
+        try:
+            fresh.load_state_dict(saved)
+        except ValueError as e:
+            return str(e)
+        return "loaded"
+
+    messages = LocalWorld(4).run(fn)
+    assert all("load the model's state dict before the method's" in m for m in messages), messages
+
+
+def test_multihead_attention_projections_stay_full_rank():
+    model = nn.Sequential(nn.Linear(8, 8), nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2))
+    names = list(factorize_model(model, []))
+    assert "1.self_attn.out_proj" not in names and "1.linear1" in names

@@ -150,3 +150,16 @@ def test_emulated_link_delays_queues_and_overlaps():
         assert 0.08 * 0.95 <= overlapped < 0.08 + 0.05  # max(compute, comm), not compute + comm = 0.13
         assert not h2_done_early and sub_type == "EmulatedLink"
         assert modeled == pytest.approx(0.12)
+
+
+def test_sub_group_collectives_are_modeled_over_their_own_ranks():
+    from thinwire.comm.link import Link, meter_seconds
+    from thinwire.comm.meter import ByteMeter
+
+    link = Link.parse("1gbit,50us")
+    meter = ByteMeter()
+    meter.record("all_reduce", 1_000_000, 2)  # a group of 2 inside a world of 4
+    meter.record("all_reduce", 1_000_000, 4)
+    expected = link.all_reduce_time(1_000_000, 2) + link.all_reduce_time(1_000_000, 4)
+    assert meter_seconds(link, meter, 4) == pytest.approx(expected, rel=1e-12)
+    assert meter_seconds(link, meter, 4) < 2 * link.all_reduce_time(1_000_000, 4)

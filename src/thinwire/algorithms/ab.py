@@ -29,11 +29,15 @@ Sync modes: ``full`` averages the products ``A·B``; ``with-stale`` averages ``A
 separately (the frozen copies too) and multiplies; ``only-learned`` takes ``A`` from the
 A-groups and ``B`` from the B-groups (one all_reduce, each rank contributing its trained
 factor); ``only-b`` averages ``B`` (``A`` is never trained, so it agrees already). Unfactored
-parameters and floating-point buffers are averaged over all ranks at every sync.
+parameters, their optimizer state (momentum, Adam moments: the groups averaged their
+gradients apart) and floating-point buffers are averaged over all ranks at every sync, so
+the full-rank steps after it run identically on every rank.
 
 At each phase change (factorisation, sync, re-factorisation) the learning rate restarts
 at 1e-5 and ramps linearly back to the optimizer's over ``rebound`` steps (capped at the
-optimizer's own, so a user's scheduler still rules). At a re-factorisation the optimizer's
+optimizer's own). The factors join the optimizer as a new parameter group: create a
+learning-rate scheduler after ``ABTraining`` so that it covers them, and step it after
+``after_step()``. At a re-factorisation the optimizer's
 per-parameter state of ``A`` and ``B`` (momentum, Adam moments) is sliced to the new rank
 (zero-padded if the rank grew); ``reset_optimizer`` clears it instead. ``A = U S^1/2``,
 ``B = S^1/2 V^T``; under ``only-b`` ``A = U`` and ``B = S V^T``, as the reference code does
@@ -210,9 +214,17 @@ class ABTraining:
             self._factorise(truncate=True)
 
     def finish(self) -> None:
-        """End of training: sync if a group phase is under way, so every rank holds one model."""
-        if self.phase == "group":
-            self.sync()
+        """End of training: sync if a group phase is under way, so every rank holds one model.
+        A run that ends on the very step that factorised goes back to its full-rank ``W``
+        (identical on every rank, untouched by the factorisation) instead."""
+        if self.phase != "group":
+            return
+        if self.step == self.phase_started:
+            for layer in self.layers.values():
+                layer.set_mode("full", keep_weight=True)
+            self._enter("full")
+            return
+        self.sync()
 
     # -- phases --------------------------------------------------------------------------------
     def _factorise(self, truncate: bool) -> None:
@@ -221,9 +233,13 @@ class ABTraining:
         cfg = self.config
         svds = {name: torch.linalg.svd(layer.tall(), full_matrices=False) for name, layer in self.layers.items()}
         if truncate:
-            local = torch.tensor([rank_for(s, cfg.cutoff) for _, s, _ in svds.values()], dtype=torch.int64)
-            every = torch.empty((self.comm.world_size, local.numel()), dtype=torch.int64)
+            device = next(iter(self.layers.values())).weight.device  # NCCL gathers device tensors only
+            local = torch.tensor([rank_for(s, cfg.cutoff) for _, s, _ in svds.values()], dtype=torch.int64,
+                                 device=device)
+            every = torch.empty((self.comm.world_size, local.numel()), dtype=torch.int64, device=device)
+            t_comm = time.perf_counter()
             self._metered("full", lambda: self.comm.all_gather(local, every))
+            t0 += time.perf_counter() - t_comm  # counted as communication, not codec time
             ranks = every.max(0).values.tolist()
         else:
             ranks = [s.numel() for _, s, _ in svds.values()]
@@ -284,7 +300,7 @@ class ABTraining:
                 parts += [(layer.b if self.role == "b" else torch.zeros_like(layer.b)) for layer in layers]
             else:  # only-b
                 parts = [layer.b for layer in layers]
-            rest = [p.detach() for _, p in self.others] + self.buffers
+            rest = [p.detach() for _, p in self.others] + self.buffers + self._others_state()
             flat = torch.cat([t.detach().reshape(-1).float() for t in parts + rest])
             t1 = time.perf_counter()
             self._metered("sync", lambda: comm.all_reduce(flat))
@@ -320,6 +336,17 @@ class ABTraining:
         self._enter("full")
         self._timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self._timing.comm_seconds += t2 - t1
+
+    def _others_state(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors of the unfactored parameters (momentum, Adam
+        moments): the groups averaged those parameters' gradients apart, so a sync averages
+        this state too and the full-rank steps after it run identically on every rank."""
+        out = []
+        for _, p in self.others:
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.is_floating_point():
+                    out.append(value)
+        return out
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
@@ -369,7 +396,8 @@ class ABTraining:
 
     def state_dict(self) -> dict:
         """Phase and counters; the factors, their ranks and the layers' modes travel in the
-        model's own state dict (``Factorized`` resizes ``a``/``b`` when it loads)."""
+        model's own state dict (``Factorized`` resizes ``a``/``b`` when it loads): restore the
+        model, then the optimizer, then this."""
         return {"step": self.step, "phase": self.phase, "phase_started": self.phase_started,
                 "ranks": dict(self.ranks), "factorisations": self.factorisations, "syncs": self.syncs,
                 "bytes_by_phase": dict(self.bytes_by_phase), "steps_by_phase": dict(self.steps_by_phase)}
@@ -381,4 +409,7 @@ class ABTraining:
         self.factorisations, self.syncs = int(state["factorisations"]), int(state["syncs"])
         self.bytes_by_phase = {k: float(v) for k, v in state["bytes_by_phase"].items()}
         self.steps_by_phase = {k: int(v) for k, v in state["steps_by_phase"].items()}
+        if self.phase == "group" and any(layer.mode != self.role for layer in self.layers.values()):
+            raise ValueError("ab: load the model's state dict before the method's (the layers' modes and factor "
+                             "shapes travel with the model)")
         self._group_mean = self._build_group_mean() if self.phase == "group" else None

@@ -107,14 +107,17 @@ class Link:
 
 
 def meter_seconds(link: Link, meter: ByteMeter, n: int) -> float:
-    """Modeled seconds of everything ``meter`` counted, on ``link`` with ``n`` ranks.
+    """Modeled seconds of everything ``meter`` counted, on ``link``; each collective over
+    the ranks it spanned (sub-group collectives over their group; ``n`` is the world size,
+    used for counts recorded without one).
 
     Exact for a sequence of blocking collectives: every model time is linear in the number
     of calls and in the bytes, so per-op totals suffice. Point-to-point sends are charged
     one latency each (an upper bound when several sends share one exchange).
     """
+    groups = meter.by_group or {(op, n): c for op, c in meter.ops.items()}
     total = 0.0
-    for op, c in meter.ops.items():
+    for (op, n), c in groups.items():
         if op == "all_reduce":
             fixed = link.all_reduce_time(0, n)
             total += c.calls * fixed + link.all_reduce_time(c.payload_bytes, n) - fixed

@@ -44,15 +44,16 @@ class ByteMeter:
 
     ops: dict[str, OpCount] = field(default_factory=dict)
     enabled: bool = True
+    by_group: dict[tuple[str, int], OpCount] = field(default_factory=dict)  # (op, ranks in the collective)
 
     def record(self, op: str, nbytes: int, n: int) -> None:
         if not self.enabled:
             return
-        c = self.ops.setdefault(op, OpCount())
-        c.calls += 1
-        c.bytes += sent_bytes(op, nbytes, n)
-        c.messages += sent_messages(op, n)
-        c.payload_bytes += nbytes
+        for c in (self.ops.setdefault(op, OpCount()), self.by_group.setdefault((op, n), OpCount())):
+            c.calls += 1
+            c.bytes += sent_bytes(op, nbytes, n)
+            c.messages += sent_messages(op, n)
+            c.payload_bytes += nbytes
 
     @property
     def bytes_sent(self) -> float:
@@ -67,6 +68,7 @@ class ByteMeter:
 
     def reset(self) -> None:
         self.ops.clear()
+        self.by_group.clear()
 
     def paused(self) -> "_Paused":
         return _Paused(self)

@@ -17,7 +17,9 @@ local too, and DDP's per-forward buffer broadcast would bypass the meter), and t
 post-local-SGD hook does no intra-node all_reduce after its warm-up (every worker is taken
 to be its own machine). Buckets follow ``--bucket-mb``. These methods need
 ``torch.distributed`` (``thinwire train`` starts it); a peer that PyTorch cannot run on this
-backend (``torch-bf16`` on CPU/gloo) fails at its first step with the reason.
+backend is refused with PyTorch's reason (``torch-bf16`` on CPU/gloo: before any rank starts
+for local runs, when DDP is built under torchrun). Checkpoints keep only the step count for
+now: PowerSGD's error feedback and factors and post-local SGD's counters are not saved.
 """
 
 from __future__ import annotations

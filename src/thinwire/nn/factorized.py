@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 MODES = ("full", "a", "b")
 
@@ -96,14 +97,14 @@ class Factorized(nn.Module):
         self.b.data = b.detach().to(self.weight.dtype).contiguous()
         self.a.grad = self.b.grad = None
 
-    def set_mode(self, mode: str) -> None:
-        """``full`` trains W (copied from ``A·B`` when leaving a factored mode); ``a`` / ``b``
-        run on ``A·B`` and train only that factor."""
+    def set_mode(self, mode: str, keep_weight: bool = False) -> None:
+        """``full`` trains W (copied from ``A·B`` when leaving a factored mode, unless
+        ``keep_weight``); ``a`` / ``b`` run on ``A·B`` and train only that factor."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "full" and self.rank == 0:
             raise ValueError("factorize the layer before switching it to a factored mode")
-        if mode == "full" and self.mode != "full":
+        if mode == "full" and self.mode != "full" and not keep_weight:
             with torch.no_grad():
                 self.weight.copy_(self.product())
         self.mode = mode
@@ -150,6 +151,8 @@ class Factorized(nn.Module):
 def _supported(m: nn.Module) -> bool:
     if isinstance(m, _ConvNd) and m.transposed:  # ConvTranspose: another forward, left alone
         return False
+    if isinstance(m, NonDynamicallyQuantizableLinear):  # MultiheadAttention reads out_proj.weight itself
+        return False
     return isinstance(m, (nn.Linear, _ConvNd)) and m.weight is not None and m.weight.dim() >= 2
 
 
@@ -160,7 +163,8 @@ def rank_for(singular_values: torch.Tensor, cutoff: float) -> int:
 
 
 def factorizable(model: nn.Module) -> list[str]:
-    """Names of the Linear and Conv layers (not ConvTranspose) in registration order."""
+    """Names of the Linear and Conv layers in registration order (not ConvTranspose, not
+    MultiheadAttention's output projection, whose weight the attention reads directly)."""
     return [n for n, m in model.named_modules() if n and (isinstance(m, Factorized) or _supported(m))]
 
 
