@@ -29,6 +29,15 @@ class Square(nn.Module):
         self.x = nn.Parameter(torch.randn(100, 100, generator=torch.Generator().manual_seed(100 + rank)))
 
 
+def _consensus_errors(results) -> list[float]:
+    """mean_i ||x_i - x_mean||^2 at each recorded step; ``results[rank][t]`` is rank's x at t."""
+    errors = []
+    for t in range(len(results[0])):
+        xs = torch.stack([r[t] for r in results]).double()
+        errors.append((xs - xs.mean(0)).square().sum((1, 2)).mean().item())
+    return errors
+
+
 def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -77,11 +86,7 @@ def test_consensus_falls_monotonically_on_the_standard_problem():
             xs.append(model.x.detach().clone())
         return xs
 
-    results = LocalWorld(8).run(fn)
-    errors = []
-    for t in range(31):
-        xs = torch.stack([r[t] for r in results]).double()
-        errors.append((xs - xs.mean(0)).square().sum((1, 2)).mean().item())
+    errors = _consensus_errors(LocalWorld(8).run(fn))
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 0.75 * errors[0]  # 8725 -> 6270 in 30 rank-1 steps (random matrices mix slowly)
 
@@ -149,10 +154,6 @@ def test_gossip_still_mixes_after_steps_where_the_models_agree(spec):
             xs.append(model.x.detach().clone())
         return xs
 
-    results = LocalWorld(8).run(fn)
-    errors = []
-    for t in range(31):
-        xs = torch.stack([r[t] for r in results]).double()
-        errors.append((xs - xs.mean(0)).square().sum((1, 2)).mean().item())
+    errors = _consensus_errors(LocalWorld(8).run(fn))
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 0.8 * errors[0]

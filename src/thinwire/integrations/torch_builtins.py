@@ -111,13 +111,20 @@ def routed_all_reduce(comm: Communicator, timing: Timing):
         dist.all_reduce = original
 
 
+@contextmanager
+def _timed(comm: Communicator, timing: Timing):
+    """Route the all_reduces through ``comm``; the time outside them is codec time."""
+    t0, before = time.perf_counter(), timing.comm_seconds
+    with routed_all_reduce(comm, timing):
+        yield
+    timing.codec_seconds += time.perf_counter() - t0 - (timing.comm_seconds - before)
+
+
 def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
     def metered(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        t0, before = time.perf_counter(), timing.comm_seconds
-        with routed_all_reduce(comm, timing):
+        with _timed(comm, timing):
             fut = hook(state, bucket)
             fut.wait()
-        timing.codec_seconds += time.perf_counter() - t0 - (timing.comm_seconds - before)
         return fut
 
     # DDP checks a hook's annotations: the real classes, not this module's postponed strings
@@ -251,10 +258,8 @@ class TorchPostLocalSGD(TorchBuiltin):
 
     def after_step(self) -> None:
         """Every ``period`` steps after the warm-up, average the parameters (metered)."""
-        t0, before = time.perf_counter(), self._timing.comm_seconds
-        with routed_all_reduce(self.comm, self._timing):
+        with _timed(self.comm, self._timing):
             self.averager.average_parameters(self.model.parameters())
-        self._timing.codec_seconds += time.perf_counter() - t0 - (self._timing.comm_seconds - before)
         self.step += 1
 
 
