@@ -6,6 +6,7 @@ Bad input never shows a traceback: one line naming the rule broken, exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -72,6 +73,22 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
 
+    k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
+                       "compression pays off against bf16")
+    k.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    k.add_argument("--link", action="append", default=[], metavar="LINK",
+                   help="network to predict for, one column each (default: 1gbit,50us and 100mbit,1ms)")
+    k.add_argument("--workers", type=int, default=4, help="local ranks of each probe (default: 4)")
+    k.add_argument("--methods", action="append", metavar="M1,M2,...",
+                   help="method specs separated by commas, as for compare (default: identity,bf16,"
+                   "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
+    k.add_argument("--probe-steps", type=int, default=20, help="training steps each probe runs (default: 20)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
+    k.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
+    k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
+
     sub.add_parser("methods", help="every method and knob, with default and allowed range")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -98,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "methods":
             return _methods()
+        if args.command == "cost":
+            return _cost(args)
         if args.command == "compare":
             return _compare(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "bench" and args.bench == "codecs":
@@ -170,6 +189,54 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"thinwire: {len(failed)} of {len(results)} methods failed: {', '.join(failed)} (see the report)",
               file=sys.stderr)
     return 1 if len(failed) == len(results) else 0
+
+
+def _cost(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from thinwire.algorithms.registry import check_model
+    from thinwire.comm.link import Link
+    from thinwire.run import cost
+    from thinwire.run.compare import DEFAULT_LINKS, split_methods
+    from thinwire.run.config import TrainConfig
+
+    if args.probe_steps < 2:
+        raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
+    base = TrainConfig(task=args.task, workers=args.workers, steps=args.probe_steps, batch_size=args.batch_size,
+                       seed=args.seed, data_dir=args.data_dir, links=tuple(args.link) or DEFAULT_LINKS,
+                       eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option))
+    specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
+    try:
+        base = base.resolve()
+        _check_task(base)
+        resolved = []
+        for spec in [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE]:
+            try:
+                name = dataclasses.replace(base, method=spec).resolve().method
+            except ValueError as e:
+                raise ValueError(f"method {spec!r}: {e}") from None
+            if name in resolved:
+                raise ValueError(f"method {spec!r} appears twice (as {name})")
+            resolved.append(name)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    costs = cost.probe(base, resolved, args.probe_steps, say=lambda line: print(line, flush=True))
+    ref = costs[resolved[0]]
+    links = [Link.parse(text) for text in base.links]
+    table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
+                  f"{args.probe_steps} steps each)",
+                  caption=f"beats bf16: the bandwidths at which the method's step is faster than bf16's, at the "
+                  f"latency of {base.links[0]}")
+    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", *[f"ms @ {l}" for l in base.links],
+                "beats bf16"]:
+        table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
+    for spec, c in costs.items():
+        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
+                      f"{1e3 * c.codec_s:.1f}", *[f"{1e3 * c.seconds(link):.1f}" for link in links],
+                      cost.verdict(c, ref, links[0].latency_s))
+    Console(width=160).print(table)
+    return 0
 
 
 def _options(items: list[str]) -> dict[str, Any]:

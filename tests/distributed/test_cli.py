@@ -377,3 +377,24 @@ def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path
     assert main(["compare", "--task", "synthetic", "--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.timeout(300)
+def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
+    r = _cli("cost", "--task", "synthetic", "--workers", "2", "--probe-steps", "4", "--methods", "identity,topk:ratio=0.05",
+             "--link", "1gbit,50us")
+    assert r.returncode == 0, r.stderr
+    assert "probing bf16" in r.stdout and "probing identity" in r.stdout and "probing topk" in r.stdout
+    assert "(the reference)" in r.stdout and "ms @ 1gbit,50us" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--methods", "nosuch"], "unknown method 'nosuch'"),
+    (["--methods", "identity,identity"], "appears twice"),
+    (["--probe-steps", "1"], "probe-steps must be >= 2"),
+    (["--link", "fast"], "link"),
+])
+def test_cost_bad_input_is_one_line_and_exit_2(args, needle, capsys):
+    assert main(["cost", "--task", "synthetic", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err

@@ -1,0 +1,93 @@
+"""``thinwire cost``: before training, predict each method's step time on a link and say
+where compression pays off.
+
+Each method runs a short probe on this machine (``--probe-steps`` real training steps on
+the task with ``--workers`` spawned ranks, as ``thinwire train`` would), which gives per
+step: compute seconds, codec seconds, bytes and messages each worker sends. The alpha-beta
+model (METHODS.md §0.4) then predicts the step time on a link of latency α and bandwidth
+β::
+
+    T(α, β) = compute + codec + messages · α + bytes / β
+
+(every collective's modeled time is linear in its messages and bytes, so per-step totals
+suffice; this is what ``--emulate-link`` delays by). The verdict compares a method with
+``bf16`` (a 2-byte cast all_reduce, the bar a user has today): at the first link's α the
+two times are equal at one bandwidth β*, and the method pays off below β* when it sends
+fewer bytes (above it when it sends more). Overlap that DaSGD gets by hiding averages
+behind computation is not credited: its prediction is an upper bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from thinwire.comm.link import Link
+from thinwire.run.config import TrainConfig
+
+DEFAULT_METHODS = "identity,bf16,topk:ratio=0.01,powersgd:rank=2,fft,hylo"
+REFERENCE = "bf16"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Per-step figures of one method from its probe."""
+
+    method: str
+    compute_s: float
+    codec_s: float
+    bytes: float  # sent by one worker
+    messages: float
+
+    def seconds(self, link: Link) -> float:
+        return self.compute_s + self.codec_s + self.messages * link.latency_s + self.bytes / link.bandwidth_Bps
+
+
+def crossover_Bps(m: StepCost, ref: StepCost, latency_s: float) -> float | None:
+    """The bandwidth (bytes/s) at which ``m`` and ``ref`` take equally long per step at this
+    latency; None when their times never cross (one is faster at every bandwidth)."""
+    bytes_diff = m.bytes - ref.bytes
+    fixed_diff = (ref.compute_s + ref.codec_s + ref.messages * latency_s) - (m.compute_s + m.codec_s + m.messages * latency_s)
+    if bytes_diff == 0 or fixed_diff == 0 or (bytes_diff > 0) != (fixed_diff > 0):
+        return None
+    return bytes_diff / fixed_diff
+
+
+def verdict(m: StepCost, ref: StepCost, latency_s: float) -> str:
+    """Where ``m`` beats ``ref`` at this latency, in words: ``below X`` (links slower than
+    X), ``above X``, ``always``, ``never`` (bandwidths in Gbit/s or Mbit/s)."""
+    if m.method == ref.method:
+        return "(the reference)"
+    beta = crossover_Bps(m, ref, latency_s)
+    if beta is None:
+        fixed_m = m.compute_s + m.codec_s + m.messages * latency_s
+        fixed_ref = ref.compute_s + ref.codec_s + ref.messages * latency_s
+        return "always" if fixed_m <= fixed_ref and m.bytes <= ref.bytes else "never"
+    return f"{'below' if m.bytes < ref.bytes else 'above'} {_rate(beta)}"
+
+
+def _rate(bytes_per_s: float) -> str:
+    bits = 8 * bytes_per_s
+    return f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
+
+
+def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
+    steps = summary["steps"]
+    return StepCost(method=method, compute_s=summary["compute_seconds"] / steps,
+                    codec_s=summary["codec_seconds"] / steps,
+                    bytes=summary["bytes_sent_per_worker"] / steps,
+                    messages=summary["messages_per_worker"] / steps)
+
+
+def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
+          say: Callable[[str], None] = print) -> dict[str, StepCost]:
+    """Run ``steps`` training steps of every method (and of the reference); per-step costs."""
+    if launch is None:
+        from thinwire.run.launch import launch
+    out = {}
+    for i, spec in enumerate(specs, 1):
+        cfg = dataclasses.replace(base, method=spec, steps=steps, eval_every=steps, out=None)
+        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {steps} steps on {base.workers} workers")
+        out[spec] = from_summary(spec, launch(cfg, show_progress=False))
+    return out

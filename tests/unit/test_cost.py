@@ -1,0 +1,45 @@
+"""thinwire cost's model on hand-computed cases: step time, crossover bandwidth, verdicts."""
+
+import pytest
+
+from thinwire.comm.link import Link
+from thinwire.run.cost import StepCost, crossover_Bps, from_summary, verdict
+
+# bf16: 10 ms compute, 1 ms codec, 1 MB and 6 messages per step; a compressor: 10 ms compute,
+# 5 ms codec, 0.1 MB and 6 messages
+REF = StepCost("bf16", 0.010, 0.001, 1_000_000, 6)
+SMALL = StepCost("topk", 0.010, 0.005, 100_000, 6)
+
+
+def test_step_time_is_compute_codec_latency_and_bytes():
+    link = Link.parse("1gbit,50us")  # 125e6 bytes/s
+    assert REF.seconds(link) == pytest.approx(0.010 + 0.001 + 6 * 50e-6 + 1_000_000 / 125e6, rel=1e-12)
+    assert SMALL.seconds(link) == pytest.approx(0.015 + 6 * 50e-6 + 100_000 / 125e6, rel=1e-12)
+
+
+def test_crossover_where_fewer_bytes_outweigh_more_codec_time():
+    # equal when 4 ms of extra codec time = 0.9 MB / beta: beta = 225 MB/s = 1.8 Gbit/s
+    beta = crossover_Bps(SMALL, REF, 50e-6)
+    assert beta == pytest.approx(900_000 / 0.004, rel=1e-12)
+    at = Link(latency_s=50e-6, bandwidth_Bps=beta)
+    assert SMALL.seconds(at) == pytest.approx(REF.seconds(at), rel=1e-12)
+    assert verdict(SMALL, REF, 50e-6) == "below 1.8 Gbit/s"
+    # the other way round: bf16 beats the compressor above 1.8 Gbit/s
+    assert verdict(REF, SMALL, 50e-6) == "above 1.8 Gbit/s"
+
+
+def test_verdicts_without_a_crossing():
+    cheaper = StepCost("x", 0.010, 0.0005, 500_000, 6)  # less codec time and fewer bytes
+    dearer = StepCost("y", 0.010, 0.002, 2_000_000, 6)  # more of both
+    assert crossover_Bps(cheaper, REF, 50e-6) is None and verdict(cheaper, REF, 50e-6) == "always"
+    assert crossover_Bps(dearer, REF, 50e-6) is None and verdict(dearer, REF, 50e-6) == "never"
+    assert verdict(REF, REF, 50e-6) == "(the reference)"
+    # extra messages count at the latency: 100 more messages at 1 ms = 0.1 s per step
+    chatty = StepCost("z", 0.010, 0.001, 100_000, 106)
+    assert crossover_Bps(chatty, REF, 1e-3) == pytest.approx(900_000 / 0.1, rel=1e-12)
+
+
+def test_per_step_figures_from_a_summary():
+    c = from_summary("m", {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5,
+                           "bytes_sent_per_worker": 4e6, "messages_per_worker": 120})
+    assert (c.compute_s, c.codec_s, c.bytes, c.messages) == (0.1, 0.025, 2e5, 6)
