@@ -6,7 +6,6 @@ Bad input never shows a traceback: one line naming the rule broken, exit code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -195,10 +194,9 @@ def _cost(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from thinwire.algorithms.registry import check_model
     from thinwire.comm.link import Link
     from thinwire.run import cost
-    from thinwire.run.compare import DEFAULT_LINKS, split_methods
+    from thinwire.run.compare import DEFAULT_LINKS, resolve_methods, split_methods
     from thinwire.run.config import TrainConfig
 
     if args.probe_steps < 2:
@@ -208,20 +206,15 @@ def _cost(args: argparse.Namespace) -> int:
                        eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
-        base = base.resolve()
-        _check_task(base)
-        resolved = []
-        for spec in [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE]:
-            try:
-                name = dataclasses.replace(base, method=spec).resolve().method
-            except ValueError as e:
-                raise ValueError(f"method {spec!r}: {e}") from None
-            if name in resolved:
-                raise ValueError(f"method {spec!r} appears twice (as {name})")
-            resolved.append(name)
+        _check_task(base.resolve())
+        base, resolved = resolve_methods(base, [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE])
     except ValueError as e:
         raise BadInput(str(e)) from None
-    costs = cost.probe(base, resolved, args.probe_steps, say=lambda line: print(line, flush=True))
+    costs, failed = cost.probe(base, resolved, args.probe_steps, say=lambda line: print(line, flush=True))
+    for spec, error in failed.items():
+        print(f"thinwire: the probe of {spec.split(':')[0]} failed: {error}", file=sys.stderr)
+    if resolved[0] not in costs:
+        return 1  # no reference to compare against
     ref = costs[resolved[0]]
     links = [Link.parse(text) for text in base.links]
     table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "

@@ -398,3 +398,9 @@ def test_cost_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     assert main(["cost", "--task", "synthetic", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_cost_refuses_a_method_that_cannot_run_on_the_task(capsys):
+    assert main(["cost", "--task", "synthetic", "--methods", "ab:exclude=first;fc9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot run on task synthetic" in err, err

@@ -43,3 +43,20 @@ def test_per_step_figures_from_a_summary():
     c = from_summary("m", {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5,
                            "bytes_sent_per_worker": 4e6, "messages_per_worker": 120})
     assert (c.compute_s, c.codec_s, c.bytes, c.messages) == (0.1, 0.025, 2e5, 6)
+
+
+def test_a_failed_probe_is_reported_and_the_others_run():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe
+    from thinwire.run.launch import RunFailed
+
+    def launch(cfg, show_progress=False):
+        if cfg.method.startswith("topk"):
+            raise RunFailed("rank 0 failed after step 1: FloatingPointError: training loss is nan")
+        return {"steps": cfg.steps, "compute_seconds": 1.0, "codec_seconds": 0.0, "bytes_sent_per_worker": 8.0,
+                "messages_per_worker": 4}
+
+    costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16", "topk:ratio=0.1", "identity"], 4,
+                          launch=launch, say=lambda line: None)
+    assert list(costs) == ["bf16", "identity"] and costs["bf16"].bytes == 2.0
+    assert list(failed) == ["topk:ratio=0.1"] and "FloatingPointError" in failed["topk:ratio=0.1"]

@@ -63,15 +63,33 @@ class Race:
 def prepare(base: TrainConfig, methods: list[str], out: str, target: float | None = None,
             overwrite: bool = False) -> Race:
     """Validate everything before any run: raises ``ValueError`` naming the rule broken."""
-    from thinwire.algorithms.registry import check_model
-    from thinwire.tasks import get as get_task
-
     specs = split_methods(methods)
     if not specs:
         raise ValueError("--methods names no method")
     if target is not None and not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
     base = dataclasses.replace(base, links=base.links or DEFAULT_LINKS, out=None, policy=None, policy_rules=())
+    base, resolved = resolve_methods(base, specs)
+    path = Path(out)
+    if (path / "results.csv").exists() and not overwrite:
+        raise ValueError(f"--out {out} already holds a comparison (results.csv); pass --overwrite or choose another")
+    try:
+        (path / "runs").mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
+    return Race(base, resolved, path, target)
+
+
+def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, list[str]]:
+    """``base`` with the task's defaults filled, and every spec resolved; raises
+    ``ValueError`` for an unknown or bad spec, a duplicate, or a method that cannot run on
+    the task's model or the workers."""
+    from thinwire.algorithms.registry import check_model
+    from thinwire.tasks import get as get_task
+
     resolved: list[str] = []
     for spec in specs:
         try:
@@ -88,17 +106,7 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
             check_model(spec, task.build_model())
         except ValueError as e:
             raise ValueError(f"method {spec.split(':')[0]} cannot run on task {base.task}: {e}") from None
-    path = Path(out)
-    if (path / "results.csv").exists() and not overwrite:
-        raise ValueError(f"--out {out} already holds a comparison (results.csv); pass --overwrite or choose another")
-    try:
-        (path / "runs").mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return Race(base, resolved, path, target)
+    return base, resolved
 
 
 def slug(spec: str) -> str:

@@ -81,13 +81,18 @@ def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
 
 
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
-          say: Callable[[str], None] = print) -> dict[str, StepCost]:
-    """Run ``steps`` training steps of every method (and of the reference); per-step costs."""
+          say: Callable[[str], None] = print) -> tuple[dict[str, StepCost], dict[str, str]]:
+    """Run ``steps`` training steps of every method; per-step costs by spec, and the error
+    of each probe that failed (the others still run)."""
     if launch is None:
         from thinwire.run.launch import launch
-    out = {}
+    out: dict[str, StepCost] = {}
+    failed: dict[str, str] = {}
     for i, spec in enumerate(specs, 1):
         cfg = dataclasses.replace(base, method=spec, steps=steps, eval_every=steps, out=None)
         say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {steps} steps on {base.workers} workers")
-        out[spec] = from_summary(spec, launch(cfg, show_progress=False))
-    return out
+        try:
+            out[spec] = from_summary(spec, launch(cfg, show_progress=False))
+        except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
+            failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return out, failed
