@@ -49,11 +49,14 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
-    c.add_argument("--methods", action="append", required=True, metavar="M1,M2,...",
+    c.add_argument("--methods", action="append", metavar="M1,M2,...",
                    help="method specs separated by commas (a key=value token continues the spec before it: "
                    "identity,topk:ratio=0.01,ef=false,torch-ddp); repeatable")
+    c.add_argument("--suite", choices=["seeds"], help="instead of --methods: a preset of races; seeds = each of "
+                   "the five seed methods against its paper's peers, with the measured ratio next to the paper's "
+                   "headline claim (OUT/report.md, OUT/claims.csv; one race per method in OUT/<method>/)")
     c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
-    c.add_argument("--workers", type=int, default=2, help="local ranks per run (default: 2)")
+    c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")
     c.add_argument("--link", action="append", default=[], metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
@@ -81,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--methods", action="append", metavar="M1,M2,...",
                    help="method specs separated by commas, as for compare (default: identity,bf16,"
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
-    k.add_argument("--probe-steps", type=int, default=20, help="training steps each probe runs (default: 20)")
+    k.add_argument("--probe-steps", type=int, default=20, help="timed training steps of each probe, after as many warm-up steps (default: 20)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
     k.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
@@ -167,17 +170,29 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     from thinwire.run import compare
     from thinwire.run.config import TrainConfig
 
+    if bool(args.methods) == bool(args.suite):
+        raise BadInput("compare needs exactly one of --methods and --suite")
+    if args.suite and args.target is not None:
+        raise BadInput("--target applies to --methods races (each suite race sets its own)")
+    from thinwire.run import suite
+
+    workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
     base = TrainConfig(
-        task=args.task, workers=args.workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        task=args.task, workers=workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
         emulate_link=args.emulate_link, eval_every=args.eval_every, bucket_mb=args.bucket_mb, threads=args.threads,
         task_options=_options(args.option),
     )
     try:
         _check_task(base.resolve())
-        race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite)
+        if args.suite:
+            races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
+        else:
+            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if args.suite:
+        return _suite(args, argv, races)
     results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
     done = compare.finish(race, results, compare.command_line(argv))
     for link, best in done["best"].items():
@@ -188,6 +203,22 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"thinwire: {len(failed)} of {len(results)} methods failed: {', '.join(failed)} (see the report)",
               file=sys.stderr)
     return 1 if len(failed) == len(results) else 0
+
+
+def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
+    from thinwire.run import compare, suite
+
+    groups = suite.SUITES[args.suite]
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    results = suite.run(races, groups, show_progress=not args.quiet, say=say)
+    done = suite.finish(args.out, races, results, compare.command_line(argv), groups)
+    for line in suite.summary_lines(done["rows"]):
+        print(line)
+    print(f"wrote {done['report']}, {done['csv']} and one race per method in {args.out}/<method>/")
+    failed = [r["label"] for res in results for r in res if r["status"] != "ok"]
+    if failed:
+        print(f"thinwire: runs failed: {', '.join(sorted(set(failed)))} (see the reports)", file=sys.stderr)
+    return 1 if all(r["status"] != "ok" for res in results for r in res) else 0
 
 
 def _cost(args: argparse.Namespace) -> int:
@@ -218,7 +249,7 @@ def _cost(args: argparse.Namespace) -> int:
     ref = costs[resolved[0]]
     links = [Link.parse(text) for text in base.links]
     table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
-                  f"{args.probe_steps} steps each)",
+                  f"{args.probe_steps} timed steps each, after {args.probe_steps} warm-up)",
                   caption=f"beats bf16: the bandwidths at which the method's step is faster than bf16's, at the "
                   f"latency of {base.links[0]}")
     for col in ["method", "MB / step", "messages", "compute ms", "codec ms", *[f"ms @ {l}" for l in base.links],

@@ -372,6 +372,10 @@ def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
     (["--methods", "identity,identity"], "appears twice"),
     (["--methods", "torch-bf16"], "torch-bf16 is unavailable on CPU/gloo"),
     (["--methods", "identity", "--target", "2"], "target must be in (0, 1]"),
+    ([], "compare needs exactly one of --methods and --suite"),
+    (["--methods", "identity", "--suite", "seeds"], "compare needs exactly one of --methods and --suite"),
+    (["--suite", "seeds", "--target", "0.5"], "--target applies to --methods races"),
+    (["--suite", "all"], "invalid choice: 'all'"),
 ])
 def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path):
     assert main(["compare", "--task", "synthetic", "--out", str(tmp_path / "o"), *args]) == 2

@@ -45,18 +45,44 @@ def test_per_step_figures_from_a_summary():
     assert (c.compute_s, c.codec_s, c.bytes, c.messages) == (0.1, 0.025, 2e5, 6)
 
 
-def test_a_failed_probe_is_reported_and_the_others_run():
-    from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe
+def _probe_launch(fail: str = ""):
+    """Writes what a run writes: cumulative counters at the end of the warm-up and at the end,
+    the warm-up's start-up cost in the first record only."""
+    import json
+    from pathlib import Path
+
     from thinwire.run.launch import RunFailed
 
     def launch(cfg, show_progress=False):
-        if cfg.method.startswith("topk"):
+        if fail and cfg.method.startswith(fail):
             raise RunFailed("rank 0 failed after step 1: FloatingPointError: training loss is nan")
-        return {"steps": cfg.steps, "compute_seconds": 1.0, "codec_seconds": 0.0, "bytes_sent_per_worker": 8.0,
-                "messages_per_worker": 4}
+        half = cfg.steps // 2
+        assert cfg.eval_every == half and cfg.steps == 8
+        rows = [{"step": half, "compute_seconds": 1.0, "codec_seconds": 0.5, "bytes_sent": 40.0, "messages": 8},
+                {"step": cfg.steps, "compute_seconds": 1.4, "codec_seconds": 0.6, "bytes_sent": 80.0, "messages": 16}]
+        Path(cfg.out, "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"steps": cfg.steps, "compute_seconds": 1.4, "codec_seconds": 0.6, "bytes_sent_per_worker": 80.0,
+                "messages_per_worker": 16}
+
+    return launch
+
+
+def test_probe_times_only_the_steps_after_its_warm_up():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe
+
+    costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16"], 4, launch=_probe_launch(),
+                          say=lambda line: None)
+    c = costs["bf16"]
+    assert not failed
+    assert (c.compute_s, c.codec_s, c.bytes, c.messages) == pytest.approx((0.1, 0.025, 10.0, 2.0), rel=1e-12)
+
+
+def test_a_failed_probe_is_reported_and_the_others_run():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe
 
     costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16", "topk:ratio=0.1", "identity"], 4,
-                          launch=launch, say=lambda line: None)
-    assert list(costs) == ["bf16", "identity"] and costs["bf16"].bytes == 2.0
+                          launch=_probe_launch(fail="topk"), say=lambda line: None)
+    assert list(costs) == ["bf16", "identity"] and costs["bf16"].bytes == 10.0
     assert list(failed) == ["topk:ratio=0.1"] and "FloatingPointError" in failed["topk:ratio=0.1"]

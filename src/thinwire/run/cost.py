@@ -1,9 +1,10 @@
 """``thinwire cost``: before training, predict each method's step time on a link and say
 where compression pays off.
 
-Each method runs a short probe on this machine (``--probe-steps`` real training steps on
-the task with ``--workers`` spawned ranks, as ``thinwire train`` would), which gives per
-step: compute seconds, codec seconds, bytes and messages each worker sends. The alpha-beta
+Each method runs a short probe on this machine (real training steps on the task with
+``--workers`` spawned ranks, as ``thinwire train`` would): ``--probe-steps`` warm-up steps,
+then as many timed ones, which give per step: compute seconds, codec seconds, bytes and
+messages each worker sends (rank 0's; the warm-up's start-up costs are left out). The alpha-beta
 model (METHODS.md §0.4) then predicts the step time on a link of latency α and bandwidth
 β::
 
@@ -20,7 +21,10 @@ behind computation is not credited: its prediction is an upper bound.
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from thinwire.comm.link import Link
@@ -80,19 +84,40 @@ def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
                     messages=summary["messages_per_worker"] / steps)
 
 
+def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepCost:
+    """Per-step figures between two metrics.jsonl records (cumulative counters)."""
+    steps = last["step"] - first["step"]
+    if steps <= 0:
+        raise ValueError(f"records at steps {first['step']} and {last['step']} span no steps")
+    return StepCost(method=method, compute_s=(last["compute_seconds"] - first["compute_seconds"]) / steps,
+                    codec_s=(last["codec_seconds"] - first["codec_seconds"]) / steps,
+                    bytes=(last["bytes_sent"] - first["bytes_sent"]) / steps,
+                    messages=(last["messages"] - first["messages"]) / steps)
+
+
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
           say: Callable[[str], None] = print) -> tuple[dict[str, StepCost], dict[str, str]]:
-    """Run ``steps`` training steps of every method; per-step costs by spec, and the error
-    of each probe that failed (the others still run)."""
+    """Run ``steps`` warm-up and ``steps`` timed training steps of every method; per-step
+    costs of the timed steps by spec, and the error of each probe that failed (the others
+    still run)."""
     if launch is None:
         from thinwire.run.launch import launch
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
     for i, spec in enumerate(specs, 1):
-        cfg = dataclasses.replace(base, method=spec, steps=steps, eval_every=steps, out=None)
-        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {steps} steps on {base.workers} workers")
-        try:
-            out[spec] = from_summary(spec, launch(cfg, show_progress=False))
-        except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
-            failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {steps} + {steps} steps on {base.workers} workers")
+        with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
+            cfg = dataclasses.replace(base, method=spec, steps=2 * steps, eval_every=steps, out=tmp, overwrite=True)
+            try:
+                summary = launch(cfg, show_progress=False)
+                rows = _rows(Path(tmp) / "metrics.jsonl")
+                out[spec] = from_rows(spec, rows[-2], rows[-1]) if len(rows) >= 2 else from_summary(spec, summary)
+            except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
+                failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return out, failed
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

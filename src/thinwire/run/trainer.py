@@ -131,6 +131,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
     t = method.timing
     record.update(
         bytes_sent=comm.meter.bytes_sent,
+        messages=comm.meter.messages,
         fp32_bytes=fp32_per_step * step,
         elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
         wall_seconds=clock.train_wall,  # training steps only, as in summary.json
@@ -175,8 +176,12 @@ def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) 
     """compute + codec + modeled communication: the run's time on ``link``. Communication a
     method overlaps with computation (DaSGD's delayed averages) counts only where it
     outlasts the computation it ran behind."""
-    hidden = method.hidden_link_seconds(link, comm.world_size) if hasattr(method, "hidden_link_seconds") else 0.0
-    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size) - hidden
+    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size) - _hidden(link, comm, method)
+
+
+def _hidden(link: Link, comm: Communicator, method) -> float:
+    """Modeled communication seconds the method overlaps with computation on ``link``."""
+    return method.hidden_link_seconds(link, comm.world_size) if hasattr(method, "hidden_link_seconds") else 0.0
 
 
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device) -> dict[str, Any]:
@@ -205,6 +210,9 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "comm_seconds": t.comm_seconds,
         "modeled_seconds": modeled[cfg.links[0]] if cfg.links else None,
         "modeled_seconds_by_link": modeled,
+        "modeled_comm_seconds_by_link": {link: meter_seconds(Link.parse(link), comm.meter, comm.world_size)
+                                         for link in cfg.links},  # before any overlap is credited
+        "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method) for link in cfg.links},
         "messages_per_worker": comm.meter.messages,
         "method_report": method.report() if hasattr(method, "report") else {},
         "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),

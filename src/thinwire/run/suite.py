@@ -1,0 +1,282 @@
+"""``thinwire compare --suite seeds``: each of the five seed methods against its paper's
+peers, at small scale, and the measured ratio next to the paper's headline claim.
+
+One race per seed method (a ``thinwire compare`` of its own in ``OUT/<group>/``: report,
+CSV, plots), all on the same task, workers, steps and seed. A method that several races
+share (``identity``) runs once and its run is copied. ``OUT/report.md`` then sets each
+paper's headline figure beside what this machine measured; ``OUT/claims.csv`` holds the
+same rows.
+
+The papers measured wall-clock time on real clusters (AlexNet on 8 GPUs over InfiniBand,
+VGG/ResNet on GPU clusters); here the times are the modeled times at each ``--link``
+(measured compute and codec time plus the link's alpha-beta time for the bytes sent), on a
+small task. The ratios are therefore comparable in kind, not in size: they say whether
+the effect the paper reports shows at this scale and on these links. The choice of peers
+and knobs is ours (the papers' own hyperparameters do not transfer to a 2-core machine);
+it is written into every group below.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from thinwire.run import compare
+from thinwire.run.config import TrainConfig
+
+SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
+ACCURACY_NOISE_PTS = 0.5  # what one seed's final accuracy moves by at this scale (ours): allowed on top
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One headline figure of a paper and how to measure it here.
+
+    ``kind``: ``speedup`` (peer's modeled time over the seed's, same steps, per link),
+    ``bytes`` (peer's bytes over the seed's), ``hidden`` (share of the seed's modeled
+    communication overlapped with computation, per link), ``accuracy`` (seed's final
+    accuracy minus the peer's, in points)."""
+
+    text: str  # the paper's claim, in our words
+    kind: str
+    peer: str | None = None  # label of the peer (None: the seed alone)
+    paper: float | None = None  # the paper's figure, when it gives one
+    unit: str = "x"
+
+
+@dataclass(frozen=True)
+class Group:
+    key: str
+    title: str
+    source: str
+    seed: str  # spec of the seed method
+    peers: tuple[str, ...]
+    claims: tuple[Claim, ...]
+    note: str = ""
+
+    @property
+    def specs(self) -> list[str]:
+        return [self.seed, *self.peers]
+
+
+SEEDS: tuple[Group, ...] = (
+    Group("fft", "FFT sparsification + range-based float", "Wang et al., HPDC 2020 (arXiv 1811.08596)",
+          "fft", ("identity", "qsgd", "terngrad", "topk"),
+          (Claim("up to 2.26x faster than no compression", "speedup", "identity", 2.26),
+           Claim("1.31x faster than QSGD", "speedup", "qsgd", 1.31),
+           Claim("1.25x faster than TernGrad", "speedup", "terngrad", 1.25),
+           Claim("1.47x faster than top-k", "speedup", "topk", 1.47),
+           Claim("no accuracy loss against no compression", "accuracy", "identity", 0.0, " pts")),
+          "AlexNet on 8 GPUs over InfiniBand in the paper; every codec at its defaults here"),
+    Group("hylo", "Hylo: hybrid layer-based compression", "Peng, 2021",
+          "hylo", ("identity", "twobit", "topk", "qsgd"),
+          (Claim("up to 1.31x faster than existing (uniform) methods: against the fastest uniform codec here",
+                 "speedup", "best-uniform", 1.31),
+           Claim("accuracy loss under 0.5 pts against no compression", "accuracy", "identity", -0.5, " pts")),
+          "Uniform = one codec for every layer: twobit (the fc rule everywhere), top-k 1% and QSGD"),
+    Group("dasgd", "DaSGD: local SGD with delayed averaging", "Zhou et al., arXiv 2006.00441",
+          "dasgd:delay=4", ("identity", "localsgd:period=4,warmup=8"),
+          (Claim("100% of the averaging communication hidden behind computation", "hidden", None, 1.0, ""),
+           Claim("faster than blocking local SGD", "speedup", "localsgd", None),
+           Claim("faster than synchronous SGD", "speedup", "identity", None),
+           Claim("converges as synchronous SGD does (accuracy)", "accuracy", "identity", 0.0, " pts")),
+          "Period 4, the longest delay the period allows (4 steps), the 8 warm-up steps of dasgd's default "
+          "given to local SGD too; delay=auto would size the delay on this machine's own (fast) loopback"),
+    Group("powergossip", "PowerGossip: low-rank gossip", "Vogels et al., NeurIPS 2020 (arXiv 2008.01425)",
+          "powergossip", ("dpsgd",),
+          (Claim("on par with uncompressed gossip (accuracy of the averaged model)", "accuracy", "dpsgd", 0.0,
+                 " pts"),
+           Claim("far fewer bytes than uncompressed gossip (no figure in the abstract)", "bytes", "dpsgd", None)),
+          "A ring of the suite's workers, rank 1, one power iteration per step (the defaults)"),
+    Group("ab", "AB-training", "Coquelin et al., arXiv 2405.01067",
+          "ab", ("torch-ddp",),
+          (Claim("about 50% less network traffic than data parallel", "bytes", "torch-ddp", 2.0),
+           Claim("competitive accuracy with data parallel", "accuracy", "torch-ddp", 0.0, " pts")),
+          "Group size half the world, the defaults otherwise (warm-up 100, cycle 100)"),
+)
+
+SUITES = {"seeds": SEEDS}
+
+
+def prepare(base: TrainConfig, out: str, overwrite: bool = False,
+            groups: tuple[Group, ...] = SEEDS) -> list[compare.Race]:
+    """One validated race per group, in ``out/<key>/``; raises ``ValueError`` (bad method for
+    the task, an --out already holding a suite, ...)."""
+    path = Path(out)
+    if (path / "claims.csv").exists() and not overwrite:
+        raise ValueError(f"--out {out} already holds a suite (claims.csv); pass --overwrite or choose another")
+    return [compare.prepare(base, g.specs, str(path / g.key), overwrite=True) for g in groups]
+
+
+def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch: Callable[..., Any] | None = None,
+        show_progress: bool = True, say: Callable[[str], None] = print) -> list[list[dict[str, Any]]]:
+    """Run every race; a spec an earlier race already ran (same settings) is copied, not rerun."""
+    if launch is None:
+        from thinwire.run.launch import launch
+    done: dict[str, tuple[str, Any]] = {}  # spec -> (its run directory, its summary)
+
+    def cached(cfg: TrainConfig, show_progress: bool = True) -> Any:
+        if cfg.method in done:
+            src, summary = done[cfg.method]
+            shutil.copytree(src, cfg.out, dirs_exist_ok=True)
+            return summary
+        summary = launch(cfg, show_progress=show_progress)
+        done[cfg.method] = (cfg.out, summary)
+        return summary
+
+    t0 = time.perf_counter()
+    out = []
+    for i, (race, group) in enumerate(zip(races, groups), 1):
+        say(f"== race {i}/{len(races)}: {group.title} ({', '.join(race.specs)}); suite {time.perf_counter() - t0:.0f} s so far")
+        out.append(compare.run(race, launch=cached, show_progress=show_progress, say=say))
+    return out
+
+
+def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any]]], command: str,
+           groups: tuple[Group, ...] = SEEDS) -> dict[str, Any]:
+    """Each race's report, then ``out/report.md`` and ``out/claims.csv``."""
+    rows = []
+    for race, res, group in zip(races, results, groups):
+        compare.finish(race, res, command + f"  (race {group.key})")
+        rows += measure(group, res, race.links)
+    path = Path(out)
+    _write_claims(path / "claims.csv", rows)
+    _write_report(path / "report.md", races[0], groups, rows, command)
+    return {"report": str(path / "report.md"), "csv": str(path / "claims.csv"), "rows": rows}
+
+
+# -- the measured ratios -------------------------------------------------------------------------
+def measure(group: Group, results: list[dict[str, Any]], links: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per claim and link (a claim that does not depend on the link: one row)."""
+    by_label = {r["label"]: r for r in results}
+    seed = by_label.get(group.seed.split(":")[0])
+    rows = []
+    for claim in group.claims:
+        per_link = claim.kind in ("speedup", "hidden")
+        for link in (links if per_link else (None,)):
+            value, detail = _value(claim, seed, by_label, group, link)
+            rows.append({"group": group.key, "seed": group.seed, "claim": claim.text, "kind": claim.kind,
+                         "peer": claim.peer or "", "link": link or "", "paper": claim.paper, "measured": value,
+                         "unit": claim.unit, "detail": detail, "reading": _reading(claim, value)})
+    return rows
+
+
+def _ok(r: dict[str, Any] | None) -> bool:
+    return r is not None and r["status"] == "ok" and r["summary"] is not None
+
+
+def _value(claim: Claim, seed: dict | None, by_label: dict[str, dict], group: Group,
+           link: str | None) -> tuple[float | None, str]:
+    if not _ok(seed):
+        return None, "the seed method's run failed"
+    s = seed["summary"]
+    if claim.kind == "hidden":
+        comm = s["modeled_comm_seconds_by_link"][link]
+        hidden = s["hidden_seconds_by_link"][link]
+        return (hidden / comm if comm > 0 else None), f"{hidden:.2f} of {comm:.2f} s modeled communication hidden"
+    peer_label = claim.peer
+    if peer_label == "best-uniform":  # the fastest peer other than the uncompressed reference
+        uniform = [p.split(":")[0] for p in group.peers if p != "identity"]
+        timed = [by_label[p] for p in uniform if _ok(by_label.get(p))]
+        if not timed:
+            return None, "no uniform codec's run completed"
+        peer = min(timed, key=lambda r: r["summary"]["modeled_seconds_by_link"][link])
+        peer_label = peer["label"]
+    else:
+        peer = by_label.get(peer_label)
+    if not _ok(peer):
+        return None, f"{peer_label}'s run failed"
+    p = peer["summary"]
+    if claim.kind == "speedup":
+        ts, tp = s["modeled_seconds_by_link"][link], p["modeled_seconds_by_link"][link]
+        return tp / ts, f"{peer_label} {tp:.1f} s / {seed['label']} {ts:.1f} s"
+    if claim.kind == "bytes":
+        bs, bp = s["bytes_sent_per_worker"], p["bytes_sent_per_worker"]
+        return (bp / bs if bs > 0 else None), f"{peer_label} {bp / 1e6:.1f} MB / {seed['label']} {bs / 1e6:.1f} MB"
+    if claim.kind == "accuracy":
+        a, b = s.get("final_accuracy"), p.get("final_accuracy")
+        if a is None or b is None:
+            return None, "no accuracy (task without one)"
+        return 100 * (a - b), f"{seed['label']} {a:.4f} vs {peer_label} {b:.4f}"
+    raise ValueError(f"unknown claim kind {claim.kind!r}")
+
+
+def _reading(claim: Claim, value: float | None) -> str:
+    """Does the measurement show the paper's effect here? ``holds`` / ``partly`` / ``not here``."""
+    if value is None:
+        return "not measured"
+    if claim.kind in ("speedup", "bytes"):
+        if claim.paper is None:
+            return "holds" if value > 1.0 else "not here"
+        return "holds" if value >= claim.paper else ("partly" if value > 1.0 else "not here")
+    if claim.kind == "hidden":
+        return "holds" if value >= 0.99 else ("partly" if value > 0 else "not here")
+    # accuracy: the paper's figure is the change it allows, in points (0: no loss; -0.5: under half a
+    # point lost); one seed on a small task moves by about half a point, so that much is allowed on top
+    floor = (claim.paper or 0.0) - ACCURACY_NOISE_PTS
+    return "holds" if value >= floor else ("partly" if value >= floor - 2.0 else "not here")
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == " pts":
+        return f"{value:+.1f} pts"
+    if unit == "x":
+        return f"{value:.2f}x"
+    return f"{100 * value:.0f}%"
+
+
+def _write_claims(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = ["group", "seed", "claim", "kind", "peer", "link", "paper", "measured", "unit", "detail", "reading"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else r[k]) for k in fields})
+
+
+def _write_report(path: Path, race: compare.Race, groups: tuple[Group, ...], rows: list[dict[str, Any]],
+                  command: str) -> None:
+    b = race.base
+    lines = [f"# thinwire compare --suite seeds: {b.task}, {b.workers} workers, {b.steps} steps", "",
+             f"- command: `{command}`",
+             f"- seed {b.seed}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker; links: "
+             + ", ".join(race.links),
+             "- speedup = the peer's modeled time over the seed method's for the same steps (measured compute and "
+             "codec time + the link's alpha-beta time); bytes = the peer's bytes per worker over the seed's; "
+             "accuracy = the seed's final test accuracy minus the peer's",
+             f"- reading: holds = the paper's figure is reached (accuracy: to within {ACCURACY_NOISE_PTS} pts, what one "
+             "seed moves by here); partly = the effect shows, smaller; not here = it does not show at this scale",
+             "- the papers measured large models on GPU clusters; this is a small task on a 2-core machine, so a "
+             "ratio says whether the paper's effect shows here, not whether its size carries over", ""]
+    for g in groups:
+        lines += [f"## {g.title} — {g.source}", "", f"Race: `{g.seed}` against " + ", ".join(f"`{p}`" for p in g.peers)
+                  + f" ([report]({g.key}/report.md)). {g.note}.", "",
+                  "| paper's claim | link | paper | measured | reading | from |", "|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r["group"] == g.key):
+            paper = _fmt(r["paper"], r["unit"]) if r["paper"] is not None else "(no figure)"
+            lines.append(f"| {r['claim']} | {r['link'] or 'any'} | {paper} | {_fmt(r['measured'], r['unit'])} | "
+                         f"{r['reading']} | {r['detail']} |")
+        lines.append("")
+    lines += ["Every row: `claims.csv`. Each race's runs, table and plots: `<race>/report.md`.", ""]
+    path.write_text("\n".join(lines))
+
+
+def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One console line per claim row."""
+    out = []
+    for r in rows:
+        at = f" @ {r['link']}" if r["link"] else ""
+        paper = _fmt(r["paper"], r["unit"]) if r["paper"] is not None else "-"
+        out.append(f"{r['group']}: {r['claim']}{at}: paper {paper}, measured {_fmt(r['measured'], r['unit'])} "
+                   f"({r['reading']})")
+    return out
+
+
+__all__ = ["Claim", "Group", "SEEDS", "SUITES", "SUITE_WORKERS", "finish", "measure", "prepare", "run",
+           "summary_lines"]

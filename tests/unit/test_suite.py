@@ -1,0 +1,141 @@
+"""thinwire compare --suite: the measured ratios on hand-computed runs, a method shared by
+several races runs once, a failed run leaves its claims unmeasured, and the files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from thinwire.run import suite
+from thinwire.run.config import TrainConfig
+from thinwire.run.launch import RunFailed
+from thinwire.run.suite import Claim, Group
+
+LINKS = ("1gbit,50us", "100mbit,1ms")
+BASE = TrainConfig(task="synthetic", workers=2, steps=4, eval_every=2, links=LINKS)
+
+# per method: modeled seconds at the two links, bytes per worker, final accuracy,
+# modeled communication and the part hidden at the two links
+FIGURES = {
+    "topk": ((2.0, 4.0), 100.0, 0.80, (0.5, 1.0), (0.0, 0.0)),
+    "identity": ((3.0, 12.0), 800.0, 0.82, (1.5, 9.0), (0.0, 0.0)),
+    "bf16": ((2.5, 8.0), 400.0, 0.81, (1.0, 5.0), (0.0, 0.0)),
+    "qsgd": ((2.2, 5.0), 150.0, 0.78, (0.7, 2.0), (0.0, 0.0)),
+    "dasgd": ((1.5, 5.0), 200.0, 0.79, (0.8, 4.0), (0.6, 1.0)),
+}
+
+GROUPS = (
+    Group("a", "Seed A", "A et al.", "topk:ratio=0.1", ("identity", "bf16", "qsgd"),
+          (Claim("2x faster than no compression", "speedup", "identity", 2.0),
+           Claim("1.5x faster than the best uniform codec", "speedup", "best-uniform", 1.5),
+           Claim("4x fewer bytes than no compression", "bytes", "identity", 4.0),
+           Claim("no accuracy loss", "accuracy", "identity", 0.0, " pts"))),
+    Group("b", "Seed B", "B et al.", "dasgd:delay=2", ("identity",),
+          (Claim("all communication hidden", "hidden", None, 1.0, ""),
+           Claim("faster than sync", "speedup", "identity", None))),
+)
+
+
+def _launcher(calls: list[str], fail: str = ""):
+    def launch(cfg, show_progress=True):
+        name = cfg.method.split(":")[0]
+        calls.append(name)
+        if name == fail:
+            raise RunFailed("rank 0 failed after step 1: FloatingPointError: training loss is nan")
+        modeled, sent, acc, comm, hidden = FIGURES[name]
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "test_accuracy": acc * s / 4, "bytes_sent": sent * s / 4,
+                 **{f"modeled_seconds@{l}": m * s / 4 for l, m in zip(cfg.links, modeled)}} for s in (2, 4)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = {"task": cfg.task, "method": cfg.method, "workers": cfg.workers, "steps": cfg.steps,
+                   "final_accuracy": acc, "final_loss": 0.5, "final_bpc": None, "bytes_sent_per_worker": sent,
+                   "fp32_bytes_per_worker": 800.0, "compression_ratio": 800.0 / sent, "wall_seconds": 2.0,
+                   "compute_seconds": 1.0, "codec_seconds": 0.1, "comm_seconds": 0.5,
+                   "modeled_seconds_by_link": dict(zip(cfg.links, modeled)),
+                   "modeled_comm_seconds_by_link": dict(zip(cfg.links, comm)),
+                   "hidden_seconds_by_link": dict(zip(cfg.links, hidden))}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return launch
+
+
+def _run(tmp_path, fail=""):
+    calls: list[str] = []
+    races = suite.prepare(BASE, str(tmp_path / "suite"), groups=GROUPS)
+    results = suite.run(races, GROUPS, launch=_launcher(calls, fail), show_progress=False, say=lambda s: None)
+    done = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", GROUPS)
+    return calls, done
+
+
+def _row(rows, group, claim_start, link=""):
+    return next(r for r in rows if r["group"] == group and r["claim"].startswith(claim_start) and r["link"] == link)
+
+
+def test_measured_ratios_equal_the_hand_computed_ones(tmp_path):
+    calls, done = _run(tmp_path)
+    rows = done["rows"]
+    r = _row(rows, "a", "2x faster", LINKS[0])
+    assert r["measured"] == pytest.approx(3.0 / 2.0) and r["reading"] == "partly"
+    r = _row(rows, "a", "2x faster", LINKS[1])
+    assert r["measured"] == pytest.approx(12.0 / 4.0) and r["reading"] == "holds"
+    # the fastest uniform codec (identity excluded): qsgd at both links (2.2 s, 5.0 s)
+    assert _row(rows, "a", "1.5x", LINKS[0])["measured"] == pytest.approx(2.2 / 2.0)
+    assert _row(rows, "a", "1.5x", LINKS[1])["measured"] == pytest.approx(5.0 / 4.0)
+    assert "qsgd" in _row(rows, "a", "1.5x", LINKS[1])["detail"]
+    assert _row(rows, "a", "4x fewer")["measured"] == pytest.approx(8.0) and _row(rows, "a", "4x fewer")["link"] == ""
+    acc = _row(rows, "a", "no accuracy")
+    assert acc["measured"] == pytest.approx(100 * (0.80 - 0.82)) and acc["reading"] == "partly"  # 2 pts > 0.5
+    assert _row(rows, "b", "all communication", LINKS[0])["measured"] == pytest.approx(0.6 / 0.8)
+    assert _row(rows, "b", "all communication", LINKS[1])["measured"] == pytest.approx(1.0 / 4.0)
+    assert _row(rows, "b", "faster than sync", LINKS[1])["reading"] == "holds"  # no figure: any speedup
+
+
+def test_a_method_shared_by_races_runs_once_and_each_race_has_its_files(tmp_path):
+    calls, done = _run(tmp_path)
+    assert sorted(calls) == ["bf16", "dasgd", "identity", "qsgd", "topk"]  # identity once, not twice
+    out = tmp_path / "suite"
+    for key in ("a", "b"):
+        assert (out / key / "report.md").exists() and (out / key / "results.csv").exists()
+    with open(out / "b" / "results.csv") as f:
+        ident = next(r for r in csv.DictReader(f) if r["method"] == "identity")
+    assert float(ident["bytes_sent_per_worker"]) == 800.0  # the copied run's figures
+    assert len(list((out / "b" / "runs").glob("02-identity*/metrics.jsonl"))) == 1
+    with open(out / "claims.csv") as f:
+        claims = list(csv.DictReader(f))
+    assert len(claims) == len(done["rows"]) == 2 + 2 + 1 + 1 + 2 + 2
+    report = (out / "report.md").read_text()
+    assert "## Seed A — A et al." in report and "| 2x faster than no compression | 100mbit,1ms | 2.00x | 3.00x | holds" in report
+
+
+def test_a_failed_run_leaves_its_claims_unmeasured_and_the_suite_goes_on(tmp_path):
+    calls, done = _run(tmp_path, fail="identity")
+    rows = done["rows"]
+    r = _row(rows, "a", "2x faster", LINKS[0])
+    assert r["measured"] is None and r["reading"] == "not measured" and "identity's run failed" in r["detail"]
+    assert _row(rows, "a", "1.5x", LINKS[0])["measured"] == pytest.approx(1.1)  # other peers still measured
+    assert _row(rows, "b", "all communication", LINKS[0])["measured"] == pytest.approx(0.75)
+
+
+def test_an_out_holding_a_suite_is_refused(tmp_path):
+    _run(tmp_path)
+    with pytest.raises(ValueError, match="already holds a suite"):
+        suite.prepare(BASE, str(tmp_path / "suite"), groups=GROUPS)
+
+
+def test_the_seed_suite_validates_on_its_task():
+    """Every race of the shipped suite resolves on mnist1d with the suite's workers."""
+    import tempfile
+
+    base = TrainConfig(task="mnist1d", workers=suite.SUITE_WORKERS, steps=10)
+    with tempfile.TemporaryDirectory() as tmp:
+        races = suite.prepare(base, tmp)
+    assert [r.specs[0].split(":")[0] for r in races] == ["fft", "hylo", "dasgd", "powergossip", "ab"]
+    for race, group in zip(races, suite.SEEDS):
+        labels = {s.split(":")[0] for s in race.specs}
+        for claim in group.claims:
+            assert claim.peer in (None, "best-uniform") or claim.peer in labels
