@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under torchrun, torch's own default)")
     t.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="write a checkpoint into OUT/checkpoints every K steps (needs --out; the newest two are kept)")
+    t.add_argument("--resume", metavar="DIR", help="continue from a run directory's latest checkpoint (or from one "
+                   "checkpoint directory) up to --steps, the total; writes to --out, DIR itself when omitted")
+    t.add_argument("--on-nonfinite", choices=["raise", "skip"], default="raise",
+                   help="a NaN/Inf gradient: stop naming the parameter and step (raise, the default), or skip that "
+                   "step on every rank before anything is encoded (skip; counted as skipped_steps)")
 
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
@@ -150,6 +157,7 @@ def _train(args: argparse.Namespace) -> int:
         lr=args.lr, optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
         emulate_link=args.emulate_link, out=args.out, overwrite=args.overwrite, eval_every=args.eval_every,
         bucket_mb=args.bucket_mb, threads=args.threads, task_options=options,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, on_nonfinite=args.on_nonfinite,
     )
     try:
         cfg = cfg.resolve()
@@ -161,6 +169,12 @@ def _train(args: argparse.Namespace) -> int:
     except RunFailed as e:
         print(f"thinwire: {e}", file=sys.stderr)
         return 1
+    if summary is not None and summary.get("stopped_at") is not None:
+        where = (f"; checkpoint in {cfg.out}/checkpoints: continue with --resume {cfg.out}" if cfg.out
+                 else " (no --out, so no checkpoint)")
+        print(f"thinwire: stopped by {summary.get('signal', 'a signal')} after step {summary['stopped_at']}{where}",
+              file=sys.stderr)
+        return 143 if summary.get("signal") == "SIGTERM" else 130
     if summary is not None:
         _print_summary(summary, cfg.out)
     return 0
@@ -250,14 +264,15 @@ def _cost(args: argparse.Namespace) -> int:
     links = [Link.parse(text) for text in base.links]
     table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
                   f"{args.probe_steps} timed steps each, after {args.probe_steps} warm-up)",
-                  caption=f"beats bf16: the bandwidths at which the method's step is faster than bf16's, at the "
-                  f"latency of {base.links[0]}")
-    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", *[f"ms @ {l}" for l in base.links],
+                  caption=f"step = compute + codec + max(wait, messages x latency + bytes / bandwidth); wait = the "
+                  f"collectives' time here, with no link. beats bf16: the bandwidths at which the method's step is "
+                  f"faster than bf16's, at the latency of {base.links[0]}")
+    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", "wait ms", *[f"ms @ {l}" for l in base.links],
                 "beats bf16"]:
         table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
     for spec, c in costs.items():
         table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
-                      f"{1e3 * c.codec_s:.1f}", *[f"{1e3 * c.seconds(link):.1f}" for link in links],
+                      f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", *[f"{1e3 * c.seconds(link):.1f}" for link in links],
                       cost.verdict(c, ref, links[0].latency_s))
     Console(width=160).print(table)
     return 0

@@ -1,5 +1,7 @@
 """thinwire's DDP comm hook against DDP's default and PyTorch's own compress hooks."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,10 @@ def _grads(rank, setup) -> list[torch.Tensor]:
     for _ in range(2):  # the second iteration runs on DDP's rebuilt buckets
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    del model
+    gc.collect()  # each DDP wrapper goes now, while its process group lives (not at interpreter exit)
+    return grads
 
 
 def _bf16_reference_hook(state, bucket):

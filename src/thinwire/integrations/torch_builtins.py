@@ -18,13 +18,15 @@ post-local-SGD hook does no intra-node all_reduce after its warm-up (every worke
 to be its own machine). Buckets follow ``--bucket-mb``. These methods need
 ``torch.distributed`` (``thinwire train`` starts it); a peer that PyTorch cannot run on this
 backend is refused with PyTorch's reason (``torch-bf16`` on CPU/gloo: before any rank starts
-for local runs, when DDP is built under torchrun). Checkpoints keep only the step count for
-now: PowerSGD's error feedback and factors and post-local SGD's counters are not saved.
+for local runs, when DDP is built under torchrun). Checkpoints hold the hooks' own state:
+PowerSGD's error feedback, warm-start factors, iteration and generator; post-local SGD's
+iteration and the averager's step.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -238,7 +240,86 @@ class TorchPowerSGD(TorchBuiltin):
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
                                  start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
                                  use_error_feedback=True, warm_start=True, random_seed=0)
-        return state, ps.powerSGD_hook
+        self._names = {id(p): name for name, p in self.model.named_parameters()}
+        self._shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        self._layout: dict[int, list[str]] = {}  # bucket index -> its parameters, in the order last seen
+
+        def hook(st, bucket):  # unannotated: DDP checks the annotations it finds against its own types
+            index = bucket.index()
+            names = [self._names[id(p)] for p in bucket.parameters()]
+            before = self._layout.get(index)
+            if before is not None and before != names:
+                self._relayout(index, before, names)
+            self._layout[index] = names
+            return ps.powerSGD_hook(st, bucket)
+
+        return state, hook
+
+    def _relayout(self, index: int, before: list[str], after: list[str]) -> None:
+        """DDP lays a bucket out in parameter order on a fresh wrapper's first step and in
+        gradient-ready order after it rebuilds its buckets; PowerSGDState's per-bucket flat
+        tensors (error feedback, P and Q) follow the layout they were made in. Move each
+        parameter's piece to its place in the new layout (a resumed run's first step, and
+        the step after it)."""
+        st = self.hook_state
+        for kind, store in (("error", st.error_dict), ("p", st.p_memory_dict), ("q", st.q_memory_dict)):
+            if index not in store:
+                continue
+            old, new = self._segments(before, kind), self._segments(after, kind)
+            flat, pieces, offset = store[index], {}, 0
+            for name, size in old:
+                pieces[name] = flat[offset : offset + size]
+                offset += size
+            store[index] = torch.cat([pieces[name] for name, _ in new]) if new else flat[:0].clone()
+
+    def _segments(self, names: list[str], kind: str) -> list[tuple[str, int]]:
+        """(parameter, length) of each piece of a bucket's flat error / P / Q tensor, in memory
+        order: the error holds every gradient in bucket order; P and Q hold the compressed
+        matrices grouped by shape (groups in order of first appearance), as powerSGD_hook
+        allocates them."""
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+        if kind == "error":
+            return [(name, math.prod(self._shapes[name])) for name in names]
+        st = self.hook_state
+        groups: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        for name in names:
+            shape = self._shapes[name]
+            rows = shape[0] if shape else 1
+            cols = math.prod(shape) // rows if rows else 0
+            rank = min(rows, cols, st.matrix_approximation_rank)
+            if _should_compress(rows, cols, rank, st.min_compression_rate)[0]:
+                groups.setdefault((rows, cols), []).append((name, (rows if kind == "p" else cols) * rank))
+        return [piece for pieces in groups.values() for piece in pieces]
+
+    def state_dict(self) -> dict:
+        """The hook's own state (PowerSGDState): error feedback and warm-start factors per
+        bucket, its iteration and its NumPy generator, as tensors and plain values."""
+        st = self.hook_state
+        name, keys, pos, has_gauss, cached = st.rng.get_state()
+        return {
+            "step": self.step, "iter": st.iter,
+            "error_dict": dict(st.error_dict), "p_memory_dict": dict(st.p_memory_dict),
+            "q_memory_dict": dict(st.q_memory_dict),
+            "rng": {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached": float(cached)},
+            "stats": [st.total_numel_before_compression, st.total_numel_after_compression, st.next_stats_report],
+            "layout": {index: list(names) for index, names in self._layout.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        import numpy as np
+
+        super().load_state_dict(state)
+        st = self.hook_state
+        st.iter = int(state["iter"])
+        st.error_dict = dict(state["error_dict"])
+        st.p_memory_dict = dict(state["p_memory_dict"])
+        st.q_memory_dict = dict(state["q_memory_dict"])
+        r = state["rng"]
+        st.rng.set_state((r["name"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["cached"]))
+        st.total_numel_before_compression, st.total_numel_after_compression, st.next_stats_report = state["stats"]
+        self._layout = {int(index): list(names) for index, names in state["layout"].items()}
 
 
 class TorchPostLocalSGD(TorchBuiltin):
@@ -261,6 +342,14 @@ class TorchPostLocalSGD(TorchBuiltin):
         with _timed(self.comm, self._timing):
             self.averager.average_parameters(self.model.parameters())
         self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "iter": self.hook_state.iter, "averager_step": self.averager.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.hook_state.iter = int(state["iter"])
+        self.averager.step = int(state["averager_step"])
 
 
 BUILTINS: dict[str, type[TorchBuiltin]] = {c.name: c for c in (TorchBuiltin, TorchFP16, TorchBF16, TorchPowerSGD,

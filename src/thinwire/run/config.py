@@ -34,6 +34,9 @@ class TrainConfig:
     bucket_mb: float = 25.0
     threads: int | None = None  # torch threads per rank; None: cores / workers
     task_options: dict[str, Any] = field(default_factory=dict)
+    checkpoint_every: int = 0  # write a checkpoint into out/checkpoints every K steps (0: never)
+    resume: str | None = None  # a run directory (its latest checkpoint) or one checkpoint directory
+    on_nonfinite: str = "raise"  # a NaN/Inf gradient: raise (name it) or skip the step on every rank
 
     def resolve(self) -> "TrainConfig":
         """Validate every field and fill defaults; raises ValueError naming the rule broken."""
@@ -57,10 +60,23 @@ class TrainConfig:
         require(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         links = tuple(str(Link.parse(s)) for s in self.links)
         require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
-        if self.out is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
+        require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        require(self.on_nonfinite in ("raise", "skip"), f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
+        out = self.out
+        resume_dir = None
+        if self.resume is not None:
+            from thinwire.run import checkpoint
+
+            resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
+            checkpoint.read_meta(resume_dir)
+            if out is None:
+                out = str(checkpoint.run_dir(resume_dir))  # continue in the run's own directory
+        require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
+        continuing = resume_dir is not None and _same_dir(out, checkpoint.run_dir(resume_dir))
+        if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
             require(
-                self.overwrite or not _holds_run(self.out),
-                f"--out {self.out} already holds a run (summary.json or metrics.jsonl); "
+                self.overwrite or not _holds_run(out),
+                f"--out {out} already holds a run (summary.json or metrics.jsonl); "
                 "pass --overwrite to replace it or choose another directory",
             )
         method, rules = self.method, self.policy_rules
@@ -79,9 +95,14 @@ class TrainConfig:
             method = resolve_method(self.method)
             # under torchrun the world is torchrun's, not --workers
             check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
+        if resume_dir is not None:
+            meta = checkpoint.read_meta(resume_dir)
+            world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
+            checkpoint.check_matches(meta, workers=world, task=self.task, method=method, steps=steps,
+                                     task_options=self.task_options)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
-            optimizer=opt, eval_every=eval_every, links=links,
+            optimizer=opt, eval_every=eval_every, links=links, out=out,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +110,10 @@ class TrainConfig:
         d["links"] = list(self.links)
         d["policy_rules"] = list(self.policy_rules)
         return d
+
+
+def _same_dir(a: str | None, b) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def _holds_run(path: str) -> bool:

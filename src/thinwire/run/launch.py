@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -50,13 +50,19 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
     device = _device()
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
+    stop = threading.Event()  # torchrun forwards SIGINT / SIGTERM to every rank
+    received: list[str] = []
+    restore = _on_stop_signals(stop, received)
     try:
         if view:
             view.start()
-        summary = train_rank(cfg, comm, view.handle if view else None, device)
+        summary = train_rank(cfg, comm, view.handle if view else None, device, stop_requested=stop.is_set)
+        if summary is not None and received:
+            summary["signal"] = received[0]
         torch.distributed.barrier()
         return summary
     finally:
+        restore()
         if view:
             view.stop()
         torch.distributed.destroy_process_group()
@@ -82,7 +88,7 @@ def _threads(cfg: TrainConfig) -> int:
     return cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
 
 
-def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int) -> None:
+def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None) -> None:
     """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
     (no TCP port to pick, so concurrent runs cannot collide)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it terminates us
@@ -102,7 +108,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         def report(kind: str, **fields: Any) -> None:
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
 
-        summary = train_rank(cfg, comm, report)
+        summary = train_rank(cfg, comm, report, stop_requested=stop.is_set if stop is not None else None)
         torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
         q.put(("done", rank, summary))
@@ -129,12 +135,15 @@ def _exit_with_parent(parent: int) -> None:
 def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    stop = ctx.Event()  # set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end
     tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
     rendezvous = os.path.join(tmp.name, "rendezvous")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid()), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid(), stop), daemon=True)
         for r in range(cfg.workers)
     ]
+    received: list[str] = []
+    restore = _on_stop_signals(stop, received)
     view = ProgressView(cfg) if show_progress else None
     summary = None
     done: set[int] = set()
@@ -164,12 +173,38 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
                 raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
         for p in procs:
             p.join(timeout=30)
+        if summary is not None and received:
+            summary["signal"] = received[0]
         return summary
     finally:
+        restore()
         if view:
             view.stop()
         _terminate(procs)
         tmp.cleanup()
+
+
+def _on_stop_signals(stop: Any, received: list[str]) -> Callable[[], None]:
+    """SIGINT / SIGTERM: the first asks the ranks to stop after their step (with a checkpoint
+    when the run has an --out); a second one stops at once. Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signal handlers live in the main thread only
+
+    def handle(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            raise KeyboardInterrupt  # the second signal: terminate the ranks now
+        received.append(name)
+        stop.set()
+        sys.stderr.write(f"thinwire: {name}: stopping after the current step (again to stop at once)\n")
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    return restore
 
 
 def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_step: int) -> str:

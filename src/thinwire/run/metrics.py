@@ -10,10 +10,17 @@ from typing import Any
 class MetricsWriter:
     """Writes into ``out``; the summary is written atomically (temporary file + rename)."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, history: list[dict[str, Any]] | None = None) -> None:
+        """``history``: a resumed run's records up to its checkpoint, written first (records a
+        crashed run logged after its checkpoint are dropped, so none appears twice)."""
         os.makedirs(out, exist_ok=True)
         self.out = out
-        self._jsonl = open(os.path.join(out, "metrics.jsonl"), "w", encoding="utf-8")
+        path = os.path.join(out, "metrics.jsonl")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:  # the history replaces the file in one step
+            f.writelines(json.dumps(record) + "\n" for record in history or [])
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(record, sort_keys=False) + "\n")

@@ -22,6 +22,7 @@ from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter
 
 Report = Callable[..., None]  # report(kind, **fields): progress to the launcher (rank 0 only)
+STOP_POLL_SECONDS = 1.0  # how often (in training time) the ranks agree on a stop request
 
 
 @dataclass
@@ -30,6 +31,9 @@ class Clock:
 
     compute: float = 0.0
     train_wall: float = 0.0
+    skipped: int = 0  # steps dropped on every rank for a non-finite gradient (--on-nonfinite skip)
+    codec_before: float = 0.0  # a resumed run's codec and communication seconds before its checkpoint
+    comm_before: float = 0.0
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
@@ -39,10 +43,21 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
 
 
 def train_rank(
-    cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu"
+    cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu",
+    stop_requested: Callable[[], bool] | None = None,
 ) -> dict[str, Any] | None:
     """Train on this rank's ``device``; rank 0 writes metrics and returns the summary (others
-    return None)."""
+    return None).
+
+    ``cfg.resume`` continues from a checkpoint (every state restored, the data stream
+    advanced to its step); ``cfg.checkpoint_every`` writes one every K steps. After each
+    backward the gradients are checked (one fused norm) before anything is encoded: with
+    ``cfg.on_nonfinite == "raise"`` a rank holding a non-finite one raises, naming the
+    parameter (the launcher stops the others); with ``"skip"`` one small all_reduce (not
+    metered) per step lets every rank agree and drop the step alike. A stop request
+    (``stop_requested()``, e.g. a signal) is agreed on the same way, about once a second
+    (:data:`STOP_POLL_SECONDS`): the step is finished, a checkpoint written when there is
+    an ``--out``, and the run ends early with ``stopped_at`` in its summary."""
     from thinwire import __version__
     from thinwire.tasks import get as get_task
 
@@ -62,13 +77,20 @@ def train_rank(
     else:
         method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
     fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
-    writer = MetricsWriter(cfg.out) if (rank == 0 and cfg.out) else None
     batches = task.train_batches(rank, n, cfg.batch_size)
     clock = Clock()
     last_eval: dict[str, Any] = {}
+    start, history = 0, []
+    if cfg.resume:
+        start, last_eval, history = _resume(cfg, comm, model, optimizer, method, clock, device)
+        for _ in range(start):  # the data stream is a pure function of the step
+            next(batches)
+    writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    stopped_at, poll_every = None, 1
     t_start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -78,32 +100,161 @@ def train_rank(
         loss.backward()
         t1 = time.perf_counter()
         in_backward = _spent(method) - before  # DDP hooks' codec and communication time
-        method.after_backward(loss=loss.detach())
-        t2 = time.perf_counter()
-        optimizer.step()
-        t3 = time.perf_counter()
-        method.after_step()
-        if step == cfg.steps and hasattr(method, "finish"):
+        idx, stop = _nonfinite(params), False
+        bad = None if idx is None else (rank, params[idx][0])
+        if bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
+            raise FloatingPointError(f"non-finite gradient in {bad[1]} on rank {rank} at step {step} "
+                                     "(--on-nonfinite skip drops such steps on every rank instead)")
+        polling = stop_requested is not None and (step == start + 1 or (step - start) % poll_every == 0)
+        if cfg.on_nonfinite == "skip" or polling:
+            who, idx, stop, seconds = _agree(comm, idx, polling and stop_requested(), t1 - t0, device)
+            bad = None if who is None else (who, params[idx][0])
+            if polling and step == start + 1:  # then ask about once a second (the same interval everywhere)
+                poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
+        if bad is None:
+            method.after_backward(loss=loss.detach())
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            method.after_step()
+        else:  # skipped on every rank alike, before anything is encoded or stepped
+            optimizer.zero_grad(set_to_none=False)
+            clock.skipped += 1
+            t2 = t3 = time.perf_counter()
+        last = step == cfg.steps or stop
+        if last and hasattr(method, "finish"):
             method.finish()  # e.g. AB-training's final sync: one model on every rank
         t4 = time.perf_counter()
         clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
         clock.train_wall += t4 - t0
         loss_value = loss.item()
-        if not math.isfinite(loss_value):
+        if bad is None and not math.isfinite(loss_value):
             raise FloatingPointError(f"training loss is {loss_value} at step {step} on rank {rank}")
         if report is not None and rank == 0:
             report("step", step=step, loss=loss_value)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 or last:
             last_eval = _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start)
             if writer:
                 writer.write(last_eval)
             if report is not None and rank == 0:
                 report("eval", **last_eval)
+        if cfg.out and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop):
+            _save(cfg, comm, step, model, optimizer, method, clock, last_eval)
+        if stop:
+            stopped_at = step
+            break
     summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device)
+    summary.update(resumed_from=start or None, stopped_at=stopped_at)
     if writer:
-        writer.write_summary(summary)
+        if stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
+            writer.write_summary(summary)
         writer.close()
     return summary if rank == 0 else None
+
+
+def _nonfinite(params) -> int | None:
+    """Index of this rank's first parameter with a non-finite gradient, or None (one fused
+    norm over all gradients; the per-parameter search only when it is not finite)."""
+    grads = [p.grad for _, p in params if p.grad is not None]
+    if not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+        return None
+    return next(i for i, (_, p) in enumerate(params) if p.grad is not None and not p.grad.isfinite().all())
+
+
+def _agree(comm: Communicator, bad: int | None, stop: bool, seconds: float,
+           device: torch.device | str = "cpu") -> tuple[int | None, int, bool, float]:
+    """One all_reduce (not metered) of every rank's findings: (the highest rank holding a
+    non-finite gradient and the index of its first such parameter, or None and -1; whether
+    any rank asked to stop; the mean of ``seconds``). Each rank fills its own slot, so every
+    rank names the same parameter."""
+    n = comm.world_size
+    values = [0.0] * (n + 2)
+    if bad is not None:
+        values[comm.rank] = bad + 1.0
+    values[n], values[n + 1] = float(stop), seconds
+    flags = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces on the rank's GPU
+    with comm.meter.paused():
+        comm.all_reduce(flags)
+    got = flags.tolist()
+    offenders = [(r, int(got[r]) - 1) for r in range(n) if got[r] > 0]
+    who, idx = offenders[-1] if offenders else (None, -1)
+    return who, idx, got[n] > 0, got[n + 1] / n
+
+
+def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
+    """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
+    from thinwire.run import checkpoint
+
+    t = method.timing
+    with comm.meter.paused():
+        state = {
+            "format": checkpoint.FORMAT, "rank": comm.rank, "step": step,
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "method": method.state_dict() if hasattr(method, "state_dict") else {},
+            "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
+            "seconds": {"compute": clock.compute, "train_wall": clock.train_wall, "skipped": clock.skipped,
+                        "codec": t.codec_seconds + clock.codec_before, "comm": t.comm_seconds + clock.comm_before},
+        }
+        checkpoint.write_rank(cfg.out, step, comm.rank, state)
+        comm.barrier()
+        if comm.rank == 0:
+            checkpoint.commit(cfg.out, step, {"world_size": comm.world_size, "task": cfg.task, "method": cfg.method,
+                                              "seed": cfg.seed, "task_options": cfg.task_options,
+                                              "config": cfg.to_dict()})
+        comm.barrier()  # nobody resumes from, or removes, a checkpoint still being committed
+
+
+def _resume(cfg, comm, model, optimizer, method, clock, device):
+    """Restore every state of this rank from ``cfg.resume``: (step, last evaluation, the
+    metrics records up to the step, for rank 0)."""
+    from thinwire.run import checkpoint
+    from thinwire.run.metrics import read_jsonl
+
+    d = checkpoint.locate(cfg.resume)
+    meta = checkpoint.read_meta(d)
+    checkpoint.check_matches(meta, workers=comm.world_size, task=cfg.task, method=cfg.method, steps=cfg.steps,
+                             task_options=cfg.task_options)
+    state = checkpoint.load_rank(d, comm.rank, map_location=device)
+    model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
+    optimizer.load_state_dict(state["optimizer"])
+    if hasattr(method, "load_state_dict"):
+        method.load_state_dict(state["method"])
+    _load_meter(comm.meter, state["meter"])
+    checkpoint.set_rng_state(state["rng"])
+    sec = state["seconds"]
+    clock.compute, clock.train_wall, clock.skipped = sec["compute"], sec["train_wall"], int(sec["skipped"])
+    t = method.timing
+    clock.codec_before, clock.comm_before = sec["codec"] - t.codec_seconds, sec["comm"] - t.comm_seconds
+    step = int(state["step"])
+    source = checkpoint.run_dir(d) / "metrics.jsonl"
+    history = [r for r in read_jsonl(str(source)) if r["step"] <= step] if (comm.rank == 0 and source.exists()) else []
+    return step, dict(state["last_eval"]), history
+
+
+def _meter_state(meter) -> dict[str, Any]:
+    def counts(c):
+        return [c.calls, c.bytes, c.messages, c.payload_bytes]
+
+    return {"ops": {op: counts(c) for op, c in meter.ops.items()},
+            "by_group": [[op, n, *counts(c)] for (op, n), c in meter.by_group.items()]}
+
+
+def _load_meter(meter, state: dict[str, Any]) -> None:
+    from thinwire.comm.meter import OpCount
+
+    def count(v):
+        return OpCount(calls=int(v[0]), bytes=float(v[1]), messages=int(v[2]), payload_bytes=int(v[3]))
+
+    meter.ops = {op: count(v) for op, v in state["ops"].items()}
+    meter.by_group = {(row[0], int(row[1])): count(row[2:]) for row in state["by_group"]}
+
+
+def _timing(method, clock: Clock):
+    """The method's codec and communication seconds, a resumed run's earlier ones included."""
+    from thinwire.aggregate import Timing
+
+    t = method.timing
+    return Timing(codec_seconds=t.codec_seconds + clock.codec_before, comm_seconds=t.comm_seconds + clock.comm_before)
 
 
 def _spent(method) -> float:
@@ -128,7 +279,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         comm.barrier()  # evaluation skew is not charged to the next timed collective
     if hasattr(method, "stats"):
         record.update(method.stats())  # e.g. the theta FFT used at this step
-    t = method.timing
+    t = _timing(method, clock)
     record.update(
         bytes_sent=comm.meter.bytes_sent,
         messages=comm.meter.messages,
@@ -138,6 +289,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         compute_seconds=clock.compute,
         codec_seconds=t.codec_seconds,
         comm_seconds=t.comm_seconds,
+        skipped_steps=clock.skipped,
     )
     for link in cfg.links:
         record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
@@ -190,7 +342,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
     per_worker = sent.item() / comm.world_size
     fp32 = fp32_per_step * cfg.steps
-    t = method.timing
+    t = _timing(method, clock)
     modeled = {link: _modeled(Link.parse(link), comm, clock, t, method) for link in cfg.links}
     return {
         "task": cfg.task,
@@ -214,6 +366,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
                                          for link in cfg.links},  # before any overlap is credited
         "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method) for link in cfg.links},
         "messages_per_worker": comm.meter.messages,
+        "skipped_steps": clock.skipped,
         "method_report": method.report() if hasattr(method, "report") else {},
         "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),
         "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,

@@ -1,0 +1,123 @@
+"""Exact resume of PyTorch's own DDP hooks (real gloo process groups): K steps + resume for
+K steps end with the parameters, optimizer and hook state of 2K straight steps; a stopped
+(SIGINT) run and a run whose rank was killed resume from their checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinwire.run import checkpoint
+from thinwire.run.config import TrainConfig
+from thinwire.run.launch import launch
+
+SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
+K = 4
+
+
+def _same(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spec", ["torch-ddp", "torch-fp16", "torch-powersgd:rank=2,start_iter=2",
+                                  "torch-postlocalsgd:period=3,warmup=2"])
+def test_pytorch_hooks_resume_exactly(spec, tmp_path):
+    cfg = TrainConfig(task="synthetic", method=spec, workers=2, steps=2 * K, eval_every=K, out=str(tmp_path / "a"),
+                      checkpoint_every=K, task_options=SMALL, batch_size=16).resolve()
+    straight = launch(cfg, show_progress=False)
+    resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, K))),
+                     show_progress=False)
+    for rank in range(2):
+        a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * K), rank)
+        b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * K), rank)
+        for part in ("model", "optimizer", "method", "meter"):
+            _same(a[part], b[part], f"rank {rank} {part}")
+    assert resumed["final_loss"] == straight["final_loss"] and resumed["resumed_from"] == K
+
+
+def _train_cmd(out: Path, *extra: str) -> list[str]:
+    opts = [a for k, v in SMALL.items() for a in ("--option", f"{k}={v}")]
+    return [sys.executable, "-m", "thinwire", "train", "--task", "synthetic", "--workers", "2", "--batch-size", "16",
+            "--out", str(out), "--quiet", *opts, *extra]
+
+
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 90) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        try:
+            return json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
+        except (OSError, ValueError):
+            time.sleep(0.2)
+    raise AssertionError("no checkpoint appeared")
+
+
+@pytest.mark.timeout(240)
+def test_sigint_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every",
+                                       "50"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(out, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    stopped = int(err.split("after step ")[1].split(";")[0])
+    assert f"continue with --resume {out}" in err
+    assert checkpoint.locate(out) == checkpoint.step_dir(out, stopped)
+    assert not (out / "summary.json").exists()
+    done = subprocess.run(_train_cmd(out, "--steps", str(stopped + 6), "--resume", str(out)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == stopped + 6 and summary["resumed_from"] == stopped
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_leaves_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every",
+                                       "20"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(out, proc)
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
+                                                capture_output=True, text=True).stdout.split()]
+        assert len(ranks) == 2, ranks
+        os.kill(sorted(ranks)[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "rank 1 died (SIGKILL)" in err, err
+    at = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
+    done = subprocess.run(_train_cmd(out, "--steps", str(at + 5), "--resume", str(out)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "summary.json").read_text())["resumed_from"] == at

@@ -1,0 +1,158 @@
+"""Checkpoints and exact resume: for every method in the registry, K steps + resume for K
+steps end bit-identical to 2K straight steps; damaged, foreign and tampered checkpoints are
+refused with a clear error while the previous one still loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinwire.algorithms.registry import method_names
+from thinwire.comm.local import LocalWorld
+from thinwire.run import checkpoint
+from thinwire.run.checkpoint import CheckpointError
+from thinwire.run.config import TrainConfig
+from thinwire.run.trainer import train_rank
+
+SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
+K = 4
+# PyTorch's DDP hooks need a real process group: tests/distributed/test_resume_gloo.py
+METHODS = sorted(n for n in method_names() if not n.startswith("torch-"))
+
+
+def _cfg(tmp: Path, method: str, **kw) -> TrainConfig:
+    base = dict(task="synthetic", method=method, workers=2, steps=2 * K, eval_every=K, out=str(tmp / "a"),
+                checkpoint_every=K, task_options=SMALL, batch_size=16)
+    base.update(kw)
+    return TrainConfig(**base).resolve()
+
+
+def _train(cfg: TrainConfig) -> list:
+    return LocalWorld(cfg.workers).run(lambda comm: train_rank(cfg, comm))
+
+
+def _assert_same(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _state(out: Path, step: int, rank: int) -> dict:
+    return checkpoint.load_rank(checkpoint.step_dir(out, step), rank)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", METHODS)
+def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_path):
+    cfg = _cfg(tmp_path, name)
+    straight = _train(cfg)[0]
+    resumed_cfg = dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, K)))
+    resumed = _train(resumed_cfg)[0]
+    for rank in range(cfg.workers):
+        a, b = _state(Path(cfg.out), 2 * K, rank), _state(tmp_path / "b", 2 * K, rank)
+        for part in ("model", "optimizer", "meter", "rng"):
+            _assert_same(a[part], b[part], f"rank {rank} {part}")
+        # everything of the method's but DaSGD's warm-up clock readings (they size delay=auto)
+        _assert_same({k: v for k, v in a["method"].items() if k != "warm"},
+                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method")
+        untimed = lambda ev: {k: v for k, v in ev.items() if "seconds" not in k}  # noqa: E731  (clocks differ)
+        _assert_same(untimed(a["last_eval"]), untimed(b["last_eval"]), f"rank {rank} last_eval")
+    for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
+        assert resumed[key] == straight[key], key
+    assert resumed["resumed_from"] == K and straight["resumed_from"] is None
+    # the resumed run's metrics hold the whole history, as the straight run's do
+    rows = lambda out: [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [r["step"] for r in rows(resumed_cfg.out)] == [r["step"] for r in rows(cfg.out)] == [K, 2 * K]
+    assert [r["train_loss"] for r in rows(resumed_cfg.out)] == [r["train_loss"] for r in rows(cfg.out)]
+
+
+def test_resume_into_its_own_directory_continues_there(tmp_path):
+    cfg = _cfg(tmp_path, "topk:ratio=0.1", steps=K)
+    _train(cfg)
+    more = _cfg(tmp_path, "topk:ratio=0.1", resume=cfg.out)  # its own --out: no --overwrite needed
+    summary = _train(more)[0]
+    assert summary["steps"] == 2 * K and summary["resumed_from"] == K
+    latest = json.loads((Path(cfg.out) / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 2 * K
+    assert sorted(p.name for p in (Path(cfg.out) / "checkpoints").glob("step-*")) == [
+        f"step-{K:08d}", f"step-{2 * K:08d}"]  # the newest two are kept
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    cfg = _cfg(tmp_path, "identity", steps=4 * K, checkpoint_every=K)
+    _train(cfg)
+    kept = sorted(p.name for p in (Path(cfg.out) / "checkpoints").glob("step-*"))
+    assert kept == [f"step-{3 * K:08d}", f"step-{4 * K:08d}"]
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(tmp_path):
+    cfg = _cfg(tmp_path, "identity")
+    _train(cfg)
+    newest = checkpoint.step_dir(cfg.out, 2 * K) / "rank-1.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    more = dataclasses.replace(cfg, steps=3 * K, resume=cfg.out, out=str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match=r"rank-1.pt is damaged or not a thinwire checkpoint"):
+        _train(more)
+    older = dataclasses.replace(more, resume=str(checkpoint.step_dir(cfg.out, K)))
+    assert _train(older)[0]["resumed_from"] == K
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(tmp_path):
+    cfg = _cfg(tmp_path, "identity")
+    _train(cfg)
+    # a later checkpoint whose writing stopped half-way: a temporary file, no meta.json
+    half = checkpoint.step_dir(cfg.out, 3 * K)
+    half.mkdir()
+    (half / ".rank-0.pt.tmp").write_bytes(b"PK\x03\x04 partial")
+    assert checkpoint.locate(cfg.out) == checkpoint.step_dir(cfg.out, 2 * K)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, "identity")
+    _train(cfg)
+    target = checkpoint.step_dir(cfg.out, 2 * K) / "rank-0.pt"
+    torch.save({"format": 1, "rank": 0, "payload": Path("/")}, target)  # an arbitrary object, not weights
+    with pytest.raises(CheckpointError, match="damaged or not a thinwire checkpoint"):
+        checkpoint.load_rank(target.parent, 0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"method": "bf16"}, "different run: method identity"),
+    ({"workers": 4}, "world size 2 (this run: 4)"),
+    ({"task_options": dict(SMALL, hidden=16)}, "task options"),
+    ({"steps": 2 * K}, "nothing left to train"),
+])
+def test_a_checkpoint_from_another_run_says_what_differs(change, message, tmp_path):
+    cfg = _cfg(tmp_path, "identity")
+    _train(cfg)
+    other = _cfg(tmp_path, **{"method": "identity", "steps": 3 * K, **change, "out": str(tmp_path / "d")})
+    meta = checkpoint.read_meta(checkpoint.locate(cfg.out))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        checkpoint.check_matches(meta, workers=other.workers, task=other.task, method=other.method,
+                                 steps=other.steps, task_options=other.task_options)
+
+
+def test_locate_names_what_is_missing(tmp_path):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        checkpoint.locate(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        checkpoint.locate(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="latest.json is damaged"):
+        checkpoint.locate(tmp_path)
