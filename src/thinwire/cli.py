@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--topology", default="ring", help="ring | torus | complete | exponential | FILE (default: ring)")
     bn.add_argument("--max-steps", type=int, help="steps per method at most (default: 3000; 200 with --quick)")
     bn.add_argument("--out", help="write every curve to this CSV file (method, step, bits_per_worker, relative_error)")
+    bm = bsub.add_parser("memory", help="peak memory of every method beyond identity's, in model copies, against "
+                         "the documented figure")
+    bm.add_argument("--methods", help="comma-separated method specs (default: every method that runs here)")
+    bm.add_argument("--workers", type=int, default=2, help="spawned ranks per run (default: 2)")
+    bm.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
+    bm.add_argument("--out", help="also write the table to this markdown file")
     return p
 
 
@@ -137,6 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return bench_consensus(quick=args.quick, methods=args.methods, workers=args.workers, size=args.size,
                                    topology=args.topology, max_steps=args.max_steps, out=args.out)
+        if args.command == "bench" and args.bench == "memory":
+            from thinwire.run.bench_memory import main as bench_memory
+
+            if args.workers < 1 or args.steps < 1:
+                raise BadInput("bench memory: --workers and --steps must be >= 1")
+            return bench_memory(methods=args.methods, workers=args.workers, steps=args.steps, out=args.out)
         _parser().print_help()
         return EXIT_BAD_INPUT if args.command is None else 0
     except BadInput as e:

@@ -21,6 +21,11 @@ class Aggregation(enum.Enum):
     GATHER = "gather"
 
 
+class PayloadError(ValueError):
+    """A payload that does not match its codec's declared layout, or whose header fields
+    (counts, exponents, indices) are out of their allowed ranges: refused before decoding."""
+
+
 WireSpec = tuple[tuple[int, ...], torch.dtype]
 """Shape and dtype of one wire tensor; a codec's wire layout is a list of these."""
 

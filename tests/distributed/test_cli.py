@@ -412,3 +412,10 @@ def test_cost_refuses_a_method_that_cannot_run_on_the_task(capsys):
     assert main(["cost", "--task", "synthetic", "--methods", "ab:exclude=first;fc9"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot run on task synthetic" in err, err
+
+
+@pytest.mark.parametrize("args", [["--workers", "0"], ["--steps", "0"], ["--steps", "x"]])
+def test_bench_memory_bad_input_is_one_line_and_exit_2(args, capsys):
+    assert main(["bench", "memory", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -13,6 +13,11 @@ Contract (tested for every registered codec):
 * Randomness comes from a generator owned by the codec, seeded from (seed, step, key).
 * Multi-round codecs (PowerSGD: a P round then a Q round) set ``rounds > 1``; the caller
   reduces round ``i`` and passes the reduced payload to ``encode_next`` for round ``i+1``.
+* Every ``decode``, ``decode_add`` and ``decode_sum`` first runs :meth:`Codec.check` on its
+  payloads (wrapped in by ``__init_subclass__``, so a new codec gets it too): tensor count,
+  shapes and dtypes against ``wire_spec``, then the codec's own header fields
+  (``check_fields``: counts, exponents, indices in range). A malformed payload raises
+  :class:`~thinwire.payload.PayloadError` instead of reading out of bounds.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from thinwire.payload import Aggregation, Payload, WireSpec, spec_nbytes
+from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec, spec_nbytes
 
 
 class Codec:
@@ -38,6 +43,12 @@ class Codec:
     # work element-wise on any flat view (identity, casts), or that choose to treat a bucket
     # as one signal (fft with bucket_mb > 0). Fusion needs ef off (residuals are per tensor).
     fusable: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("decode", "decode_add", "decode_sum"):  # every decoding entry point checks first
+            if name in cls.__dict__ and not getattr(cls.__dict__[name], "_checks", False):
+                setattr(cls, name, _checked(cls.__dict__[name], many=name == "decode_sum"))
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -81,6 +92,22 @@ class Codec:
     def decode(self, payload: Payload) -> torch.Tensor:
         """Reconstruct a dense tensor of ``payload.shape`` and ``payload.dtype``. Pure."""
         raise NotImplementedError
+
+    def check(self, payload: Payload) -> None:
+        """Raise :class:`PayloadError` unless ``payload`` has exactly the wire layout this
+        codec declares for its shape and dtype (in any of its rounds) and header fields in
+        range (:meth:`check_fields`)."""
+        got = [(tuple(t.shape), t.dtype) for t in payload.tensors]
+        shape = torch.Size(payload.shape)
+        layouts = [[(tuple(s), d) for s, d in self.wire_spec(shape, payload.dtype, r)] for r in range(self.rounds)]
+        if got not in layouts:
+            raise PayloadError(f"{self.name}: payload for a {list(shape)} {payload.dtype} tensor has wire tensors "
+                               f"{_layout(got)}, expected {' or '.join(_layout(l) for l in layouts)}")
+        self.check_fields(payload)
+
+    def check_fields(self, payload: Payload) -> None:
+        """The codec's header fields against their allowed ranges (its layout already
+        matches); none by default."""
 
     def stats(self) -> dict[str, float]:
         """Figures of the current step worth logging (e.g. FFT's theta); none by default."""
@@ -130,6 +157,43 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"<{self.describe()}>"
+
+
+def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    return "[" + ", ".join(f"{list(s)} {str(d).replace('torch.', '')}" for s, d in specs) + "]"
+
+
+def _checked(fn, many: bool):
+    """``fn`` (a decoding method) preceded by ``self.check`` of its payload(s)."""
+
+    def decode(self, payload, *args, **kwargs):
+        for p in (payload if many else (payload,)):
+            self.check(p)
+        return fn(self, payload, *args, **kwargs)
+
+    decode.__name__, decode.__qualname__, decode.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    decode._checks = True  # type: ignore[attr-defined]
+    return decode
+
+
+E_MAX_LOW, E_MAX_HIGH = -150, 127  # floor(log2 |x|) of a nonzero fp32 value lies in [-149, 127]
+
+
+def in_range(name: str, what: str, t: torch.Tensor, low: float, high: float) -> None:
+    """Raise :class:`PayloadError` unless every value of ``t`` lies in [low, high]."""
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    if not (low <= lo.item() and hi.item() <= high):
+        raise PayloadError(f"{name}: {what} must lie in [{low:g}, {high:g}], got values in "
+                           f"[{lo.item():g}, {hi.item():g}]")
+
+
+def not_negative(name: str, what: str, t: torch.Tensor) -> None:
+    """Raise :class:`PayloadError` when ``t`` (a scale or norm) holds a negative value; NaN and
+    inf pass (a codec carries non-finite input that way; the trainer stops it before encoding)."""
+    if t.numel() and bool((t < 0).any()):
+        raise PayloadError(f"{name}: {what} must not be negative, got {t.min().item():g}")
 
 
 def generator_for(seed: int, step: int, key: str, device: torch.device | str = "cpu") -> torch.Generator:

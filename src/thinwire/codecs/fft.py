@@ -38,14 +38,14 @@ from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
 from thinwire.numerics import rangefloat
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.numerics.select import indices, top_mask
-from thinwire.payload import Aggregation, Payload, WireSpec
+from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +161,17 @@ class FFT(Codec):
         _, bins, kept = self._sizes(math.prod(shape))
         pos = ((packed_nbytes(bins, 1),), torch.uint8) if self._bitmap(bins, kept) else ((kept,), torch.int32)
         return [((1,), torch.int32), pos, self._value_spec(2 * kept)]
+
+    def check_fields(self, payload: Payload) -> None:
+        header, pos, _ = payload.tensors
+        in_range(self.name, "the exponent E_max", header, E_MAX_LOW, E_MAX_HIGH)
+        _, bins, kept = self._sizes(math.prod(payload.shape))
+        if self._bitmap(bins, kept):
+            chosen = int(unpack(pos, bins, 1).sum().item())
+            if chosen != kept:
+                raise PayloadError(f"{self.name}: the bitmap marks {chosen} frequency bins, the layout carries {kept}")
+        else:
+            in_range(self.name, "bin indices", pos, 0, bins - 1)
 
     def __init__(self, config: FFTConfig) -> None:
         super().__init__(config)

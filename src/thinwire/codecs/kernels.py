@@ -29,12 +29,12 @@ from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.base import Codec, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.numerics.select import indices, top_mask
-from thinwire.payload import Aggregation, Payload, WireSpec
+from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +89,8 @@ class Kernels(Codec):
         numel = math.prod(shape)
         if numel == 0:
             return 0, 1
+        if len(shape) == 0:
+            return 1, 1  # a 0-d tensor: one unit of one value
         lead = shape[0] if self.config.granularity == "filter" or len(shape) < 2 else shape[0] * shape[1]
         return lead, numel // lead
 
@@ -111,6 +113,16 @@ class Kernels(Codec):
         return [pos, ((k * size,), torch.float32)]
 
     # -- work ------------------------------------------------------------------------------
+    def check_fields(self, payload: Payload) -> None:
+        count, _ = self.units(payload.shape)
+        k = self.k(payload.shape)
+        if self._bitmap(count, k):
+            chosen = int(unpack(payload.tensors[0], count, 1).sum().item())
+            if chosen != k:
+                raise PayloadError(f"{self.name}: the bitmap marks {chosen} units, the layout carries {k}")
+        else:
+            in_range(self.name, "unit indices", payload.tensors[0], 0, count - 1)
+
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         (count, size), k = self.units(x.shape), self.k(x.shape)
         if count == 0:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.base import Codec, generator_for, in_range, not_negative
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
@@ -70,11 +70,20 @@ class QSGD(Codec):
         codes = ((packed_nbytes(n, bits),), torch.uint8) if bits <= 8 else ((n,), torch.int16)
         return [((self._layout(n)[1],), torch.float32), codes]
 
+    def check_fields(self, payload: Payload) -> None:
+        norms, codes = payload.tensors
+        not_negative(self.name, "bucket norms", norms)
+        s = self.config.levels
+        if codes.dtype == torch.int16:
+            in_range(self.name, "levels", codes, -s, s)
+        elif s < (1 << self.level_bits) - 1:  # some codes name a level above s
+            in_range(self.name, "levels", self._signed_levels(codes, math.prod(payload.shape)).abs(), 0, s)
+
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         n, s = x.numel(), self.config.levels
         d, nb = self._layout(n)
         rows = _padded(x.reshape(-1).float(), nb * d).view(nb, d)  # (nb, d) fp32, a new tensor
-        norms = torch.linalg.vector_norm(rows, dim=1)  # (nb,)
+        norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).float()  # (nb,) no overflow of the squares
         y = rows.abs_().div_(torch.where(norms > 0, norms, 1)[:, None]).mul_(s)  # (nb, d) in [0, s]
         g = generator_for(self.config.seed + self.rank, self.step, key, device=x.device)
         noise = torch.rand(y.shape, generator=g, device=x.device)  # (nb, d)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.codecs.base import Codec
+from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics import rangefloat
@@ -64,6 +64,9 @@ class RangeFloat(Codec):
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.int32), self._code_spec(math.prod(shape))]
+
+    def check_fields(self, payload: Payload) -> None:
+        in_range(self.name, "the exponent E_max", payload.tensors[0], E_MAX_LOW, E_MAX_HIGH)
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         cfg = self.config

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.base import Codec, generator_for, not_negative
 from thinwire.codecs.config import CodecConfig, knob
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
@@ -40,6 +40,9 @@ class TernGrad(Codec):
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_nbytes(math.prod(shape), 2),), torch.uint8)]
+
+    def check_fields(self, payload: Payload) -> None:
+        not_negative(self.name, "the scale max|x|", payload.tensors[0])  # code 3 decodes to 0
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.reshape(-1).float()  # (N,) only read

@@ -38,7 +38,7 @@ from typing import Callable, Literal, TypeVar
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec
+from thinwire.codecs.base import Codec, not_negative
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, unpack
@@ -78,10 +78,12 @@ def _in_parts(fn: Callable[[int, int, int], T], n: int, chunk: int = _CHUNK) -> 
     """``fn(part, lo, hi)`` over contiguous spans of ``range(n)`` (whole chunks each), one per
     torch thread, on a shared pool (NumPy and torch release the GIL inside their loops);
     inline when torch runs one thread or ``n`` is a single chunk."""
+    if n <= 0:
+        return []  # nothing to do (fewer than four values leave no whole byte to decode)
     chunks = -(-n // chunk)
     parts = max(1, min(torch.get_num_threads(), chunks))
     per = -(-chunks // parts) * chunk
-    spans = [(j, lo, min(n, lo + per)) for j, lo in enumerate(range(0, n, per))] or [(0, 0, 0)]
+    spans = [(j, lo, min(n, lo + per)) for j, lo in enumerate(range(0, n, per))]
     if len(spans) == 1:
         return [fn(*spans[0])]
     global _pool
@@ -112,6 +114,9 @@ class TwoBit(Codec):
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_words_nbytes(math.prod(shape)),), torch.uint8)]
+
+    def check_fields(self, payload: Payload) -> None:
+        not_negative(self.name, "the threshold", payload.tensors[0])  # code 0b01 decodes to 0
 
     def threshold(self, flat: torch.Tensor) -> torch.Tensor:
         """The threshold for the fp32 values ``flat`` as a (1,) fp32 tensor on their device."""

@@ -131,6 +131,8 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
         result: dict[str, Any] = {"label": label, "spec": spec, "out": str(out), "rows": [], "summary": None}
         try:
             summary = launch(cfg, show_progress=show_progress)
+            if summary is not None and summary.get("stopped_at") is not None:
+                raise KeyboardInterrupt  # a signal stopped the run: the race ends here
             result.update(status="ok", error="", summary=summary, rows=_rows(out))
         except Exception as e:  # noqa: BLE001  (a failed method is reported; the race goes on)
             result.update(status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0][:300])

@@ -164,6 +164,8 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
             cfg = dataclasses.replace(base, method=spec, steps=2 * steps, eval_every=steps, out=tmp, overwrite=True)
             try:
                 summary = launch(cfg, show_progress=False)
+                if summary is not None and summary.get("stopped_at") is not None:
+                    raise KeyboardInterrupt  # a signal stopped the probe: so does thinwire cost
                 rows = _rows(Path(tmp) / "metrics.jsonl")
                 out[spec] = from_rows(spec, rows[-2], rows[-1]) if len(rows) >= 2 else from_summary(spec, summary)
             except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)

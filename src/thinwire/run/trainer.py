@@ -32,6 +32,9 @@ class Clock:
     compute: float = 0.0
     train_wall: float = 0.0
     skipped: int = 0  # steps dropped on every rank for a non-finite gradient (--on-nonfinite skip)
+    steps_run: int = 0  # training steps this process ran (a resumed run: those after its checkpoint)
+    checkpoints: int = 0  # written by this run (not a resumed run's earlier ones)
+    checkpoint_seconds: float = 0.0  # spent writing them (outside the training-step clocks)
     codec_before: float = 0.0  # a resumed run's codec and communication seconds before its checkpoint
     comm_before: float = 0.0
 
@@ -69,6 +72,7 @@ def train_rank(
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
+    model_bytes = _tensor_bytes(model.state_dict())
     if cfg.policy_rules:  # a policy file: a codec per parameter
         from thinwire.algorithms.sync import SyncReducer
         from thinwire.policy import Policy
@@ -87,7 +91,6 @@ def train_rank(
             next(batches)
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     stopped_at, poll_every = None, 1
     t_start = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
@@ -100,6 +103,7 @@ def train_rank(
         loss.backward()
         t1 = time.perf_counter()
         in_backward = _spent(method) - before  # DDP hooks' codec and communication time
+        params = list(model.named_parameters())  # each step: AB-training swaps weights for factors
         idx, stop = _nonfinite(params), False
         bad = None if idx is None else (rank, params[idx][0])
         if bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
@@ -127,6 +131,7 @@ def train_rank(
         t4 = time.perf_counter()
         clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
         clock.train_wall += t4 - t0
+        clock.steps_run += 1
         loss_value = loss.item()
         if bad is None and not math.isfinite(loss_value):
             raise FloatingPointError(f"training loss is {loss_value} at step {step} on rank {rank}")
@@ -139,11 +144,14 @@ def train_rank(
             if report is not None and rank == 0:
                 report("eval", **last_eval)
         if cfg.out and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop):
+            t5 = time.perf_counter()
             _save(cfg, comm, step, model, optimizer, method, clock, last_eval)
+            clock.checkpoints += 1
+            clock.checkpoint_seconds += time.perf_counter() - t5
         if stop:
             stopped_at = step
             break
-    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device)
+    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device, model_bytes, model)
     summary.update(resumed_from=start or None, stopped_at=stopped_at)
     if writer:
         if stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
@@ -249,6 +257,18 @@ def _load_meter(meter, state: dict[str, Any]) -> None:
     meter.by_group = {(row[0], int(row[1])): count(row[2:]) for row in state["by_group"]}
 
 
+def _peak_rss() -> int | None:
+    """Peak resident set size of this process in bytes (None where the OS does not say)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
 def _timing(method, clock: Clock):
     """The method's codec and communication seconds, a resumed run's earlier ones included."""
     from thinwire.aggregate import Timing
@@ -336,7 +356,27 @@ def _hidden(link: Link, comm: Communicator, method) -> float:
     return method.hidden_link_seconds(link, comm.world_size) if hasattr(method, "hidden_link_seconds") else 0.0
 
 
-def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device) -> dict[str, Any]:
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict; tensors sharing storage count once."""
+    seen: set[int] = set()
+
+    def walk(o: Any) -> int:
+        if isinstance(o, torch.Tensor):
+            key = o.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return o.untyped_storage().nbytes()
+        if isinstance(o, dict):
+            return sum(walk(v) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return sum(walk(v) for v in o)
+        return 0
+
+    return walk(obj)
+
+
+def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None) -> dict[str, Any]:
     with comm.meter.paused():
         sent = torch.tensor([comm.meter.bytes_sent], dtype=torch.float64, device=device)
         comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
@@ -367,11 +407,19 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method) for link in cfg.links},
         "messages_per_worker": comm.meter.messages,
         "skipped_steps": clock.skipped,
+        "checkpoints_written": clock.checkpoints,
+        "checkpoint_seconds": clock.checkpoint_seconds,
+        "steps_run": clock.steps_run,
         "method_report": method.report() if hasattr(method, "report") else {},
         "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),
         "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,
         **(method.summary_fields() if hasattr(method, "summary_fields") else {}),
         "config": cfg.to_dict(),
+        "peak_rss_bytes": _peak_rss(),  # this rank's (rank 0's) peak resident memory so far
+        # what the method keeps across steps (residuals, snapshots, factors...): its own state
+        # plus what it added to the model (AB-training's factors), rank 0's
+        "method_state_bytes": _tensor_bytes(method.state_dict() if hasattr(method, "state_dict") else {})
+        + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         "version": version,
     }
 

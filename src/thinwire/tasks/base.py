@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import threading
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
@@ -134,13 +135,18 @@ class Task:
 
     @contextlib.contextmanager
     def seeded(self, *parts: object) -> Iterator[None]:
-        """Run the block with the CPU RNG seeded from (name, seed, *parts); restore it after."""
-        with torch.random.fork_rng(devices=[]):
+        """Run the block with the CPU RNG seeded from (name, seed, *parts); restore it after.
+        One block at a time per process: ranks that are threads (``LocalWorld``) share the
+        global generator, and two blocks interleaving would draw each other's numbers."""
+        with _SEEDED_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.name, self.seed, *parts))
             yield
 
 
 # -- randomness ---------------------------------------------------------------------------
+_SEEDED_LOCK = threading.RLock()
+
+
 def derive_seed(*parts: object) -> int:
     """A 63-bit seed from a tuple of plain values; the same in every process (no hash())."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
