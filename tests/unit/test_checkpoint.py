@@ -136,6 +136,8 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     ({"workers": 4}, "world size 2 (this run: 4)"),
     ({"task_options": dict(SMALL, hidden=16)}, "task options"),
     ({"steps": 2 * K}, "nothing left to train"),
+    ({"seed": 3}, "seed 0 (this run: 3)"),
+    ({"batch_size": 8}, "batch size 16 (this run: 8)"),
 ])
 def test_a_checkpoint_from_another_run_says_what_differs(change, message, tmp_path):
     cfg = _cfg(tmp_path, "identity")
@@ -144,7 +146,8 @@ def test_a_checkpoint_from_another_run_says_what_differs(change, message, tmp_pa
     meta = checkpoint.read_meta(checkpoint.locate(cfg.out))
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
         checkpoint.check_matches(meta, workers=other.workers, task=other.task, method=other.method,
-                                 steps=other.steps, task_options=other.task_options)
+                                 steps=other.steps, task_options=other.task_options, seed=other.seed,
+                                 batch_size=other.batch_size)
 
 
 def test_locate_names_what_is_missing(tmp_path):
@@ -156,3 +159,41 @@ def test_locate_names_what_is_missing(tmp_path):
     (tmp_path / "checkpoints" / "latest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="latest.json is damaged"):
         checkpoint.locate(tmp_path)
+
+
+def test_an_earlier_longer_runs_checkpoints_never_outlive_a_new_commit(tmp_path):
+    out = tmp_path / "run"
+    for step in (900, 1000):  # left by an earlier, longer run
+        d = checkpoint.step_dir(out, step)
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text("{}")
+    checkpoint.step_dir(out, 100).mkdir()
+    (checkpoint.step_dir(out, 100) / "rank-0.pt").write_bytes(b"an earlier run's file")
+    checkpoint.prepare(out, 100)  # rank 0, before anyone writes step 100
+    assert not checkpoint.step_dir(out, 100).exists()
+    checkpoint.write_rank(out, 100, 0, {"format": 1, "rank": 0})
+    checkpoint.commit(out, 100, {"world_size": 1, "task": "t", "method": "m"})
+    assert checkpoint.locate(out) == checkpoint.step_dir(out, 100)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000100"]
+
+
+def test_a_copied_checkpoint_needs_an_out(tmp_path):
+    cfg = _cfg(tmp_path, "identity")
+    _train(cfg)
+    import shutil
+
+    shutil.copytree(checkpoint.step_dir(cfg.out, K), tmp_path / "copy")
+    with pytest.raises(ValueError, match="not inside a run's checkpoints/ directory: say where to write with --out"):
+        TrainConfig(task="synthetic", workers=2, steps=3 * K, task_options=SMALL, batch_size=16,
+                    resume=str(tmp_path / "copy")).resolve()
+    ok = TrainConfig(task="synthetic", workers=2, steps=3 * K, task_options=SMALL, batch_size=16,
+                     resume=str(tmp_path / "copy"), out=str(tmp_path / "next")).resolve()
+    assert _train(ok)[0]["resumed_from"] == K
+
+
+def test_a_fresh_run_over_an_old_one_starts_without_its_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path, "identity", steps=3 * K)
+    _train(cfg)
+    again = _cfg(tmp_path, "identity", steps=K, overwrite=True)
+    _train(again)
+    assert sorted(p.name for p in (Path(cfg.out) / "checkpoints").glob("step-*")) == [f"step-{K:08d}"]

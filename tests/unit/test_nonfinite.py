@@ -26,17 +26,24 @@ def _cfg(tmp: Path, **kw) -> TrainConfig:
     return TrainConfig(**base).resolve()
 
 
+class Poison:
+    """A bad value in rank 1's batch at the given steps."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+        self.value = float("nan")
+
+
 @pytest.fixture
-def poison(monkeypatch):
-    """A NaN in rank 1's batch at the given steps."""
-    bad: set[int] = set()
+def poison(monkeypatch) -> Poison:
+    bad = Poison()
     original = Synthetic.train_batches
 
     def batches(self, rank, world_size, batch_size):
         for step, (x, y) in enumerate(original(self, rank, world_size, batch_size), 1):
-            if rank == 1 and step in bad:
+            if rank == 1 and step in bad.steps:
                 x = x.clone()
-                x[0, 0] = float("nan")
+                x[0, 0] = bad.value
             yield x, y
 
     monkeypatch.setattr(Synthetic, "train_batches", batches)
@@ -44,13 +51,27 @@ def poison(monkeypatch):
 
 
 def test_raise_names_the_parameter_rank_and_step(poison, tmp_path):
-    poison.add(3)
+    poison.steps.add(3)
     with pytest.raises(FloatingPointError, match=r"non-finite gradient in fc1.weight on rank 1 at step 3"):
         LocalWorld(2).run(lambda comm: train_rank(_cfg(tmp_path), comm))
 
 
+def test_a_finite_gradient_too_large_for_its_norm_counts_as_non_finite(poison, tmp_path):
+    poison.steps.add(2)
+    poison.value = 3e38  # finite, but the gradients' norms overflow fp32
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient in fc1.weight on rank 1 at step 2"):
+        LocalWorld(2).run(lambda comm: train_rank(_cfg(tmp_path), comm))
+
+
+def test_a_stop_agreed_on_the_last_step_lets_the_run_finish(tmp_path, monkeypatch):
+    monkeypatch.setattr("thinwire.run.trainer.STOP_POLL_SECONDS", 0.0)
+    cfg = _cfg(tmp_path, steps=1, eval_every=1)
+    summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm, stop_requested=lambda: True))[0]
+    assert summary["stopped_at"] is None and (Path(cfg.out) / "summary.json").exists()
+
+
 def test_skip_drops_the_step_on_every_rank_and_keeps_residuals_finite(poison, tmp_path):
-    poison.update({2, 5})
+    poison.steps.update({2, 5})
     cfg = _cfg(tmp_path, on_nonfinite="skip", checkpoint_every=6)
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
     assert summary["skipped_steps"] == 2 and summary["final_loss"] == summary["final_loss"]  # not NaN
@@ -62,7 +83,7 @@ def test_skip_drops_the_step_on_every_rank_and_keeps_residuals_finite(poison, tm
 
 
 def test_a_skipped_step_leaves_the_optimizer_untouched(poison, tmp_path):
-    poison.add(4)
+    poison.steps.add(4)
     cfg = _cfg(tmp_path, method="identity", optimizer="adam", on_nonfinite="skip", checkpoint_every=6)
     LocalWorld(2).run(lambda comm: train_rank(cfg, comm))
     for rank in range(2):

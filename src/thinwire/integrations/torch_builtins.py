@@ -243,34 +243,56 @@ class TorchPowerSGD(TorchBuiltin):
         self._names = {id(p): name for name, p in self.model.named_parameters()}
         self._shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         self._layout: dict[int, list[str]] = {}  # bucket index -> its parameters, in the order last seen
+        self._pieces: dict[str, dict[str, torch.Tensor]] | None = None  # per parameter, while buckets change
 
         def hook(st, bucket):  # unannotated: DDP checks the annotations it finds against its own types
             index = bucket.index()
             names = [self._names[id(p)] for p in bucket.parameters()]
-            before = self._layout.get(index)
-            if before is not None and before != names:
-                self._relayout(index, before, names)
-            self._layout[index] = names
-            return ps.powerSGD_hook(st, bucket)
+            if self._layout.get(index) != names:
+                self._relayout(index, names)
+            future = ps.powerSGD_hook(st, bucket)
+            if bucket.is_last():
+                self._pieces = None  # every bucket has its layout for this iteration
+            return future
 
         return state, hook
 
-    def _relayout(self, index: int, before: list[str], after: list[str]) -> None:
-        """DDP lays a bucket out in parameter order on a fresh wrapper's first step and in
-        gradient-ready order after it rebuilds its buckets; PowerSGDState's per-bucket flat
-        tensors (error feedback, P and Q) follow the layout they were made in. Move each
-        parameter's piece to its place in the new layout (a resumed run's first step, and
-        the step after it)."""
+    def _relayout(self, index: int, names: list[str]) -> None:
+        """DDP lays buckets out in parameter order on a fresh wrapper's first step and by
+        gradient-ready order (and ``--bucket-mb``) after it rebuilds them, so a parameter can
+        change place and bucket; PowerSGDState's per-bucket flat tensors (error feedback, P
+        and Q) follow the layout they were made in. At the first change of an iteration every
+        stored flat tensor is cut into per-parameter pieces; each bucket whose layout changed
+        is then put together from the pieces of its parameters (a resumed run's first step,
+        and the step after it). A bucket whose pieces are not all there starts afresh."""
         st = self.hook_state
-        for kind, store in (("error", st.error_dict), ("p", st.p_memory_dict), ("q", st.q_memory_dict)):
-            if index not in store:
-                continue
-            old, new = self._segments(before, kind), self._segments(after, kind)
-            flat, pieces, offset = store[index], {}, 0
-            for name, size in old:
-                pieces[name] = flat[offset : offset + size]
-                offset += size
-            store[index] = torch.cat([pieces[name] for name, _ in new]) if new else flat[:0].clone()
+        stores = (("error", st.error_dict), ("p", st.p_memory_dict), ("q", st.q_memory_dict))
+        if self._pieces is None:
+            self._pieces = {kind: {} for kind, _ in stores}
+            for old_index, old_names in self._layout.items():
+                for kind, store in stores:
+                    flat = store.get(old_index)
+                    segments = self._segments(old_names, kind)
+                    if flat is None or sum(size for _, size in segments) != flat.numel():
+                        continue
+                    offset = 0
+                    for name, size in segments:
+                        self._pieces[kind][name] = flat[offset : offset + size]
+                        offset += size
+        for kind, store in stores:
+            segments = self._segments(names, kind)
+            parts = [self._pieces[kind].get(name) for name, _ in segments]
+            if segments and all(part is not None for part in parts):
+                store[index] = torch.cat(parts)
+            else:
+                store.pop(index, None)  # PowerSGD allocates afresh (zeros, or a new random Q)
+        mine = set(names)
+        for other, other_names in list(self._layout.items()):
+            if other != index and mine.intersection(other_names):  # its state now lives in this bucket
+                del self._layout[other]
+                for _, store in stores:
+                    store.pop(other, None)
+        self._layout[index] = names
 
     def _segments(self, names: list[str], kind: str) -> list[tuple[str, int]]:
         """(parameter, length) of each piece of a bucket's flat error / P / Q tensor, in memory

@@ -71,9 +71,25 @@ def commit(out: str | os.PathLike, step: int, meta: dict[str, Any]) -> None:
     d = step_dir(out, step)
     _write_json(d / "meta.json", dict(meta, format=FORMAT, step=step))
     _write_json(root(out) / LATEST, {"step": step, "dir": d.name})
-    kept = sorted(p for p in root(out).glob("step-*") if p.is_dir())
-    for old in kept[:-KEEP]:
+    # keep the newest KEEP at or below this step; any above it belong to an earlier, longer run
+    older = sorted(p for p in root(out).glob("step-*") if p.is_dir() and p.name <= d.name)
+    stale = [p for p in root(out).glob("step-*") if p.is_dir() and p.name > d.name]
+    for old in older[:-KEEP] + stale:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare(out: str | os.PathLike, step: int) -> None:
+    """Rank 0, before any rank writes the checkpoint at ``step``: an existing directory of
+    that step (an earlier run's) is removed, so no file of it can mix with this one."""
+    d = step_dir(out, step)
+    if d.exists():
+        shutil.rmtree(d)
+
+
+def clear(out: str | os.PathLike) -> None:
+    """Rank 0, when a fresh run (not a resume) starts in ``out``: an earlier run's
+    checkpoints go, so ``latest.json`` can only ever name one of this run's."""
+    shutil.rmtree(root(out), ignore_errors=True)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -119,15 +135,23 @@ def read_meta(d: Path) -> dict[str, Any]:
     return meta
 
 
-def run_dir(d: Path) -> Path:
-    """The run directory a checkpoint directory belongs to (``RUN/checkpoints/step-N``)."""
-    return d.parent.parent
+def run_dir(d: Path) -> Path | None:
+    """The run directory a checkpoint directory belongs to (``RUN/checkpoints/step-N``), or
+    None for one that lies anywhere else."""
+    return d.parent.parent if d.parent.name == "checkpoints" else None
 
 
 def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str, steps: int,
-                  task_options: dict[str, Any] | None = None) -> None:
-    """Refuse a checkpoint from a different run, naming every field that differs."""
+                  task_options: dict[str, Any] | None = None, seed: int | None = None,
+                  batch_size: int | None = None) -> None:
+    """Refuse a checkpoint from a different run, naming every field that differs (the seed
+    and the batch size decide the data stream a resume continues)."""
     diffs = []
+    saved = meta.get("config", {})
+    if seed is not None and saved.get("seed", seed) != seed:
+        diffs.append(f"seed {saved['seed']} (this run: {seed})")
+    if batch_size is not None and saved.get("batch_size", batch_size) != batch_size:
+        diffs.append(f"batch size {saved['batch_size']} (this run: {batch_size})")
     if meta["world_size"] != workers:
         diffs.append(f"world size {meta['world_size']} (this run: {workers})")
     if meta["task"] != task:
@@ -153,7 +177,7 @@ def load_rank(d: Path, rank: int, map_location: torch.device | str = "cpu") -> d
     except Exception as e:  # noqa: BLE001  (truncated zip, bad pickle, a forbidden global...)
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint file {path} is damaged or not a thinwire checkpoint ({first}); "
-                              f"the previous checkpoint, if kept, is in {root(run_dir(d))}") from None
+                              f"the previous checkpoint, if kept, is beside it in {d.parent}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("rank") != rank:
         raise CheckpointError(f"checkpoint file {path} does not hold rank {rank}'s state")
     return state
@@ -168,8 +192,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore :func:`rng_state` (generator states must be CPU byte tensors, wherever the
+    checkpoint was loaded to)."""
+    torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])

@@ -69,14 +69,18 @@ class TrainConfig:
 
             resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
             checkpoint.read_meta(resume_dir)
+            own = checkpoint.run_dir(resume_dir)
             if out is None:
-                out = str(checkpoint.run_dir(resume_dir))  # continue in the run's own directory
+                require(own is not None, f"--resume {self.resume} is not inside a run's checkpoints/ directory: "
+                        "say where to write with --out")
+                out = str(own)  # continue in the run's own directory
         require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
-        continuing = resume_dir is not None and _same_dir(out, checkpoint.run_dir(resume_dir))
+        continuing = resume_dir is not None and checkpoint.run_dir(resume_dir) is not None and _same_dir(
+            out, checkpoint.run_dir(resume_dir))
         if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
             require(
                 self.overwrite or not _holds_run(out),
-                f"--out {out} already holds a run (summary.json or metrics.jsonl); "
+                f"--out {out} already holds a run (summary.json, metrics.jsonl or checkpoints); "
                 "pass --overwrite to replace it or choose another directory",
             )
         method, rules = self.method, self.policy_rules
@@ -99,7 +103,7 @@ class TrainConfig:
             meta = checkpoint.read_meta(resume_dir)
             world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
             checkpoint.check_matches(meta, workers=world, task=self.task, method=method, steps=steps,
-                                     task_options=self.task_options)
+                                     task_options=self.task_options, seed=self.seed, batch_size=batch)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=out,
@@ -117,4 +121,4 @@ def _same_dir(a: str | None, b) -> bool:
 
 
 def _holds_run(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "metrics.jsonl"))
+    return any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "metrics.jsonl", "checkpoints"))

@@ -91,7 +91,9 @@ def _threads(cfg: TrainConfig) -> int:
 def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None) -> None:
     """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
     (no TCP port to pick, so concurrent runs cannot collide)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it terminates us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (Ctrl-C reaches the whole group)
+    asked = threading.Event()  # SIGTERM to the whole process group (e.g. a scheduler): stop like the launcher
+    signal.signal(signal.SIGTERM, lambda signum, frame: asked.set())
     _exit_with_parent(parent)
     torch.set_num_threads(_threads(cfg))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
@@ -108,7 +110,8 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         def report(kind: str, **fields: Any) -> None:
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
 
-        summary = train_rank(cfg, comm, report, stop_requested=stop.is_set if stop is not None else None)
+        summary = train_rank(cfg, comm, report,
+                             stop_requested=lambda: asked.is_set() or (stop is not None and stop.is_set()))
         torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
         q.put(("done", rank, summary))

@@ -21,6 +21,9 @@ class MetricsWriter:
             f.writelines(json.dumps(record) + "\n" for record in history or [])
         os.replace(tmp, path)
         self._jsonl = open(path, "a", encoding="utf-8")
+        stale = os.path.join(out, "summary.json")  # an earlier run's (or the resumed one's): not this run's
+        if os.path.exists(stale):
+            os.remove(stale)
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(record, sort_keys=False) + "\n")

@@ -90,8 +90,12 @@ def train_rank(
         for _ in range(start):  # the data stream is a pure function of the step
             next(batches)
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
+    if rank == 0 and cfg.out and not cfg.resume:
+        from thinwire.run import checkpoint
+
+        checkpoint.clear(cfg.out)  # a fresh run (--overwrite): an earlier run's checkpoints go
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
-    stopped_at, poll_every = None, 1
+    stopped_at, poll_every, step_seconds = None, 1, 0.0
     t_start = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -109,12 +113,13 @@ def train_rank(
         if bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
             raise FloatingPointError(f"non-finite gradient in {bad[1]} on rank {rank} at step {step} "
                                      "(--on-nonfinite skip drops such steps on every rank instead)")
-        polling = stop_requested is not None and (step == start + 1 or (step - start) % poll_every == 0)
+        polling = stop_requested is not None and (step <= start + 2 or (step - start) % poll_every == 0)
         if cfg.on_nonfinite == "skip" or polling:
-            who, idx, stop, seconds = _agree(comm, idx, polling and stop_requested(), t1 - t0, device)
+            who, idx, stop, seconds = _agree(comm, idx, polling and stop_requested(), step_seconds, device)
             bad = None if who is None else (who, params[idx][0])
-            if polling and step == start + 1:  # then ask about once a second (the same interval everywhere)
+            if polling and step == start + 2:  # from the first whole step: ask about once a second
                 poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
+        stop = stop and step < cfg.steps  # a stop agreed on the last step: the run simply finishes
         if bad is None:
             method.after_backward(loss=loss.detach())
             t2 = time.perf_counter()
@@ -129,6 +134,7 @@ def train_rank(
         if last and hasattr(method, "finish"):
             method.finish()  # e.g. AB-training's final sync: one model on every rank
         t4 = time.perf_counter()
+        step_seconds = t4 - t0  # the whole step, codec and communication included
         clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
         clock.train_wall += t4 - t0
         clock.steps_run += 1
@@ -161,12 +167,16 @@ def train_rank(
 
 
 def _nonfinite(params) -> int | None:
-    """Index of this rank's first parameter with a non-finite gradient, or None (one fused
-    norm over all gradients; the per-parameter search only when it is not finite)."""
-    grads = [p.grad for _, p in params if p.grad is not None]
-    if not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+    """Index of this rank's first parameter whose gradient has a non-finite norm (a NaN or
+    inf in it, or values so large the norm overflows fp32), or None; one fused norm pass."""
+    held = [i for i, (_, p) in enumerate(params) if p.grad is not None]
+    if not held:
         return None
-    return next(i for i, (_, p) in enumerate(params) if p.grad is not None and not p.grad.isfinite().all())
+    norms = torch.stack(torch._foreach_norm([params[i][1].grad for i in held]))
+    finite = norms.isfinite()
+    if bool(finite.all()):
+        return None
+    return held[int((~finite).nonzero()[0].item())]  # a norm overflowing fp32 counts too
 
 
 def _agree(comm: Communicator, bad: int | None, stop: bool, seconds: float,
@@ -203,6 +213,9 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
             "seconds": {"compute": clock.compute, "train_wall": clock.train_wall, "skipped": clock.skipped,
                         "codec": t.codec_seconds + clock.codec_before, "comm": t.comm_seconds + clock.comm_before},
         }
+        if comm.rank == 0:
+            checkpoint.prepare(cfg.out, step)  # an earlier run's directory of this step goes first
+        comm.barrier()
         checkpoint.write_rank(cfg.out, step, comm.rank, state)
         comm.barrier()
         if comm.rank == 0:
@@ -221,7 +234,7 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     d = checkpoint.locate(cfg.resume)
     meta = checkpoint.read_meta(d)
     checkpoint.check_matches(meta, workers=comm.world_size, task=cfg.task, method=cfg.method, steps=cfg.steps,
-                             task_options=cfg.task_options)
+                             task_options=cfg.task_options, seed=cfg.seed, batch_size=cfg.batch_size)
     state = checkpoint.load_rank(d, comm.rank, map_location=device)
     model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
     optimizer.load_state_dict(state["optimizer"])
@@ -234,8 +247,10 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     t = method.timing
     clock.codec_before, clock.comm_before = sec["codec"] - t.codec_seconds, sec["comm"] - t.comm_seconds
     step = int(state["step"])
-    source = checkpoint.run_dir(d) / "metrics.jsonl"
-    history = [r for r in read_jsonl(str(source)) if r["step"] <= step] if (comm.rank == 0 and source.exists()) else []
+    own = checkpoint.run_dir(d)
+    source = own / "metrics.jsonl" if own is not None else None
+    history = ([r for r in read_jsonl(str(source)) if r["step"] <= step]
+               if (comm.rank == 0 and source is not None and source.exists()) else [])
     return step, dict(state["last_eval"]), history
 
 
