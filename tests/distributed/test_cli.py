@@ -419,3 +419,17 @@ def test_bench_memory_bad_input_is_one_line_and_exit_2(args, capsys):
     assert main(["bench", "memory", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ["nosuch"], ["bench", "nosuch"], ["bench", "codecs", "--methods", "nosuch"], ["bench", "codecs", "--repeats", "0"],
+    ["bench", "consensus", "--workers", "0"], ["bench", "consensus", "--topology", "blob"],
+    ["bench", "consensus", "--size", "0"], ["bench", "memory", "--methods", "x", "--workers", "-1"],
+    ["cost", "--probe-steps", "1"], ["cost", "--methods", "nosuch"], ["cost", "--workers", "0"],
+    ["compare", "--suite", "seeds", "--workers", "0", "--out", "unused"], ["train", "--resume"],
+    ["train", "--checkpoint-every", "x"], ["methods", "--extra"],
+])
+def test_every_command_refuses_bad_input_with_one_line_and_exit_2(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("thinwire: error:") and "Traceback" not in err, err
