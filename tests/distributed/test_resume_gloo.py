@@ -82,50 +82,54 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 90)
     raise AssertionError("no checkpoint appeared")
 
 
-@pytest.mark.timeout(240)
-def test_sigint_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
-    out = tmp_path / "run"
+def _interrupted(out: Path, every: int, strike) -> tuple[int, str, float]:
+    """A long run checkpointing every ``every`` steps, ``strike(proc)`` once its first checkpoint
+    is in: (exit code, stderr, seconds from the strike to the exit)."""
     proc = subprocess.Popen(_train_cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every",
-                                       "50"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                       str(every)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_checkpoint(out, proc)
-        os.kill(proc.pid, signal.SIGINT)
+        strike(proc)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=60)
-        assert time.monotonic() - t0 < 30
+        return proc.returncode, err, time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+
+
+def _resume_to(out: Path, steps: int) -> dict:
+    """``thinwire train --resume OUT --steps STEPS`` to the end; its summary."""
+    done = subprocess.run(_train_cmd(out, "--steps", str(steps), "--resume", str(out)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_sigint_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    code, err, seconds = _interrupted(out, 50, lambda proc: os.kill(proc.pid, signal.SIGINT))
+    assert code == 130 and seconds < 30, err
     stopped = int(err.split("after step ")[1].split(";")[0])
     assert f"continue with --resume {out}" in err
     assert checkpoint.locate(out) == checkpoint.step_dir(out, stopped)
     assert not (out / "summary.json").exists()
-    done = subprocess.run(_train_cmd(out, "--steps", str(stopped + 6), "--resume", str(out)), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    summary = _resume_to(out, stopped + 6)
     assert summary["steps"] == stopped + 6 and summary["resumed_from"] == stopped
+
+
+def _kill_rank_1(proc: subprocess.Popen) -> None:
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
+                                            capture_output=True, text=True).stdout.split()]
+    assert len(ranks) == 2, ranks
+    os.kill(sorted(ranks)[1], signal.SIGKILL)  # ranks start in order: the second pid is rank 1
 
 
 @pytest.mark.timeout(240)
 def test_a_killed_rank_leaves_a_checkpoint_that_resumes(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_train_cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every",
-                                       "20"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for_checkpoint(out, proc)
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
-                                                capture_output=True, text=True).stdout.split()]
-        assert len(ranks) == 2, ranks
-        os.kill(sorted(ranks)[1], signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1 and "rank 1 died (SIGKILL)" in err, err
+    code, err, seconds = _interrupted(out, 20, _kill_rank_1)
+    assert code == 1 and "rank 1 died (SIGKILL)" in err and seconds < 60, err
     at = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
-    done = subprocess.run(_train_cmd(out, "--steps", str(at + 5), "--resume", str(out)), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert json.loads((out / "summary.json").read_text())["resumed_from"] == at
+    assert _resume_to(out, at + 5)["resumed_from"] == at

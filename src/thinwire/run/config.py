@@ -63,20 +63,19 @@ class TrainConfig:
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
         require(self.on_nonfinite in ("raise", "skip"), f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
         out = self.out
-        resume_dir = None
+        resume_dir = meta = own = None
         if self.resume is not None:
             from thinwire.run import checkpoint
 
             resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
-            checkpoint.read_meta(resume_dir)
+            meta = checkpoint.read_meta(resume_dir)
             own = checkpoint.run_dir(resume_dir)
             if out is None:
                 require(own is not None, f"--resume {self.resume} is not inside a run's checkpoints/ directory: "
                         "say where to write with --out")
                 out = str(own)  # continue in the run's own directory
         require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
-        continuing = resume_dir is not None and checkpoint.run_dir(resume_dir) is not None and _same_dir(
-            out, checkpoint.run_dir(resume_dir))
+        continuing = own is not None and _same_dir(out, own)  # back into the run's own directory
         if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
             require(
                 self.overwrite or not _holds_run(out),
@@ -99,8 +98,7 @@ class TrainConfig:
             method = resolve_method(self.method)
             # under torchrun the world is torchrun's, not --workers
             check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
-        if resume_dir is not None:
-            meta = checkpoint.read_meta(resume_dir)
+        if meta is not None:
             world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
             checkpoint.check_matches(meta, workers=world, task=self.task, method=method, steps=steps,
                                      task_options=self.task_options, seed=self.seed, batch_size=batch)
