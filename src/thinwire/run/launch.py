@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import queue as queue_mod
 import signal
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 
 from thinwire.run.config import TrainConfig
 from thinwire.run.progress import ProgressView
+from thinwire.run.spawn import leave_rank
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
@@ -59,6 +61,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
         summary = train_rank(cfg, comm, view.handle if view else None, device, stop_requested=stop.is_set)
         if summary is not None and received:
             summary["signal"] = received[0]
+        gc.collect()  # what holds the group in a reference cycle goes while it lives
         torch.distributed.barrier()
         return summary
     finally:
@@ -112,9 +115,13 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
 
         summary = train_rank(cfg, comm, report,
                              stop_requested=lambda: asked.is_set() or (stop is not None and stop.is_set()))
+        gc.collect()  # what holds the group in a reference cycle (a DDP wrapper, a hook's state) goes while it lives
         torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
         q.put(("done", rank, summary))
+        q.close()
+        q.join_thread()  # the summary reaches the launcher before the rank leaves
+        leave_rank()
     except BaseException as e:  # report, then exit non-zero; the launcher names this rank
         q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
         q.close()

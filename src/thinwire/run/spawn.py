@@ -7,8 +7,10 @@ machine: ``run_ranks(fn, 2, *args)`` calls ``fn(rank, world_size, *args)`` in ea
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -35,9 +37,21 @@ def _entry(rank: int, fn: Callable, world_size: int, outdir: str, threads: int, 
             pickle.dump(("error", traceback.format_exc()), f)
         raise
     else:
+        gc.collect()  # what holds the group in a reference cycle (a DDP wrapper, a hook's state) goes while it lives
         dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
+    leave_rank()
+
+
+def leave_rank() -> None:
+    """End a rank that finished without interpreter finalization: a gloo worker thread that
+    still releases a tensor then would need the GIL, and Python ends such a thread in a way
+    C++ answers with std::terminate (SIGABRT, "terminate called without an active exception").
+    The rank's output is already written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, timeout: float = 120) -> list[Any]:
