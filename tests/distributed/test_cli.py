@@ -108,6 +108,7 @@ BAD = [
     (["--method", "torch-powersgd:start_iter=1"], "start_iter must be >= 2"),
     (["--method", "torch-postlocalsgd:period=0"], "period must be >= 1"),
     (["--method", "torch-ddp:rank=2"], "unknown knob"),
+    (["--method", "torch-powersgd", "--on-nonfinite", "skip"], "--on-nonfinite skip cannot keep torch-powersgd clean"),
 ]
 
 

@@ -133,3 +133,36 @@ def test_a_killed_rank_leaves_a_checkpoint_that_resumes(tmp_path):
     assert code == 1 and "rank 1 died (SIGKILL)" in err and seconds < 60, err
     at = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
     assert _resume_to(out, at + 5)["resumed_from"] == at
+
+
+@pytest.mark.timeout(240)
+def test_a_scheduler_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tmp_path):
+    # a scheduler (e.g. Slurm) signals every process of the job: each rank gets SIGTERM from it
+    # and again from torchrun, which forwards what it gets; the repeat must not cancel the
+    # stop's checkpoint
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = torchrun + _train_cmd(out, "--steps", "1000000", "--eval-every", "5", "--threads", "1")[1:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in [proc.pid, *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    at = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]  # the stop's own checkpoint
+    assert at > 0, err
+    assert _resume_to(out, at + 5)["resumed_from"] == at

@@ -4,6 +4,7 @@ before anything is encoded, and a stopped run resumes exactly."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-def test_a_stop_request_checkpoints_and_the_resume_is_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["topk:ratio=0.1", "ab:warmup=1,cycle=6,full_steps=1",
+                                    "dasgd:warmup=1,period=3,delay=2"])
+def test_a_stop_request_checkpoints_and_the_resume_is_exact(method, tmp_path, monkeypatch):
     monkeypatch.setattr("thinwire.run.trainer.STOP_POLL_SECONDS", 0.0)  # agree on a stop every step
     calls = {"n": 0}
     lock = threading.Lock()
@@ -112,7 +115,7 @@ def test_a_stop_request_checkpoints_and_the_resume_is_exact(tmp_path, monkeypatc
             calls["n"] += 1
             return calls["n"] >= 5
 
-    cfg = _cfg(tmp_path, steps=8, eval_every=4)
+    cfg = _cfg(tmp_path, method=method, steps=8, eval_every=4)  # ab and dasgd stop mid-schedule
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm, stop_requested=stop_requested))[0]
     at = summary["stopped_at"]
     assert at in (2, 3) and not (Path(cfg.out) / "summary.json").exists()  # stopped, not finished
@@ -121,5 +124,7 @@ def test_a_stop_request_checkpoints_and_the_resume_is_exact(tmp_path, monkeypatc
     straight_cfg = dataclasses.replace(cfg, out=str(tmp_path / "straight"))
     straight = LocalWorld(2).run(lambda comm: train_rank(straight_cfg, comm))[0]
     assert resumed["resumed_from"] == at and resumed["stopped_at"] is None
-    for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker"):
+    for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
         assert resumed[key] == straight[key], key
+    rows = lambda out: [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [r["step"] for r in rows(cfg.out)] == [r["step"] for r in rows(straight_cfg.out)] == [4, 8]

@@ -183,10 +183,9 @@ def in_range(name: str, what: str, t: torch.Tensor, low: float, high: float) -> 
     """Raise :class:`PayloadError` unless every value of ``t`` lies in [low, high]."""
     if t.numel() == 0:
         return
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
-    if not (low <= lo.item() and hi.item() <= high):
-        raise PayloadError(f"{name}: {what} must lie in [{low:g}, {high:g}], got values in "
-                           f"[{lo.item():g}, {hi.item():g}]")
+    lo, hi = torch.stack(torch.aminmax(t.detach().reshape(-1))).tolist()  # one read back from the device
+    if not (low <= lo and hi <= high):
+        raise PayloadError(f"{name}: {what} must lie in [{low:g}, {high:g}], got values in [{lo:g}, {hi:g}]")
 
 
 def not_negative(name: str, what: str, t: torch.Tensor) -> None:

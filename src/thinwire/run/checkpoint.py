@@ -141,17 +141,36 @@ def run_dir(d: Path) -> Path | None:
     return d.parent.parent if d.parent.name == "checkpoints" else None
 
 
+def later_results(run: Path, step: int) -> str | None:
+    """What continuing run directory ``run`` from its checkpoint at ``step`` would replace:
+    a newer checkpoint, or a summary of a run that went past ``step``; None when nothing."""
+    try:
+        newest = json.loads((root(run) / LATEST).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        newest = None
+    if isinstance(newest, int) and newest > step:
+        return f"its checkpoint at step {newest}"
+    try:
+        finished = json.loads((Path(run) / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        finished = None
+    if isinstance(finished, int) and finished > step:
+        return f"the summary of its finished {finished}-step run"
+    return None
+
+
 def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str, steps: int,
                   task_options: dict[str, Any] | None = None, seed: int | None = None,
-                  batch_size: int | None = None) -> None:
+                  batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None) -> None:
     """Refuse a checkpoint from a different run, naming every field that differs (the seed
-    and the batch size decide the data stream a resume continues)."""
+    and the batch size decide the data stream a resume continues; the optimizer's kind and
+    learning rate travel in its saved state, which a resume restores)."""
     diffs = []
     saved = meta.get("config", {})
-    if seed is not None and saved.get("seed", seed) != seed:
-        diffs.append(f"seed {saved['seed']} (this run: {seed})")
-    if batch_size is not None and saved.get("batch_size", batch_size) != batch_size:
-        diffs.append(f"batch size {saved['batch_size']} (this run: {batch_size})")
+    for name, value, key in (("seed", seed, "seed"), ("batch size", batch_size, "batch_size"),
+                             ("optimizer", optimizer, "optimizer"), ("learning rate", lr, "lr")):
+        if value is not None and saved.get(key, value) != value:
+            diffs.append(f"{name} {saved[key]} (this run: {value})")
     if meta["world_size"] != workers:
         diffs.append(f"world size {meta['world_size']} (this run: {workers})")
     if meta["task"] != task:

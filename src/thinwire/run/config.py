@@ -76,6 +76,11 @@ class TrainConfig:
                 out = str(own)  # continue in the run's own directory
         require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
         continuing = own is not None and _same_dir(out, own)  # back into the run's own directory
+        if continuing and os.environ.get("RANK", "0") == "0":
+            later = checkpoint.later_results(own, meta["step"])
+            require(self.overwrite or later is None,
+                    f"--resume {self.resume}: continuing in {own} from step {meta['step']} would replace {later}; "
+                    "pass --overwrite, or write elsewhere with --out")
         if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
             require(
                 self.overwrite or not _holds_run(out),
@@ -96,12 +101,17 @@ class TrainConfig:
             method = Policy(rules).describe()
         else:
             method = resolve_method(self.method)
+            require(not (self.on_nonfinite == "skip" and method.startswith("torch-powersgd")),
+                    "--on-nonfinite skip cannot keep torch-powersgd clean: PyTorch's hook folds a gradient into its "
+                    "error feedback inside the backward pass, before the check, and would resend a NaN every later "
+                    "step; use --on-nonfinite raise")
             # under torchrun the world is torchrun's, not --workers
             check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
         if meta is not None:
             world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
             checkpoint.check_matches(meta, workers=world, task=self.task, method=method, steps=steps,
-                                     task_options=self.task_options, seed=self.seed, batch_size=batch)
+                                     task_options=self.task_options, seed=self.seed, batch_size=batch,
+                                     optimizer=opt, lr=lr)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=out,

@@ -54,7 +54,10 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
     stop = threading.Event()  # torchrun forwards SIGINT / SIGTERM to every rank
     received: list[str] = []
-    restore = _on_stop_signals(stop, received)
+    # torchrun forwards the signal it gets to every rank, so a Ctrl-C at the terminal can reach a
+    # rank twice: a repeat must not cancel the checkpoint (torchrun kills ranks that outlast its
+    # own grace period)
+    restore = _on_stop_signals(stop, received, escalate=False)
     try:
         if view:
             view.start()
@@ -194,15 +197,18 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
         tmp.cleanup()
 
 
-def _on_stop_signals(stop: Any, received: list[str]) -> Callable[[], None]:
+def _on_stop_signals(stop: Any, received: list[str], escalate: bool = True) -> Callable[[], None]:
     """SIGINT / SIGTERM: the first asks the ranks to stop after their step (with a checkpoint
-    when the run has an --out); a second one stops at once. Returns the undo."""
+    when the run has an --out); a second one stops at once when ``escalate``, else it is
+    ignored. Returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None  # signal handlers live in the main thread only
 
     def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if stop.is_set():
+            if not escalate:
+                return
             raise KeyboardInterrupt  # the second signal: terminate the ranks now
         received.append(name)
         stop.set()
@@ -241,12 +247,10 @@ def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_
 
 
 def _terminate(procs) -> None:
+    """Kill the ranks still alive (SIGKILL: a rank takes SIGTERM as a request to stop after
+    its step, and these ones must end now) and reap them."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
-            p.join(timeout=5)
+    for p in procs:
+        p.join(timeout=5)

@@ -110,7 +110,7 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
     path = Path(out)
     if (path / "claims.csv").exists() and not overwrite:
         raise ValueError(f"--out {out} already holds a suite (claims.csv); pass --overwrite or choose another")
-    return [compare.prepare(base, g.specs, str(path / g.key), overwrite=True) for g in groups]
+    return [compare.prepare(base, g.specs, str(path / g.key), overwrite=overwrite) for g in groups]
 
 
 def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch: Callable[..., Any] | None = None,
@@ -222,7 +222,8 @@ def _reading(claim: Claim, value: float | None) -> str:
     return "holds" if value >= floor else ("partly" if value >= floor - 2.0 else "not here")
 
 
-def _fmt(value: float | None, unit: str) -> str:
+def format_value(value: float | None, unit: str) -> str:
+    """A claim's figure as the reports show it: ratios as 1.23x, accuracy as +0.4 pts, shares as 96%."""
     if value is None:
         return "-"
     if unit == " pts":
@@ -260,8 +261,8 @@ def _write_report(path: Path, race: compare.Race, groups: tuple[Group, ...], row
                   + f" ([report]({g.key}/report.md)). {g.note}.", "",
                   "| paper's claim | link | paper | measured | reading | from |", "|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["group"] == g.key):
-            paper = _fmt(r["paper"], r["unit"]) if r["paper"] is not None else "(no figure)"
-            lines.append(f"| {r['claim']} | {r['link'] or 'any'} | {paper} | {_fmt(r['measured'], r['unit'])} | "
+            paper = format_value(r["paper"], r["unit"]) if r["paper"] is not None else "(no figure)"
+            lines.append(f"| {r['claim']} | {r['link'] or 'any'} | {paper} | {format_value(r['measured'], r['unit'])} | "
                          f"{r['reading']} | {r['detail']} |")
         lines.append("")
     lines += ["Every row: `claims.csv`. Each race's runs, table and plots: `<race>/report.md`.", ""]
@@ -273,11 +274,11 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
         at = f" @ {r['link']}" if r["link"] else ""
-        paper = _fmt(r["paper"], r["unit"]) if r["paper"] is not None else "-"
-        out.append(f"{r['group']}: {r['claim']}{at}: paper {paper}, measured {_fmt(r['measured'], r['unit'])} "
+        paper = format_value(r["paper"], r["unit"]) if r["paper"] is not None else "-"
+        out.append(f"{r['group']}: {r['claim']}{at}: paper {paper}, measured {format_value(r['measured'], r['unit'])} "
                    f"({r['reading']})")
     return out
 
 
-__all__ = ["Claim", "Group", "SEEDS", "SUITES", "SUITE_WORKERS", "finish", "measure", "prepare", "run",
-           "summary_lines"]
+__all__ = ["Claim", "Group", "SEEDS", "SUITES", "SUITE_WORKERS", "finish", "format_value", "measure", "prepare",
+           "run", "summary_lines"]

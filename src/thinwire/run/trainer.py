@@ -8,6 +8,7 @@ and the same evaluation schedule, so their collectives stay in lockstep.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -90,10 +91,10 @@ def train_rank(
         for _ in range(start):  # the data stream is a pure function of the step
             next(batches)
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
-    if rank == 0 and cfg.out and not cfg.resume:
+    if rank == 0 and cfg.out and not _continues_in_place(cfg):
         from thinwire.run import checkpoint
 
-        checkpoint.clear(cfg.out)  # a fresh run (--overwrite): an earlier run's checkpoints go
+        checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
     stopped_at, poll_every, step_seconds = None, 1, 0.0
     t_start = time.perf_counter()
@@ -130,7 +131,7 @@ def train_rank(
             optimizer.zero_grad(set_to_none=False)
             clock.skipped += 1
             t2 = t3 = time.perf_counter()
-        last = step == cfg.steps or stop
+        last = step == cfg.steps  # a stopped run is not over: its checkpoint holds the method mid-schedule
         if last and hasattr(method, "finish"):
             method.finish()  # e.g. AB-training's final sync: one model on every rank
         t4 = time.perf_counter()
@@ -234,7 +235,8 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     d = checkpoint.locate(cfg.resume)
     meta = checkpoint.read_meta(d)
     checkpoint.check_matches(meta, workers=comm.world_size, task=cfg.task, method=cfg.method, steps=cfg.steps,
-                             task_options=cfg.task_options, seed=cfg.seed, batch_size=cfg.batch_size)
+                             task_options=cfg.task_options, seed=cfg.seed, batch_size=cfg.batch_size,
+                             optimizer=cfg.optimizer, lr=cfg.lr)
     state = checkpoint.load_rank(d, comm.rank, map_location=device)
     model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
     optimizer.load_state_dict(state["optimizer"])
@@ -252,6 +254,14 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     history = ([r for r in read_jsonl(str(source)) if r["step"] <= step]
                if (comm.rank == 0 and source is not None and source.exists()) else [])
     return step, dict(state["last_eval"]), history
+
+
+def _continues_in_place(cfg) -> bool:
+    """Whether the run resumes into the run directory its checkpoint belongs to."""
+    from thinwire.run import checkpoint
+
+    own = checkpoint.run_dir(checkpoint.locate(cfg.resume)) if cfg.resume else None
+    return own is not None and os.path.realpath(own) == os.path.realpath(cfg.out)
 
 
 def _meter_state(meter) -> dict[str, Any]:
