@@ -54,9 +54,9 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
     stop = threading.Event()  # torchrun forwards SIGINT / SIGTERM to every rank
     received: list[str] = []
-    # torchrun forwards the signal it gets to every rank, so a Ctrl-C at the terminal can reach a
-    # rank twice: a repeat must not cancel the checkpoint (torchrun kills ranks that outlast its
-    # own grace period)
+    # torchrun forwards the signal it gets to every rank, so a scheduler that signals every
+    # process of the job reaches a rank twice: a repeat must not cancel the checkpoint (torchrun
+    # kills ranks that outlast its own grace period)
     restore = _on_stop_signals(stop, received, escalate=False)
     try:
         if view:

@@ -262,8 +262,9 @@ def _write_report(path: Path, race: compare.Race, groups: tuple[Group, ...], row
                   "| paper's claim | link | paper | measured | reading | from |", "|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["group"] == g.key):
             paper = format_value(r["paper"], r["unit"]) if r["paper"] is not None else "(no figure)"
-            lines.append(f"| {r['claim']} | {r['link'] or 'any'} | {paper} | {format_value(r['measured'], r['unit'])} | "
-                         f"{r['reading']} | {r['detail']} |")
+            measured = format_value(r["measured"], r["unit"])
+            lines.append(f"| {r['claim']} | {r['link'] or 'any'} | {paper} | {measured} | {r['reading']} | "
+                         f"{r['detail']} |")
         lines.append("")
     lines += ["Every row: `claims.csv`. Each race's runs, table and plots: `<race>/report.md`.", ""]
     path.write_text("\n".join(lines))
@@ -275,8 +276,8 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         at = f" @ {r['link']}" if r["link"] else ""
         paper = format_value(r["paper"], r["unit"]) if r["paper"] is not None else "-"
-        out.append(f"{r['group']}: {r['claim']}{at}: paper {paper}, measured {format_value(r['measured'], r['unit'])} "
-                   f"({r['reading']})")
+        measured = format_value(r["measured"], r["unit"])
+        out.append(f"{r['group']}: {r['claim']}{at}: paper {paper}, measured {measured} ({r['reading']})")
     return out
 
 
