@@ -40,8 +40,8 @@ def poison(monkeypatch) -> Poison:
     bad = Poison()
     original = Synthetic.train_batches
 
-    def batches(self, rank, world_size, batch_size):
-        for step, (x, y) in enumerate(original(self, rank, world_size, batch_size), 1):
+    def batches(self, rank, world_size, batch_size, start=0):
+        for step, (x, y) in enumerate(original(self, rank, world_size, batch_size, start), start + 1):
             if rank == 1 and step in bad.steps:
                 x = x.clone()
                 x[0, 0] = bad.value

@@ -162,6 +162,22 @@ def test_batches_repeat_exactly_and_reshuffle_each_epoch():
         next(task.train_batches(2, 2, 4))
 
 
+@pytest.mark.parametrize("name", ["mnist1d", "charlm", "cifar10", "synthetic"])
+def test_a_stream_started_at_batch_k_continues_the_full_stream_exactly(name, cifar_dir):
+    task = make(name, cifar=cifar_dir)
+    if name == "cifar10":  # with augmentation: batch b's crops and flips follow b, not the start
+        task = tasks.get("cifar10")(data_dir=str(cifar_dir[0]))
+    full = task.train_batches(1, 3, 150)
+    head = [next(full) for _ in range(12)]  # 1,800 examples: past an epoch of every set, batches across its end
+    for k in (0, 1, 5, 11):
+        rest = task.train_batches(1, 3, 150, start=k)
+        for x, y in head[k:]:
+            x2, y2 = next(rest)
+            assert torch.equal(x, x2) and torch.equal(y, y2), k
+    with pytest.raises(TaskError, match="start must be >= 0, got -1"):
+        next(task.train_batches(1, 3, 150, start=-1))
+
+
 @pytest.mark.parametrize(
     "name, x_shape, y_shape, dtype",
     [

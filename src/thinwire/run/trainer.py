@@ -82,14 +82,12 @@ def train_rank(
     else:
         method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
     fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
-    batches = task.train_batches(rank, n, cfg.batch_size)
     clock = Clock()
     last_eval: dict[str, Any] = {}
     start, history = 0, []
     if cfg.resume:
         start, last_eval, history = _resume(cfg, comm, model, optimizer, method, clock, device)
-        for _ in range(start):  # the data stream is a pure function of the step
-            next(batches)
+    batches = task.train_batches(rank, n, cfg.batch_size, start=start)  # batch b is the same for any start
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
     if rank == 0 and cfg.out and not _continues_in_place(cfg):
         from thinwire.run import checkpoint

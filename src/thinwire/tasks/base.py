@@ -8,8 +8,9 @@ communication. Every rank builds the same task with the same seed, so:
 * ``train_batches(rank, world_size, batch_size)`` gives each rank a disjoint shard: per
   epoch, one permutation seeded from ``(name, seed, epoch)`` is shared by all ranks and
   rank ``r`` takes its own contiguous slice of it. ``batch_size`` is PER RANK. The
-  stream is infinite and identical on every call with the same arguments, so a
-  resumed run that skips ``k`` batches sees the same data as an uninterrupted one.
+  stream is infinite and identical on every call with the same arguments; ``start=k``
+  begins it at batch ``k`` without building the ones before, so a resumed run sees the
+  same data as an uninterrupted one.
 * ``evaluate`` reads a fixed test set in a fixed order: every rank gets the same numbers.
 """
 
@@ -82,7 +83,12 @@ class Task:
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def train_batches(
+        self, rank: int, world_size: int, batch_size: int, start: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """This rank's infinite batch stream from batch number ``start`` on (0: the first).
+        Batch ``b`` is the same whatever ``start`` was, and the batches before ``start``
+        are not built: a resumed run starts its stream at its step at no extra cost."""
         raise NotImplementedError
 
     def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:
@@ -161,8 +167,10 @@ def generator(*parts: object) -> torch.Generator:
 
 
 # -- sharding -----------------------------------------------------------------------------
-def check_shard_args(name: str, n: int, rank: int, world_size: int, batch_size: int) -> None:
-    """Validate (rank, world_size, batch_size) against a dataset of n training examples."""
+def check_shard_args(name: str, n: int, rank: int, world_size: int, batch_size: int, start: int = 0) -> None:
+    """Validate (rank, world_size, batch_size, start) against a dataset of n training examples."""
+    if start < 0:
+        raise TaskError(f"{name}: start must be >= 0, got {start}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise TaskError(f"{name}: need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
     if batch_size < 1:
@@ -183,14 +191,17 @@ def shard_indices(name: str, seed: int, n: int, rank: int, world_size: int, epoc
     return perm[rank * per_rank : (rank + 1) * per_rank]
 
 
-def index_batches(name: str, seed: int, n: int, rank: int, world_size: int, batch_size: int) -> Iterator[Tensor]:
-    """Infinite stream of ``batch_size`` indices: the rank's epoch shards back to back.
+def index_batches(name: str, seed: int, n: int, rank: int, world_size: int, batch_size: int,
+                  start: int = 0) -> Iterator[Tensor]:
+    """Infinite stream of ``batch_size`` indices: the rank's epoch shards back to back, from
+    batch number ``start`` on (only the epoch it falls in is drawn to get there).
 
     A batch may straddle two epochs, so no example is dropped and every batch is full.
     """
-    check_shard_args(name, n, rank, world_size, batch_size)
-    pending = torch.empty(0, dtype=torch.long)
-    epoch = 0
+    check_shard_args(name, n, rank, world_size, batch_size, start)
+    epoch, offset = divmod(start * batch_size, n // world_size)  # every epoch's shard has n // world_size
+    pending = shard_indices(name, seed, n, rank, world_size, epoch)[offset:]
+    epoch += 1
     while True:
         while pending.numel() < batch_size:
             pending = torch.cat([pending, shard_indices(name, seed, n, rank, world_size, epoch)])

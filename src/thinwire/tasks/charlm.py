@@ -103,10 +103,12 @@ class CharLM(Task):
         gen = generator(self.name, self.seed, "windows", rank, batch)
         return lo + torch.randint(span, (batch_size,), generator=gen)
 
-    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        check_shard_args(self.name, len(self.train_ids), rank, world_size, batch_size)
+    def train_batches(
+        self, rank: int, world_size: int, batch_size: int, start: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        check_shard_args(self.name, len(self.train_ids), rank, world_size, batch_size, start)
         offsets = torch.arange(self.options.context + 1)  # (T+1,)
-        batch = 0
+        batch = start
         while True:
             starts = self.window_starts(rank, world_size, batch_size, batch)
             windows = self.train_ids[starts[:, None] + offsets]  # (B, T+1)

@@ -67,9 +67,11 @@ class CIFAR10(Task):
         with self.seeded("model", self.options.model):
             return MODELS[self.options.model]()
 
-    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        stream = index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size)
-        for batch, idx in enumerate(stream):
+    def train_batches(
+        self, rank: int, world_size: int, batch_size: int, start: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        stream = index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size, start)
+        for batch, idx in enumerate(stream, start):
             images = self.x[idx]  # (B, 3, 32, 32) uint8
             if self.options.augment:
                 images = augment(images, generator(self.name, self.seed, "augment", rank, batch))

@@ -57,8 +57,10 @@ class MNIST1D(Task):
         with self.seeded("model"):
             return cnn()
 
-    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        for idx in index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size):
+    def train_batches(
+        self, rank: int, world_size: int, batch_size: int, start: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        for idx in index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size, start):
             yield self.x[idx], self.y[idx]  # (B, 1, 40) float32, (B,) int64
 
     def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:

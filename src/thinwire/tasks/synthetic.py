@@ -75,8 +75,10 @@ class Synthetic(Task):
             layers["out"] = nn.Linear(width, o.classes)
         return nn.Sequential(layers)
 
-    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        for idx in index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size):
+    def train_batches(
+        self, rank: int, world_size: int, batch_size: int, start: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        for idx in index_batches(self.name, self.seed, len(self.y), rank, world_size, batch_size, start):
             yield self.x[idx], self.y[idx]  # (B, dim) float32, (B,) int64
 
     def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:
