@@ -141,6 +141,13 @@ def run_dir(d: Path) -> Path | None:
     return d.parent.parent if d.parent.name == "checkpoints" else None
 
 
+def in_place(d: Path, out: str | os.PathLike | None) -> bool:
+    """Whether a run resumed from checkpoint ``d`` writes to ``out`` = the run directory ``d``
+    belongs to (it continues that run rather than starting one elsewhere)."""
+    own = run_dir(d)
+    return own is not None and out is not None and os.path.realpath(own) == os.path.realpath(out)
+
+
 def later_results(run: Path, step: int) -> str | None:
     """What continuing run directory ``run`` from its checkpoint at ``step`` would replace:
     a newer checkpoint, or a summary of a run that went past ``step``; None when nothing."""

@@ -75,7 +75,7 @@ class TrainConfig:
                         "say where to write with --out")
                 out = str(own)  # continue in the run's own directory
         require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
-        continuing = own is not None and _same_dir(out, own)  # back into the run's own directory
+        continuing = resume_dir is not None and checkpoint.in_place(resume_dir, out)  # back into its own run
         if continuing and os.environ.get("RANK", "0") == "0":
             later = checkpoint.later_results(own, meta["step"])
             require(self.overwrite or later is None,
@@ -122,10 +122,6 @@ class TrainConfig:
         d["links"] = list(self.links)
         d["policy_rules"] = list(self.policy_rules)
         return d
-
-
-def _same_dir(a: str | None, b) -> bool:
-    return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def _holds_run(path: str) -> bool:

@@ -8,7 +8,6 @@ and the same evaluation schedule, so their collectives stay in lockstep.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,6 +18,7 @@ from thinwire.algorithms.registry import build_method
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import sent_bytes
+from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter
 
@@ -89,9 +89,8 @@ def train_rank(
         start, last_eval, history = _resume(cfg, comm, model, optimizer, method, clock, device)
     batches = task.train_batches(rank, n, cfg.batch_size, start=start)  # batch b is the same for any start
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
-    if rank == 0 and cfg.out and not _continues_in_place(cfg):
-        from thinwire.run import checkpoint
-
+    continuing = bool(cfg.resume) and checkpoint.in_place(checkpoint.locate(cfg.resume), cfg.out)
+    if rank == 0 and cfg.out and not continuing:
         checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
     stopped_at, poll_every, step_seconds = None, 1, 0.0
@@ -200,8 +199,6 @@ def _agree(comm: Communicator, bad: int | None, stop: bool, seconds: float,
 
 def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
     """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
-    from thinwire.run import checkpoint
-
     t = method.timing
     with comm.meter.paused():
         state = {
@@ -227,7 +224,6 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
 def _resume(cfg, comm, model, optimizer, method, clock, device):
     """Restore every state of this rank from ``cfg.resume``: (step, last evaluation, the
     metrics records up to the step, for rank 0)."""
-    from thinwire.run import checkpoint
     from thinwire.run.metrics import read_jsonl
 
     d = checkpoint.locate(cfg.resume)
@@ -252,14 +248,6 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     history = ([r for r in read_jsonl(str(source)) if r["step"] <= step]
                if (comm.rank == 0 and source is not None and source.exists()) else [])
     return step, dict(state["last_eval"]), history
-
-
-def _continues_in_place(cfg) -> bool:
-    """Whether the run resumes into the run directory its checkpoint belongs to."""
-    from thinwire.run import checkpoint
-
-    own = checkpoint.run_dir(checkpoint.locate(cfg.resume)) if cfg.resume else None
-    return own is not None and os.path.realpath(own) == os.path.realpath(cfg.out)
 
 
 def _meter_state(meter) -> dict[str, Any]:
