@@ -1,7 +1,8 @@
-"""thinwire in a plain training loop.
+"""thinwire in a plain training loop: any method `thinwire methods` lists, attached in one line.
 
 Run on one machine with 2 CPU processes:
     torchrun --nproc-per-node 2 examples/plain_loop.py --method topk:ratio=0.01
+    torchrun --nproc-per-node 2 examples/plain_loop.py --method dasgd:period=4 --amp
 """
 
 import argparse
@@ -12,36 +13,56 @@ import torch.distributed as dist
 import thinwire
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--method", default="powersgd:rank=2")
-    parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
-
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 50) -> dict:
+    """Train a small classifier with ``method`` on the default process group; returns this
+    rank's final loss and the bytes it sent."""
+    rank = dist.get_rank()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial model on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).to(device)
+    model = torch.nn.Sequential(  # three layers: AB-training factors all but the first and the last
+        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4),
+    ).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    reducer = thinwire.SyncReducer(model, args.method)  # the default process group
+    run = thinwire.attach(model, optimizer, method)  # <- the one line: codec, policy or algorithm
+    # mixed precision: fp16 autocast with a loss scaler on GPUs, bf16 autocast on the CPU
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
     g = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
     w_true = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
-    for step in range(args.steps):
+    loss = torch.zeros(())
+    for step in range(steps):
         x = torch.randn(64, 32, generator=g)
         y = (x @ w_true).argmax(1)
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        reducer.reduce(loss)  # .grad is now the mean over ranks, through the codec
-        optimizer.step()
-        if rank == 0 and step % 50 == 0:
-            print(f"step {step}: loss {loss.item():.4f}, bytes sent so far {reducer.comm.meter.bytes_sent:,.0f}")
-    if rank == 0:
-        print(f"done on {world} ranks with {args.method}")
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(run.model(x), y)  # run.model: DDP's wrapper for torch-*
+        scaler.scale(loss).backward()
+        run.after_backward(loss, scaler=scaler)  # gradients averaged (codecs: in unscaled units)
+        scaler.step(optimizer)  # skipped on every rank alike after an overflow
+        scaler.update()
+        run.after_step()  # models averaged or mixed, for methods with a schedule
+        if rank == 0 and log_every and step % log_every == 0:
+            print(f"step {step}: loss {loss.item():.4f}, bytes sent so far {run.bytes_sent:,.0f}")
+    run.finish()  # AB-training's last sync (a plain model again); nothing for most methods
+    # a checkpoint holds the method's state beside the model's and the optimizer's
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "method": run.state_dict()}
+    return {"loss": loss.item(), "bytes_sent": run.bytes_sent, "checkpoint_keys": sorted(checkpoint)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", default="powersgd:rank=2", help="any spec `thinwire methods` lists")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--amp", action="store_true", help="mixed precision with a GradScaler")
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    result = train(args.method, args.steps, amp=args.amp)
+    if dist.get_rank() == 0:
+        print(f"done on {dist.get_world_size()} ranks with {args.method}: loss {result['loss']:.4f}")
     dist.destroy_process_group()
 
 

@@ -2,6 +2,8 @@
 
 The public API (importing does no work beyond importing torch):
 
+* :func:`attach`: any method ``thinwire methods`` lists, in a user's loop, with the same
+  calls for all (``after_backward``, ``after_step``, ``finish``, ``state_dict``).
 * :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
@@ -17,6 +19,7 @@ The public API (importing does no work beyond importing torch):
 
 from thinwire.aggregate import Aggregator
 from thinwire.algorithms.ab import ABTraining
+from thinwire.algorithms.attach import Attached, attach
 from thinwire.algorithms.dasgd import DaSGD
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
@@ -33,6 +36,6 @@ from thinwire.policy import Policy, Rule
 __version__ = "0.1.0"
 
 __all__ = [
-    "ABTraining", "Aggregation", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

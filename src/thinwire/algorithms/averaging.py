@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from thinwire.aggregate import Aggregator
+from thinwire.aggregate import Timing
+from thinwire.algorithms.gradients import GradientReducer
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 
@@ -28,28 +29,29 @@ def comm_or_world(comm: Communicator | None) -> Communicator:
     return TorchComm()
 
 
-def grads_of(named: Sequence[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    """Every parameter's ``.grad`` by name, a zero gradient first where it is None (so every
-    rank still sends the same tensors)."""
-    grads = {}
-    for name, p in named:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads[name] = p.grad
-    return grads
-
-
 class GradientMean:
-    """Synchronous fp32 gradient averaging (local SGD's and DaSGD's warm-up steps)."""
+    """Synchronous fp32 gradient averaging (the warm-up steps of local SGD and DaSGD, and
+    AB-training's phases), with DDP's gradient semantics (a ``None`` gradient stays
+    ``None``; see :class:`~thinwire.algorithms.gradients.GradientReducer`)."""
 
     def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], comm: Communicator, bucket_mb: float) -> None:
         self.named = list(named)
         fp32 = Identity(IdentityConfig())  # one per object: the aggregator sets its rank
-        self.aggregator = Aggregator(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+        self.reducer = GradientReducer(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+
+    @property
+    def timing(self) -> Timing:
+        return self.reducer.timing
 
     def reduce(self) -> None:
         """Replace every gradient with its mean over the ranks."""
-        self.aggregator.reduce_(grads_of(self.named))
+        self.reducer.reduce()
+
+    def state_dict(self) -> dict:
+        return self.reducer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(state)
 
 
 class ModelState:

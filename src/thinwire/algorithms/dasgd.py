@@ -106,7 +106,7 @@ class DaSGD:
         self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
         self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
-        self._sync = self._warmup.aggregator
+        self._sync = self._warmup
         self.codec = build_codec(self.config.codec.replace(";", ","))
         self.codec.rank = comm.rank
         self._exact = self.codec.describe() == Identity(IdentityConfig()).describe()  # send snapshots, not deltas

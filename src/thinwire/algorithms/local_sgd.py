@@ -56,7 +56,7 @@ class LocalSGD:
         self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
         self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
-        self._sync = self._warmup.aggregator
+        self._sync = self._warmup
         self._flat: torch.Tensor | None = None
         self.step = 0  # optimizer steps completed; identical on every rank
         self.averages = 0

@@ -111,3 +111,15 @@ def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optim
 
     return SyncReducer(model, spec, comm, **kw)
 
+
+
+def refuse_schedule(spec: str, where: str) -> None:
+    """Raise naming the right API when ``spec`` names a method with its own schedule
+    (``dasgd``, ``ab``, ``torch-ddp``, ...) where only a gradient codec or policy fits."""
+    try:
+        name, _ = parse_spec(spec)
+    except ValueError:
+        return  # malformed: the codec parser says why
+    if name in algorithms() or name in _ALGORITHMS:
+        raise ValueError(f"{name!r} is a training method with its own schedule, not a gradient codec, so {where} "
+                         f"cannot run it; attach it to your loop with thinwire.attach(model, optimizer, {spec!r})")

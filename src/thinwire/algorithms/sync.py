@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
-from thinwire.aggregate import Aggregator, Timing
-from thinwire.algorithms.averaging import comm_or_world, grads_of
+from thinwire.aggregate import Timing
+from thinwire.algorithms.averaging import comm_or_world
+from thinwire.algorithms.gradients import GradientReducer, refuse_sparse
+from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
@@ -27,10 +29,17 @@ class SyncReducer:
 
     ``method`` is a codec spec (``"powersgd:rank=2"``), a built codec, a policy preset spec
     (``"hylo:t_fc=100000"``) or a :class:`~thinwire.policy.Policy` (a codec per parameter;
-    give the model itself when a rule matches by module type). ``comm`` defaults to the
-    default ``torch.distributed`` process group. Parameters are taken in
+    give the model itself when a rule matches by module type); methods with their own
+    schedule (``dasgd``, ``ab``, ...) attach with :func:`thinwire.attach` instead. ``comm``
+    defaults to the default ``torch.distributed`` process group. Parameters are taken in
     ``named_parameters()`` order (identical on all ranks, which keeps the collectives in
-    lockstep); parameters without ``requires_grad`` are left alone.
+    lockstep).
+
+    Gradient semantics are DDP's (:class:`~thinwire.algorithms.gradients.GradientReducer`):
+    a ``None`` gradient stays ``None`` and costs nothing, ``requires_grad`` is read every
+    step, ``find_unused_parameters=True`` is needed when ranks may disagree about which
+    parameters got a gradient, sparse gradients are refused, and ``reduce(scaler=...)``
+    works in unscaled units and skips a scaler's overflow step on every rank.
     """
 
     def __init__(
@@ -40,17 +49,21 @@ class SyncReducer:
         comm: Communicator | None = None,
         *,
         bucket_mb: float = 25.0,
+        find_unused_parameters: bool = False,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            model = list(model)
-        named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
-        self.params = [(n, p) for n, p in named if p.requires_grad]
-        if not self.params:
+        if isinstance(model, torch.nn.Module):
+            refuse_sparse(model)
+            named = list(model.named_parameters())
+        else:
+            named = model = list(model)
+        if not any(p.requires_grad for _, p in named):
             raise ValueError("SyncReducer needs at least one parameter with requires_grad=True")
+        if isinstance(method, str):
+            refuse_schedule(method, "SyncReducer")
         self.policy = as_policy(method)
         if self.policy is not None:
             self.assignment: Assignment | None = self.policy.assign(model)
-            chooser = self.assignment.codec_for
+            chooser = self._policy_chooser
             self.method = self.policy.describe()
         else:
             self.assignment = None
@@ -58,7 +71,10 @@ class SyncReducer:
             chooser = lambda name, t: codec  # noqa: E731
             self.method = codec.describe()
         self.comm = comm = comm_or_world(comm)
-        self.aggregator = Aggregator(self.params, chooser, comm, bucket_mb=bucket_mb)
+        self.reducer = GradientReducer(named, chooser, comm, bucket_mb=bucket_mb,
+                                       find_unused_parameters=find_unused_parameters)
+        self.params = [(n, p) for n, p in named if p.requires_grad]  # trainable when built
+        self.aggregator = self.reducer.aggregator
         self.codecs = self.aggregator.codecs  # the codecs in use, the fp32 fallback included
         windows = sorted({c.loss_window() for c in self.codecs} - {0})
         if len(windows) > 1:
@@ -66,31 +82,46 @@ class SyncReducer:
         self._window = windows[0] if windows else 0
         self._loss_sum = 0.0  # this rank's training loss summed over the current window
 
+    def _policy_chooser(self, name: str, tensor: torch.Tensor) -> Codec:
+        if name not in self.assignment.rule_of:
+            raise ValueError(f"parameter {name!r} was frozen when the reducer was built, so the policy gave it "
+                             "no codec; build the reducer after unfreezing it")
+        return self.assignment.codec_for(name)
+
     @property
     def timing(self) -> Timing:
-        return self.aggregator.timing
+        return self.reducer.timing
 
     @property
     def step(self) -> int:
-        return self.aggregator.step
+        return self.reducer.step
 
-    def reduce(self, loss: float | torch.Tensor | None = None) -> None:
-        """Replace every parameter's ``.grad`` with the mean over ranks (in place).
+    @property
+    def skipped(self) -> int:
+        """Steps skipped on every rank for a scaler's overflow."""
+        return self.reducer.skipped
 
-        A parameter whose ``.grad`` is None gets a zero gradient first, so every rank still
-        issues the same collectives. ``loss``, this rank's training loss of the step, is
-        required by codecs whose schedule follows the loss (``fft:schedule=recover``): at
-        the end of each of their windows the ranks agree on the window's mean loss with one
-        8-byte all_reduce (counted by the meter) and the codec sees it.
+    def reduce(self, loss: float | torch.Tensor | None = None, *, scaler: Any = None) -> bool:
+        """Replace every parameter's ``.grad`` with the mean over ranks (in place); False when
+        the step was skipped for ``scaler``'s overflow.
+
+        Call it after ``backward()`` and before ``optimizer.step()`` (with a
+        ``torch.amp.GradScaler``: before ``scaler.unscale_``/``scaler.step``, passing the
+        scaler). ``loss``, this rank's training loss of the step, is required by codecs whose
+        schedule follows the loss (``fft:schedule=recover``): at the end of each of their
+        windows the ranks agree on the window's mean loss with one 8-byte all_reduce
+        (counted by the meter) and the codec sees it.
         """
         window = self._window
         if window and loss is None:
             raise ValueError(f"{self.method} follows the training loss: call reduce(loss=...) every step")
-        self.aggregator.reduce_(grads_of(self.params))
+        if not self.reducer.reduce(scaler):
+            return False  # nothing reduced: the loss window waits too
         if window:
             self._loss_sum += float(loss)
             if self.step % window == 0:
                 self._agree_loss(window)
+        return True
 
     def _agree_loss(self, window: int) -> None:
         device = self.params[0][1].device
@@ -103,8 +134,8 @@ class SyncReducer:
         self._loss_sum = 0.0
 
     # -- the trainer's interface (see algorithms/registry.py) -------------------------------
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
-        self.reduce(loss)
+    def after_backward(self, loss: float | torch.Tensor | None = None, *, scaler: Any = None) -> bool:
+        return self.reduce(loss, scaler=scaler)
 
     def after_step(self) -> None:
         """Nothing to do after the optimizer step: the gradients were already averaged."""
@@ -134,17 +165,17 @@ class SyncReducer:
     def per_parameter(self) -> list[dict]:
         """Per parameter, in ``named_parameters()`` order: name, shape, codec spec and the bytes
         this rank sent for it so far (all steps, as the byte meter counts them)."""
-        sent = self.aggregator.sent_bytes
+        sent = self.reducer.sent_bytes
         plan = {r["name"]: r for r in self.plan()}
         return [{"name": name, "shape": plan[name]["shape"], "codec": plan[name]["codec"], "bytes_sent": sent[name]}
                 for name, _ in self.params]  # in parameter order
 
     def plan(self) -> list[dict]:
-        return self.aggregator.plan()
+        return self.reducer.plan()
 
     def state_dict(self) -> dict:
-        return {**self.aggregator.state_dict(), "loss_sum": self._loss_sum}
+        return {**self.reducer.state_dict(), "loss_sum": self._loss_sum}
 
     def load_state_dict(self, state: dict) -> None:
-        self.aggregator.load_state_dict(state)
+        self.reducer.load_state_dict(state)
         self._loss_sum = float(state.get("loss_sum", 0.0))

@@ -9,15 +9,28 @@ runs its collectives synchronously and returns a completed future: with compress
 the encode/decode work dominates on the CPU, and a synchronous hook keeps every rank's
 collective order trivially identical. It therefore does not overlap communication with the
 rest of the backward pass the way DDP's own asynchronous all_reduce does.
+
+Gradient semantics are DDP's own: DDP decides which parameters are reduced (frozen ones,
+and with ``find_unused_parameters=True`` unused ones, are handled by DDP itself). With
+mixed precision, give the ``GradScaler`` to :func:`register`: each bucket is unscaled
+before it is encoded and scaled back after (residuals and codec state in the model's own
+units), and a bucket holding an inf or NaN on any rank (agreed with one 4-byte all_reduce
+per bucket, counted by the meter) is sent by nobody, changes no residual or codec state and
+comes back as NaN on every rank, so every rank's ``scaler.step`` skips the step. Buckets of
+that step that were finite are averaged as usual; the skipped step discards their result,
+as DDP's would.
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.aggregate import Aggregator, Timing
+from thinwire.algorithms.gradients import loss_scale, unscale_nonfinite, refuse_sparse
+from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
@@ -39,6 +52,9 @@ class HookState:
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     aggregators: dict[tuple[str, ...], Aggregator] = field(default_factory=dict)
     step: int = 0  # iterations completed; identical on all ranks
+    scaler: Any = None  # a torch.amp.GradScaler: buckets averaged in unscaled units, overflows agreed
+    skipped_buckets: int = 0  # buckets dropped on every rank for a non-finite gradient (under a scaler)
+    _scale: tuple[int, float] | None = None  # (step, the scaler's scale read at that step's first bucket)
 
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
         return self.codec if self.assignment is None else self.assignment.codec_for(name)
@@ -88,7 +104,21 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         named = list(zip(names, grads))
         agg = state.aggregators[names] = Aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
     agg.step = state.step
-    agg.reduce_(dict(zip(names, grads)))
+    scale = _scale_now(state)
+    if scale is None:
+        agg.reduce_(dict(zip(names, grads)))
+    else:
+        buffer = bucket.buffer()
+        bad = unscale_nonfinite([buffer], 1.0 / scale)
+        flag = torch.tensor([int(bad)], dtype=torch.int32, device=buffer.device)
+        state.comm.all_reduce(flag)  # every rank takes the same branch
+        if flag.item():
+            buffer.fill_(float("nan"))  # each rank's scaler.step sees it and skips the step
+            state.skipped_buckets += 1
+        else:
+            agg.reduce_(dict(zip(names, grads)))
+            if scale != 1.0:
+                buffer.mul_(scale)  # back to the scaler's units: scaler.step unscales
     if bucket.is_last():
         state.step += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -96,31 +126,56 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return fut
 
 
-def register(
-    model: DistributedDataParallel, method: "str | Codec | Policy" = "identity", comm: "Communicator | None" = None
-) -> HookState:
-    """Register thinwire's hook on a DDP model and return its state (for timing and checkpoints).
+def _scale_now(state: HookState) -> "float | None":
+    """The scaler's scale for this step (read once, at the step's first bucket), or None."""
+    if state.scaler is None or not state.scaler.is_enabled():
+        return None
+    if state._scale is None or state._scale[0] != state.step:
+        state._scale = (state.step, loss_scale(state.scaler))
+    return state._scale[1]
 
-    ``method`` is a codec spec or codec, or a policy (a preset spec such as ``"hylo"``, or a
-    :class:`~thinwire.policy.Policy`) applied to ``model.module``. ``comm`` defaults to the
-    DDP model's process group.
-    """
-    policy = as_policy(method)
-    if policy is not None:
-        codec, assignment = None, policy.assign(model.module)
-        codecs = assignment.codecs
-    else:
-        codec, assignment = (build_codec(method) if isinstance(method, str) else method), None
-        codecs = [codec]
+
+def _refuse_loss_window(codecs: "list[Codec]") -> None:
     for c in codecs:
         if c.loss_window():
             raise ValueError(f"{c.describe()} follows the training loss, which a DDP hook never sees; "
                              "use thinwire.SyncReducer and reduce(loss)")
+
+
+def register(
+    model: DistributedDataParallel, method: "str | Codec | Policy" = "identity", comm: "Communicator | None" = None,
+    *, scaler: Any = None,
+) -> HookState:
+    """Register thinwire's hook on a DDP model and return its state: keep it, it holds what a
+    checkpoint needs (``state_dict()``/``load_state_dict()``: residuals and codec state by
+    parameter name) and the seconds spent (``timing``); the bytes sent are on
+    ``state.comm.meter``.
+
+    ``method`` is a codec spec or codec, or a policy (a preset spec such as ``"hylo"``, or a
+    :class:`~thinwire.policy.Policy`) applied to ``model.module``; methods with a schedule of
+    their own (``dasgd``, ``ab``...) attach to a plain model with ``thinwire.attach``.
+    ``comm`` defaults to the DDP model's process group. ``scaler``: the
+    ``torch.amp.GradScaler`` of a mixed-precision loop (see the module's docstring).
+    """
+    if isinstance(method, str):
+        refuse_schedule(method, "a DDP communication hook")
+    policy = as_policy(method)
+    codec, assignment = None, None
+    if policy is None:
+        codec = build_codec(method) if isinstance(method, str) else method
+        _refuse_loss_window([codec])
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"thinwire.ddp.register needs a DistributedDataParallel model, got {type(model).__name__}; "
+                         "for a plain model use thinwire.attach(model, optimizer, method)")
+    refuse_sparse(model.module)
+    if policy is not None:
+        assignment = policy.assign(model.module)
+        _refuse_loss_window(assignment.codecs)
     if comm is None:
         from thinwire.comm.torch_dist import TorchComm
 
         comm = TorchComm(model.process_group)
     names = {id(p): n for n, p in model.module.named_parameters()}
-    state = HookState(codec, comm, names, assignment)
+    state = HookState(codec, comm, names, assignment, scaler=scaler)
     model.register_comm_hook(state, hook)
     return state

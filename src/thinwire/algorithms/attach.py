@@ -1,0 +1,146 @@
+"""One entry point for any method in a user's own loop: ``thinwire.attach``.
+
+    run = thinwire.attach(model, optimizer, "dasgd:period=4")   # any spec `thinwire methods` lists
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(run.model(x), y)     # run.model: your model (PyTorch's DDP wrapper for torch-*)
+        loss.backward()
+        run.after_backward(loss)            # gradients averaged (synchronous methods, warm-ups)
+        optimizer.step()
+        run.after_step()                    # models averaged, mixed or synced (their own schedule)
+    run.finish()                            # e.g. AB-training's last sync
+
+Codecs and policies give a :class:`~thinwire.algorithms.sync.SyncReducer`, algorithms
+(``localsgd``, ``dasgd``, ``dpsgd``, ``powergossip``, ``ab``) and PyTorch's own DDP hooks
+(``torch-*``) their own objects; :class:`Attached` gives them all the same calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from thinwire.aggregate import Timing
+from thinwire.algorithms.averaging import comm_or_world
+from thinwire.algorithms.registry import build_method, resolve_method
+from thinwire.comm.base import Communicator
+
+
+class Attached:
+    """A method attached to a training loop: the calls every method answers alike.
+
+    ``method`` is the object doing the work (``SyncReducer``, ``DaSGD``, ...), ``spec`` its
+    resolved spec with every default filled in, ``model`` the module to run forward and
+    backward through (the user's model, or PyTorch's DDP wrapper around it for ``torch-*``).
+    """
+
+    def __init__(self, method: Any, model: torch.nn.Module, spec: str, comm: Communicator) -> None:
+        self.method = method
+        self.model = getattr(method, "module", model)
+        self.spec = spec
+        self.comm = comm
+        self._takes_scaler = "scaler" in inspect.signature(method.after_backward).parameters
+        self.finished = False
+
+    def after_backward(self, loss: float | torch.Tensor | None = None, *, scaler: Any = None) -> bool:
+        """Call after ``loss.backward()`` (with a ``GradScaler``: after
+        ``scaler.scale(loss).backward()``, passing ``scaler``, before ``scaler.step``).
+        Returns False when a scaler overflow made every rank skip the step.
+
+        ``scaler`` matters to methods that average gradients through codecs (codec specs and
+        policies), which then work in unscaled units and agree on overflows; the others
+        average gradients only with plain fp32 sums (warm-ups, AB-training's groups), which
+        carry an overflow to every rank of the sum as DDP's all_reduce does, or not at all
+        (gossip), so each rank's scaler decides for itself."""
+        self._check_open()
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if self._takes_scaler:
+            return self.method.after_backward(loss=loss, scaler=scaler) is not False
+        self.method.after_backward(loss=loss)
+        return True
+
+    def after_step(self) -> None:
+        """Call after ``optimizer.step()`` (``scaler.step(optimizer)``), every step."""
+        self._check_open()
+        self.method.after_step()
+
+    def finish(self) -> None:
+        """Call once after the last step: methods that end with work of their own do it
+        (AB-training syncs every rank and gives back plain layers); the others have none."""
+        self._check_open()
+        if hasattr(self.method, "finish"):
+            self.method.finish()
+        self.finished = True
+
+    def _check_open(self) -> None:
+        if self.finished:
+            raise RuntimeError(f"{self.spec} was finished: attach a new method to train further")
+
+    @property
+    def timing(self) -> Timing:
+        """Seconds in codecs and in communication so far (this rank's host clock)."""
+        return self.method.timing
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank sent so far, as the byte meter counts them."""
+        return self.comm.meter.bytes_sent
+
+    def state_dict(self) -> dict:
+        """The method's state (residuals, snapshots, schedules...) for a checkpoint, beside
+        the model's and the optimizer's."""
+        return self.method.state_dict() if hasattr(self.method, "state_dict") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore after the model and the optimizer (AB-training's factors live in the model)."""
+        if hasattr(self.method, "load_state_dict"):
+            self.method.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"<thinwire.Attached {self.spec}>"
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    method: Any = "identity",
+    comm: Communicator | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    find_unused_parameters: bool = False,
+) -> Attached:
+    """Attach any method (a spec ``thinwire methods`` lists, a built codec or a
+    :class:`~thinwire.policy.Policy`) to ``model`` and ``optimizer``.
+
+    Build it on every rank with the same arguments, after the model is on its device and
+    before the first step. ``comm`` defaults to the default ``torch.distributed`` process
+    group. ``find_unused_parameters`` applies to gradient averaging through codecs (see
+    :class:`~thinwire.algorithms.sync.SyncReducer`); an invalid spec raises ``ValueError``
+    naming the problem. Methods with a schedule (``localsgd``, ``dasgd``, ``ab``, ...) need
+    the ``optimizer``; AB-training and the ``torch-*`` methods change or wrap ``model``
+    (forward through :attr:`Attached.model`).
+    """
+    from thinwire.algorithms.sync import SyncReducer
+
+    comm = comm_or_world(comm)
+    if not isinstance(method, str):  # a built codec or a Policy
+        reducer = SyncReducer(model, method, comm, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters)
+        return Attached(reducer, model, reducer.method, comm)
+    spec = resolve_method(method)
+    if optimizer is None and not _is_gradient_codec(spec):
+        raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
+                         f"thinwire.attach(model, optimizer, {method!r})")
+    built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb,
+                         **({"find_unused_parameters": find_unused_parameters} if _is_gradient_codec(spec) else {}))
+    return Attached(built, model, spec, comm)
+
+
+def _is_gradient_codec(spec: str) -> bool:
+    """Whether ``spec`` (resolved) runs as a :class:`SyncReducer` (a codec or policy preset)."""
+    from thinwire.algorithms.registry import _ALGORITHMS, algorithms
+    from thinwire.codecs.registry import parse_spec
+
+    name, _ = parse_spec(spec)
+    return name not in algorithms() and name not in _ALGORITHMS
