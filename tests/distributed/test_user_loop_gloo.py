@@ -193,3 +193,47 @@ def _ddp_example(rank: int, world: int):
     assert set(r["checkpoint"]["hook"]) >= {"step", "feedback", "codec_state"}
     gc.collect()
     return r["loss"], r["bytes_sent"]
+
+
+def _accumulate(rank: int, world: int):
+    """Two micro-batches per optimizer step: plain DDP with no_sync, thinwire's hook with
+    no_sync, and a plain loop calling reduce() once per step."""
+    import contextlib
+
+    import thinwire
+
+    def run(kind: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        model = DDP(net) if kind != "reducer" else net
+        hook = thinwire.ddp.register(model, "identity") if kind == "hook" else None
+        reducer = thinwire.SyncReducer(net, "identity") if kind == "reducer" else None
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        w = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+        for _ in range(5):
+            opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(16, 32, generator=g)
+                quiet = model.no_sync() if kind != "reducer" and micro == 0 else contextlib.nullcontext()
+                with quiet:
+                    F.cross_entropy(model(x), (x @ w).argmax(1)).backward()
+            if reducer is not None:
+                reducer.reduce()
+            opt.step()
+        out = [p.detach().clone() for p in net.parameters()]
+        steps = hook.step if hook is not None else reducer.step if reducer is not None else 5
+        del model
+        gc.collect()
+        return out, steps
+
+    return run("ddp"), run("hook"), run("reducer")
+
+
+@pytest.mark.timeout(120)
+def test_gradient_accumulation_matches_ddp_with_no_sync():
+    for (ddp, _), (hook, hook_steps), (reducer, reducer_steps) in run_ranks(_accumulate, 2):
+        assert hook_steps == reducer_steps == 5  # one averaging per optimizer step
+        for a, b, c in zip(ddp, hook, reducer):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+            torch.testing.assert_close(c, a, rtol=0, atol=1e-6)
