@@ -74,3 +74,38 @@ def test_four_gloo_ranks_in_two_groups_learn_and_end_in_agreement():
         assert report["syncs"] == 6  # steps 8, 16, 24, 32, 40 and finish() and report["groups"] == [[0, 1], [2, 3]]
     assert [r[2]["role"] for r in gloo] == ["a", "a", "b", "b"]
     torch.testing.assert_close(gloo[0][0], local[0][0], rtol=1e-4, atol=1e-4)  # 4-way sums in another order
+
+
+def _readme(rank, world, steps):
+    """The README's AB snippet, as written (default knobs: groups of half the world), on a
+    real gloo world; the plain model's state and the method's report."""
+    import thinwire
+
+    model = copy.deepcopy(_base())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn = nn.functional.cross_entropy
+    loader = (_batch(rank, step) for step in range(steps))
+    ab = thinwire.ABTraining(model, optimizer)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        ab.after_backward()
+        optimizer.step()
+        ab.after_step()
+    ab.finish()
+    plain = _base()
+    plain.load_state_dict(model.state_dict(), strict=True)  # the original class, nothing left over
+    kinds = [type(m).__name__ for m in model]
+    return model.state_dict(), kinds, ab.report()
+
+
+@pytest.mark.timeout(180)
+def test_the_readme_snippet_on_two_gloo_ranks_ends_with_one_plain_model():
+    steps = 150  # warm-up 100, factorised at 100 (untruncated), finish() syncs inside the group phase
+    results = run_ranks(_readme, 2, steps)
+    for state, kinds, report in results:
+        assert kinds == ["Linear", "BatchNorm1d", "ReLU", "Linear", "ReLU", "Linear"]
+        assert report["groups"] == [[0], [1]] and report["syncs"] == 1 and report["factorisations"] == 1
+        for key, value in state.items():
+            assert torch.equal(value, results[0][0][key]), key  # one model on both ranks
+    assert [r[2]["role"] for r in results] == ["a", "b"]

@@ -1,17 +1,18 @@
 """AB-training (Coquelin et al., arXiv 2405.01067): weights factored into low-rank ``A·B``,
 trained by independent groups of workers, reconciled periodically.
 
-    ab = thinwire.ABTraining(model, optimizer, group_size=2)   # swaps layers for Factorized
+    ab = thinwire.ABTraining(model, optimizer)   # swaps layers for Factorized; groups: half the world
     for x, y in loader:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         ab.after_backward()   # gradient mean over the world (full-rank phases) or the group
         optimizer.step()
         ab.after_step()       # phase changes: factorise, sync, re-factorise
-    ab.finish()               # a final sync when the run ends inside a group phase
+    ab.finish()               # a final sync if inside a group phase, then the plain model comes back
 
 Every Linear and Conv layer except the excluded ones (default: the first and the last)
-becomes a :class:`~thinwire.nn.Factorized` wrapper. With ``t`` the steps completed:
+becomes a :class:`~thinwire.nn.Factorized` wrapper until ``finish()``, which swaps the
+original layer objects back (see :meth:`ABTraining.finish`). With ``t`` the steps completed:
 
 * ``t < warmup``: full-rank synchronous training (fp32 gradient mean over all ranks).
 * ``t == warmup``: factorise without truncation (rank ``min(m, n)``), start a group phase.
@@ -63,7 +64,7 @@ from thinwire.aggregate import Timing
 from thinwire.algorithms.averaging import GradientMean, comm_or_world
 from thinwire.comm.base import Communicator
 from thinwire.knobs import describe_config, knob, require
-from thinwire.nn.factorized import Factorized, factorize_model, rank_for, resolve_exclude
+from thinwire.nn.factorized import Factorized, factorize_model, rank_for, resolve_exclude, unfactorize_model
 
 SYNC_MODES = ("full", "with-stale", "only-learned", "only-b")
 PHASES = ("warmup", "group", "sync", "full")
@@ -110,7 +111,7 @@ def groups_of(config: ABConfig, workers: int) -> list[list[int]]:
     count = workers // size
     require(count >= 2 or config.sync == "only-b",
             f"sync={config.sync} needs at least one A group and one B group: group_size {size} on "
-            f"{workers} workers gives {count} group")
+            f"{workers} workers gives {count} group (group_size 0, the default, makes two halves)")
     return [list(range(g * size, (g + 1) * size)) for g in range(count)]
 
 
@@ -155,6 +156,7 @@ class ABTraining:
         factors = [p for layer in self.layers.values() for p in (layer.a, layer.b)]
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         optimizer.add_param_group({**hyper, "params": factors})
+        self._load_hook = optimizer.register_load_state_dict_pre_hook(self._with_factor_group)
         weights = {id(layer.weight) for layer in self.layers.values()}
         skip = {id(p) for p in factors}
         self.full_named = [(n, p) for n, p in model.named_parameters() if id(p) not in skip]
@@ -164,6 +166,7 @@ class ABTraining:
         self._full_mean = GradientMean(self.full_named, comm, bucket_mb)
         self._group_mean: GradientMean | None = None
         self.step = 0
+        self.exported = False  # finish() gave the original layers back: nothing steps any more
         self.phase = "warmup"
         self.phase_started = 0  # step of the last phase change (the LR ramp counts from it)
         self.ranks: dict[str, int] = {}
@@ -184,6 +187,7 @@ class ABTraining:
     def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
         """Average the gradients this phase trains (all ranks, or the group) and set the
         learning rate of the step (the ramp after a phase change)."""
+        self._require_live("after_backward()")
         self._ramp_lr()
         for layer in self.layers.values():  # frozen tensors keep no gradient, so the optimizer skips them
             keep = {id(p) for p in layer.trained()}
@@ -199,6 +203,7 @@ class ABTraining:
 
     def after_step(self) -> None:
         """Restore the learning rate; at a phase boundary factorise, sync or re-factorise."""
+        self._require_live("after_step()")
         if self._saved_lr is not None:
             for group, lr in zip(self.optimizer.param_groups, self._saved_lr):
                 group["lr"] = lr
@@ -210,13 +215,35 @@ class ABTraining:
             return
         if t > cfg.warmup and t % cfg.cycle == 0 and self.phase == "group":
             self.sync()
-        if self.phase == "full" and self.syncs and t % cfg.cycle == cfg.full_steps:
+        if self.phase == "full" and t % cfg.cycle == cfg.full_steps:
             self._factorise(truncate=True)
 
-    def finish(self) -> None:
-        """End of training: sync if a group phase is under way, so every rank holds one model.
-        A run that ends on the very step that factorised goes back to its full-rank ``W``
-        (identical on every rank, untouched by the factorisation) instead."""
+    def finish(self) -> torch.nn.Module:
+        """End of training; returns the model, mutated in place into a plain one.
+
+        1. One model on every rank: a run inside a group phase syncs (``sync`` mode, then
+           ``W = A·B``); one that ends on the very step that factorised goes back to its
+           full-rank ``W`` (identical on every rank, untouched by the factorisation).
+        2. Export: every ``Factorized`` wrapper is swapped for the user's original layer
+           object (same class and hyper-parameters) holding the same ``weight`` and ``bias``
+           Parameter objects, now ``W``; ``model.state_dict()`` loads with ``strict=True``
+           into a fresh instance of the model's class. The optimizer's factor group is
+           emptied (kept, so learning-rate schedulers still match its groups) and the
+           factors' state dropped: it holds exactly the model's parameters and can go on
+           stepping them. The wrappers stay in ``self.layers`` with their last factors,
+           which move into :meth:`state_dict`; ranks, compression and the report keep their
+           figures.
+
+        Afterwards the method steps no more: ``after_backward``, ``after_step``, ``sync``
+        and ``load_state_dict`` raise ``RuntimeError``. A second call returns the model."""
+        if self.exported:
+            return self.model
+        self._final_sync()
+        self._export()
+        return self.model
+
+    def _final_sync(self) -> None:
+        """Step 1 of :meth:`finish`: mutates the layers' modes (all ``full``) and the phase."""
         if self.phase != "group":
             return
         if self.step == self.phase_started:
@@ -225,6 +252,48 @@ class ABTraining:
             self._enter("full")
             return
         self.sync()
+
+    def _export(self) -> None:
+        """Step 2 of :meth:`finish`: mutates the model (original layers back in) and the
+        optimizer (the factors' group emptied, their state removed)."""
+        unfactorize_model(self.model, list(self.layers))
+        factors = {id(p): p for layer in self.layers.values() for p in (layer.a, layer.b)}
+        for p in factors.values():
+            self.optimizer.state.pop(p, None)
+        for group in self.optimizer.param_groups:  # emptied, not removed: schedulers keep one entry per group
+            keep = [id(p) not in factors for p in group["params"]]
+            for key in ("params", "param_names"):
+                if key in group and len(group[key]) == len(keep):
+                    group[key] = [x for x, k in zip(group[key], keep) if k]
+        self._load_hook.remove()  # the optimizer no longer holds this method alive
+        self._full_mean = self._group_mean = None
+        self.exported = True
+
+    def _with_factor_group(self, optimizer: torch.optim.Optimizer, state: dict) -> dict | None:
+        """Optimizer load pre-hook: in a state saved after :meth:`finish` the factors' group
+        is empty; it gets this optimizer's count of parameter ids back (ids no saved state
+        uses, so the factors start without state). Mutates only the optimizer's own shallow
+        copy of ``state``."""
+        groups = state["param_groups"]
+        at = self._factor_group_index()
+        if at is None or len(groups) != len(optimizer.param_groups) or groups[at]["params"]:
+            return None
+        start = max((i for g in groups for i in g["params"]), default=-1) + 1
+        count = len(optimizer.param_groups[at]["params"])
+        refilled = {k: v for k, v in groups[at].items() if k != "param_names"}
+        refilled["params"] = list(range(start, start + count))
+        state["param_groups"] = [*groups[:at], refilled, *groups[at + 1:]]
+        return state
+
+    def _factor_group_index(self) -> int | None:
+        first = next((layer.a for layer in self.layers.values()), None)
+        return next((i for i, g in enumerate(self.optimizer.param_groups)
+                     if any(p is first for p in g["params"])), None)
+
+    def _require_live(self, call: str) -> None:
+        if self.exported:
+            raise RuntimeError(f"ab: {call} after finish(): the model was exported to its plain layers and the "
+                               "method steps no more (a new ABTraining on the model trains it again)")
 
     # -- phases --------------------------------------------------------------------------------
     def _factorise(self, truncate: bool) -> None:
@@ -286,6 +355,7 @@ class ABTraining:
 
     def sync(self) -> None:
         """Reconcile all ranks (``sync`` mode), then train the full-rank ``W = A·B``."""
+        self._require_live("sync()")
         t0 = time.perf_counter()
         comm, n, mode = self.comm, self.comm.world_size, self.config.sync
         layers = list(self.layers.values())
@@ -397,18 +467,35 @@ class ABTraining:
     def state_dict(self) -> dict:
         """Phase and counters; the factors, their ranks and the layers' modes travel in the
         model's own state dict (``Factorized`` resizes ``a``/``b`` when it loads): restore the
-        model, then the optimizer, then this."""
-        return {"step": self.step, "phase": self.phase, "phase_started": self.phase_started,
-                "ranks": dict(self.ranks), "factorisations": self.factorisations, "syncs": self.syncs,
-                "bytes_by_phase": dict(self.bytes_by_phase), "steps_by_phase": dict(self.steps_by_phase)}
+        model, then the optimizer, then this. After :meth:`finish` the model holds no
+        factors any more: the last ``A`` and ``B`` of each layer travel here instead
+        (``factors``), beside ``exported``."""
+        state = {"step": self.step, "phase": self.phase, "phase_started": self.phase_started,
+                 "ranks": dict(self.ranks), "factorisations": self.factorisations, "syncs": self.syncs,
+                 "bytes_by_phase": dict(self.bytes_by_phase), "steps_by_phase": dict(self.steps_by_phase),
+                 "exported": self.exported}
+        if self.exported:
+            state["factors"] = {n: {"a": layer.a.detach(), "b": layer.b.detach()} for n, layer in self.layers.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (mutates the counters and the phase), after
+        the model's state and the optimizer's. A run saved after :meth:`finish` trains on
+        from where it ended: its plain model loads into the wrappers in mode ``full``, the
+        optimizer's empty factor group gets the factors back without state (their moments
+        start afresh at the next factorisation, as with ``reset_optimizer``), the last
+        factors come back here, and the schedule goes on from the saved step (a full-rank
+        phase). Raises ``ValueError`` for a group-phase state loaded before the model's."""
+        self._require_live("load_state_dict()")
         self.step, self.phase = int(state["step"]), str(state["phase"])
         self.phase_started = int(state["phase_started"])
         self.ranks = {k: int(v) for k, v in state["ranks"].items()}
         self.factorisations, self.syncs = int(state["factorisations"]), int(state["syncs"])
         self.bytes_by_phase = {k: float(v) for k, v in state["bytes_by_phase"].items()}
         self.steps_by_phase = {k: int(v) for k, v in state["steps_by_phase"].items()}
+        for name, f in state.get("factors", {}).items():  # saved after finish(): the model holds none
+            if name in self.layers and f["a"].dim() == 2:
+                self.layers[name].set_factors(f["a"], f["b"])
         if self.phase == "group" and any(layer.mode != self.role for layer in self.layers.values()):
             raise ValueError("ab: load the model's state dict before the method's (the layers' modes and factor "
                              "shapes travel with the model)")

@@ -13,7 +13,10 @@ layers for :class:`Factorized` wrappers in place; the wrapper adopts the layer's
 ``weight`` and ``bias`` parameters (same objects, same names, so an optimizer built
 before the swap still holds them) and adds ``a`` and ``b``. The mode travels in the
 state dict (``_extra_state``), and loading a state dict resizes ``a`` and ``b`` to the
-saved rank.
+saved rank. :func:`unfactorize_model` swaps the original layer objects back (holding the
+wrappers' ``weight`` and ``bias``, ``W = A·B`` where a factored mode was on), so the
+model's state dict is the original class's again; such a plain state also loads into the
+wrappers (mode ``full``, no factors).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 MODES = ("full", "a", "b")
+PLAIN_MISSING = ("a", "b", "_extra_state")  # the keys a wrapper saves that a plain layer's state lacks
 
 
 class Factorized(nn.Module):
@@ -127,6 +131,20 @@ class Factorized(nn.Module):
             return F.linear(x, w, self.bias)
         return self._layer._conv_forward(x, w, self.bias)
 
+    # -- back to the original layer --------------------------------------------------------------
+    def unwrap(self) -> nn.Linear | _ConvNd:
+        """The original layer object, ready to take this wrapper's place: it gets the wrapper's
+        ``weight`` and ``bias`` Parameters (the same objects, so an optimizer holding them
+        steps the layer) and its train/eval mode. Mutates this wrapper first when a factored
+        mode is on: back to ``full`` with ``W = A·B``."""
+        if self.mode != "full":
+            self.set_mode("full")
+        layer = self._layer
+        layer.weight = self.weight
+        layer.bias = self.bias
+        layer.train(self.training)
+        return layer
+
     # -- state ---------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
         return {"mode": self.mode}
@@ -140,12 +158,21 @@ class Factorized(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
+        if prefix + "weight" in state_dict and not any(prefix + k in state_dict for k in PLAIN_MISSING):
+            state_dict = {**state_dict, **self._as_full(prefix)}  # a plain layer's state (an exported model)
         for name in ("a", "b"):  # the saved rank decides the factors' shapes
             saved = state_dict.get(prefix + name)
             if isinstance(saved, torch.Tensor) and saved.shape != getattr(self, name).shape:
                 getattr(self, name).data = torch.empty_like(saved, dtype=self.weight.dtype, device=self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    def _as_full(self, prefix: str) -> dict:
+        """What a plain layer's state lacks, filled in: no factors, mode ``full``. So the state
+        of the original layer (e.g. a model given back by :func:`unfactorize_model`) loads
+        into the wrapper as the layer it was."""
+        empty = self.weight.new_empty(0)
+        return {prefix + "a": empty, prefix + "b": empty, prefix + "_extra_state": {"mode": "full"}}
 
 
 def _supported(m: nn.Module) -> bool:
@@ -199,4 +226,23 @@ def factorize_model(model: nn.Module, exclude: Iterable[str] = ("first", "last")
         wrapped = layer if isinstance(layer, Factorized) else Factorized(layer)
         setattr(parent, child, wrapped)
         out[name] = wrapped
+    return out
+
+
+def unfactorize_model(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, nn.Module]:
+    """Swap :class:`Factorized` wrappers of ``model`` (all, or those at ``names``) back for
+    their original layer objects, in place (see :meth:`Factorized.unwrap`: same weight and
+    bias Parameters, ``W = A·B`` where a factored mode was on); returns them by module name.
+    Raises ``ValueError`` for a name that holds no wrapper."""
+    wanted = [n for n, m in model.named_modules() if isinstance(m, Factorized)] if names is None else list(names)
+    out: dict[str, nn.Module] = {}
+    for name in wanted:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapped = getattr(parent, child, None)
+        if not isinstance(wrapped, Factorized):
+            raise ValueError(f"unfactorize_model: {name!r} is not a Factorized layer of the model "
+                             f"(it is {type(wrapped).__name__})")
+        out[name] = wrapped.unwrap()
+        setattr(parent, child, out[name])
     return out
