@@ -6,6 +6,7 @@ Bad input never shows a traceback: one line naming the rule broken, exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -25,34 +26,46 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="thinwire", description="Communication-efficient data-parallel training on torch.distributed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, identity, 2 workers)")
-    t.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
-    t.add_argument("--method", default="identity", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo (see `thinwire methods`)")
+    t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, identity, 2 workers)",
+                       description="Train a task across N workers with a method. With --resume, every option not "
+                       "given again keeps the run's own value (its checkpoint's saved config: the checkpoint interval, "
+                       "links, method, hyperparameters, imports...); an option given again replaces it, and options "
+                       "that decide the run (task, method, world size, seed, batch size, optimizer, lr, task options) "
+                       "must match the checkpoint's.")
+    # default None (filled by TrainConfig): a resume tells the options typed from those to keep
+    t.add_argument("--task", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    t.add_argument("--method", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo (see `thinwire methods`; "
+                   "default: identity)")
     t.add_argument("--policy", metavar="FILE", help="TOML policy file: ordered rules giving each parameter its codec (instead of --method)")
-    t.add_argument("--workers", type=int, default=2, help="local ranks to spawn (ignored under torchrun; default: 2)")
+    t.add_argument("--workers", type=int, help="local ranks to spawn (ignored under torchrun; default: 2)")
     t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
     t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
     t.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
-    t.add_argument("--seed", type=int, default=0, help="seed for data order and model initialisation (codec seeds are knobs of the method; default: 0)")
+    t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of the method; default: 0)")
     t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
-    t.add_argument("--link", action="append", default=[], metavar="LINK",
+    t.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
-    t.add_argument("--emulate-link", action="store_true", help="delay real collectives by the first --link's modeled time")
+    t.add_argument("--emulate-link", action=argparse.BooleanOptionalAction,
+                   help="delay real collectives by the first --link's modeled time (default: no)")
     t.add_argument("--out", help="write metrics.jsonl and summary.json here")
     t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
     t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
-    t.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
+    t.add_argument("--bucket-mb", type=float, help="fuse tensors into buckets of this size (default: 25)")
     t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under torchrun, torch's own default)")
-    t.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    t.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
+                   help="task option, e.g. model=vgg (repeatable; on --resume, added to the run's own)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="write a checkpoint into OUT/checkpoints every K steps (needs --out; the newest two are kept)")
+    t.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="write a checkpoint into OUT/checkpoints every K steps and at the last one (needs --out; "
+                   "the newest two are kept; default: 0, none)")
     t.add_argument("--resume", metavar="DIR", help="continue from a run directory's latest checkpoint (or from one "
-                   "checkpoint directory) up to --steps, the total; writes to --out, DIR itself when omitted")
-    t.add_argument("--on-nonfinite", choices=["raise", "skip"], default="raise",
+                   "checkpoint directory) up to --steps, the total (default: the run's own); writes to --out, DIR "
+                   "itself when omitted; a run that already finished there says so and exits 0")
+    t.add_argument("--on-nonfinite", choices=["raise", "skip"],
                    help="a NaN/Inf gradient: stop naming the parameter and step (raise, the default), or skip that "
                    "step on every rank before anything is encoded (skip; counted as skipped_steps)")
+    _import_option(t)
 
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
@@ -81,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
+    _import_option(c)
 
     k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
                        "compression pays off against bf16")
@@ -97,8 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
+    _import_option(k)
 
-    sub.add_parser("methods", help="every method and knob, with default and allowed range")
+    m = sub.add_parser("methods", help="every method and knob, with default and allowed range")
+    _import_option(m)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
@@ -123,13 +139,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _import_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", action="append", dest="imports", metavar="MODULE",
+                   help="import MODULE first, in this process and in every rank: a dotted name (found on "
+                   "PYTHONPATH or in the current directory) or a path to a .py file; the codecs and algorithms "
+                   "it registers become methods (repeatable)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "train":
             return _train(args)
         if args.command == "methods":
-            return _methods()
+            return _methods(args.imports or [])
         if args.command == "cost":
             return _cost(args)
         if args.command == "compare":
@@ -160,20 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from thinwire.run.config import TrainConfig
+    from thinwire.run.config import RunFinished, from_options
     from thinwire.run.launch import RunFailed, launch
 
-    options = _options(args.option)
-    cfg = TrainConfig(
-        task=args.task, method=args.method, policy=args.policy, workers=args.workers, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
-        emulate_link=args.emulate_link, out=args.out, overwrite=args.overwrite, eval_every=args.eval_every,
-        bucket_mb=args.bucket_mb, threads=args.threads, task_options=options,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, on_nonfinite=args.on_nonfinite,
-    )
     try:
-        cfg = cfg.resolve()
+        cfg = from_options(_given(args)).resolve()
         _check_task(cfg)
+    except RunFinished as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
+            print(f"thinwire: {e}")
+        return 0
     except ValueError as e:  # TaskError is a ValueError
         raise BadInput(str(e)) from None
     try:
@@ -192,6 +211,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
+                "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
+                "checkpoint_every", "resume", "on_nonfinite", "imports")  # TrainConfig fields named by train's options
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields whose options were typed (an option left out is None)."""
+    given = {name: getattr(args, name) for name in TRAIN_FIELDS if getattr(args, name) is not None}
+    for name in ("links", "imports"):
+        if name in given:
+            given[name] = tuple(given[name])
+    if "task_options" in given:
+        given["task_options"] = _options(given["task_options"])
+    if not given.get("overwrite"):
+        given.pop("overwrite", None)
+    return given
+
+
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     from thinwire.run import compare
     from thinwire.run.config import TrainConfig
@@ -207,7 +244,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         task=args.task, workers=workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
         emulate_link=args.emulate_link, eval_every=args.eval_every, bucket_mb=args.bucket_mb, threads=args.threads,
-        task_options=_options(args.option),
+        task_options=_options(args.option), imports=tuple(args.imports or ()),
     )
     try:
         _check_task(base.resolve())
@@ -260,7 +297,8 @@ def _cost(args: argparse.Namespace) -> int:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
     base = TrainConfig(task=args.task, workers=args.workers, steps=args.probe_steps, batch_size=args.batch_size,
                        seed=args.seed, data_dir=args.data_dir, links=tuple(args.link) or DEFAULT_LINKS,
-                       eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option))
+                       eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option),
+                       imports=tuple(args.imports or ()))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
         _check_task(base.resolve())
@@ -372,33 +410,56 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _methods() -> int:
+def _methods(imports: list[str]) -> int:
     from rich.console import Console
 
-    from thinwire.algorithms.registry import algorithms
+    from thinwire.algorithms.registry import algorithms, method_names
     from thinwire.codecs.registry import available
     from thinwire.policy import PRESET_SUMMARIES, PRESETS
+    from thinwire.run.config import import_modules
 
+    try:
+        import_modules(imports)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     console = Console()
     console.print("[bold]thinwire methods[/bold]: spec name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
-    console.print("Each codec runs under synchronous gradient averaging (train --method, SyncReducer, ddp.register).\n")
+    console.print("Every method below runs in `thinwire train --method SPEC` and, in your own loop, with "
+                  "thinwire.attach(model, optimizer, SPEC). Each codec runs under synchronous gradient averaging "
+                  "(also SyncReducer, ddp.register).\n")
     for name, cls in available().items():
-        _method(console, name, cls.aggregation.value, cls.summary, cls.Config)
+        _method(console, name, cls.aggregation.value + _origin(cls), cls.summary, cls.Config)
     console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
                   "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
     for name, (config_cls, _) in PRESETS.items():
         _method(console, name, "per layer", PRESET_SUMMARIES[name], config_cls)
     console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
-                  "(train --method NAME[:knobs]; in Python attach after backward and after optimizer.step)\n")
+                  "(train --method NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n")
     builtins = {n: c for n, c in algorithms().items() if getattr(c[0], "builtin", False)}
     for name, (cls, config_cls) in algorithms().items():
         if name not in builtins:
             _method(console, name, "algorithm", cls.summary, config_cls)
     console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
-                  "harness and byte meter (train --method NAME[:knobs]; the peers to compare against)\n")
+                  "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare against)\n")
     for name, (cls, config_cls) in builtins.items():
         _method(console, name, "PyTorch", cls.summary, config_cls)
+    known = {*available(), *PRESETS, *algorithms()}
+    for name in [n for n in method_names() if n not in known]:  # register_algorithm() of an --import
+        console.print(f"[bold cyan]{name}[/bold cyan]  (algorithm, registered by an --import module)\n")
     return 0
+
+
+def _origin(cls: type) -> str:
+    """``, from MODULE`` (or ``, from FILE``) for a class from outside thinwire (an
+    ``--import``), else nothing."""
+    from thinwire.run.config import FILE_MODULE
+
+    module = cls.__module__
+    if module.split(".")[0] == "thinwire":
+        return ""
+    if module.startswith(FILE_MODULE):  # imported from a .py path: name the file
+        return f", from {getattr(sys.modules.get(module), '__file__', module)}"
+    return f", from {module}"
 
 
 def _method(console, name: str, kind: str, summary: str, config_cls: type) -> None:

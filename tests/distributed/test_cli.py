@@ -109,6 +109,8 @@ BAD = [
     (["--method", "torch-postlocalsgd:period=0"], "period must be >= 1"),
     (["--method", "torch-ddp:rank=2"], "unknown knob"),
     (["--method", "torch-powersgd", "--on-nonfinite", "skip"], "--on-nonfinite skip cannot keep torch-powersgd clean"),
+    (["--import", "no_such_codec_module"], "--import no_such_codec_module: ModuleNotFoundError"),
+    (["--import", "/nonexistent/codecs.py"], "--import /nonexistent/codecs.py: ImportError: no such file"),
 ]
 
 
@@ -428,7 +430,8 @@ def test_bench_memory_bad_input_is_one_line_and_exit_2(args, capsys):
     ["bench", "consensus", "--size", "0"], ["bench", "memory", "--methods", "x", "--workers", "-1"],
     ["cost", "--probe-steps", "1"], ["cost", "--methods", "nosuch"], ["cost", "--workers", "0"],
     ["compare", "--suite", "seeds", "--workers", "0", "--out", "unused"], ["train", "--resume"],
-    ["train", "--checkpoint-every", "x"], ["methods", "--extra"],
+    ["train", "--checkpoint-every", "x"], ["methods", "--extra"], ["methods", "--import", "no_such_codec_module"],
+    ["train", "--import"],
 ])
 def test_every_command_refuses_bad_input_with_one_line_and_exit_2(args, capsys):
     assert main(args) == 2

@@ -16,7 +16,7 @@ from thinwire.algorithms.registry import method_names
 from thinwire.comm.local import LocalWorld
 from thinwire.run import checkpoint
 from thinwire.run.checkpoint import CheckpointError
-from thinwire.run.config import TrainConfig
+from thinwire.run.config import RunFinished, TrainConfig, from_options, merge_saved
 from thinwire.run.trainer import train_rank
 
 SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
@@ -254,3 +254,83 @@ def test_a_fresh_run_over_an_old_one_starts_without_its_checkpoints(tmp_path):
     again = _cfg(tmp_path, "identity", steps=K, overwrite=True)
     _train(again)
     assert sorted(p.name for p in (Path(cfg.out) / "checkpoints").glob("step-*")) == [f"step-{K:08d}"]
+
+
+# -- a resume continues the run's own settings --------------------------------------------------
+SETTINGS = dict(task="synthetic", method="topk:ratio=0.1", workers=2, steps=K, eval_every=2, task_options=SMALL,
+                batch_size=16, lr=0.02, optimizer="adam", seed=3, links=("1gbit,50us",), bucket_mb=1.0, threads=1,
+                checkpoint_every=2, on_nonfinite="skip")
+
+
+def test_a_resume_takes_every_setting_not_given_from_its_checkpoint(tmp_path):
+    first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
+    _train(first)
+    resumed = from_options({"resume": first.out, "steps": 2 * K}).resolve()  # --resume DIR --steps 2K, nothing else
+    keep = set(SETTINGS) - {"steps"}
+    assert {k: getattr(resumed, k) for k in keep} == {k: getattr(first, k) for k in keep}
+    assert resumed.out == first.out and resumed.steps == 2 * K
+    summary = _train(resumed)[0]
+    assert summary["checkpoints_written"] == K // 2 and summary["config"]["checkpoint_every"] == 2
+    assert json.loads((Path(first.out) / "checkpoints" / "latest.json").read_text())["step"] == 2 * K
+
+
+@pytest.mark.parametrize("given, field, value", [
+    ({"checkpoint_every": 1}, "checkpoint_every", 1),
+    ({"checkpoint_every": 0}, "checkpoint_every", 0),
+    ({"links": ("100mbit,1ms",)}, "links", ("100mbit,1ms",)),
+    ({"eval_every": 3}, "eval_every", 3),
+    ({"on_nonfinite": "raise"}, "on_nonfinite", "raise"),
+    ({"task_options": {"hidden": 32}}, "task_options", SMALL),  # merged into the run's own
+    ({"method": "topk:ef=true,ratio=0.1"}, "method", None),  # written otherwise, resolves to the run's own spec
+])
+def test_an_option_given_again_on_a_resume_replaces_the_saved_one(given, field, value, tmp_path):
+    first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
+    _train(first)
+    resumed = from_options({"resume": first.out, "steps": 2 * K, **given}).resolve()
+    assert getattr(resumed, field) == (value if field != "method" else first.method)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"seed": 5}, "seed 3 (this run: 5)"),
+    ({"lr": 0.5}, "learning rate 0.02 (this run: 0.5)"),
+    ({"method": "topk:ratio=0.2"}, "different run: method topk"),
+    ({"task_options": {"hidden": 16}}, "task options"),
+    ({"workers": 4}, "world size 2 (this run: 4)"),
+    ({"steps": K}, "nothing left to train"),  # elsewhere (--out): the checkpoint is at the total already
+])
+def test_an_option_given_again_is_still_checked_against_the_checkpoint(given, message, tmp_path):
+    first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
+    _train(first)
+    options = {"resume": first.out, "steps": 2 * K, "out": str(tmp_path / "b"), **given}
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_options(options).resolve()
+
+
+def test_a_policy_run_resumes_with_its_rules_and_a_method_given_replaces_them():
+    saved = {"method": "policy[...]", "policy": "/gone/policy.toml", "policy_rules": [{"codec": "identity"}],
+             "links": ["1gbit,50us"], "out": "/runs/a", "resume": None, "overwrite": True, "seed": 3}
+    kept = merge_saved(saved, {"resume": "/runs/a"})
+    assert kept["policy"] is None and kept["policy_rules"] == ({"codec": "identity"},) and kept["links"] == ("1gbit,50us",)
+    assert "out" not in kept and "overwrite" not in kept and kept["seed"] == 3  # where to write: each command's own
+    for given in ({"method": "topk"}, {"policy": "/new/policy.toml"}):
+        merged = merge_saved(saved, {"resume": "/runs/a", **given})
+        assert not {"method", "policy", "policy_rules"} - set(given) & set(merged), merged
+
+
+def test_resuming_a_finished_run_in_place_is_nothing_to_do(tmp_path):
+    first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
+    _train(first)
+    before = {p: p.read_bytes() for p in Path(first.out).rglob("*") if p.is_file()}
+    with pytest.raises(RunFinished, match=f"already finished its {K} steps"):
+        from_options({"resume": first.out, "steps": K}).resolve()
+    with pytest.raises(RunFinished):  # --steps left out: the run's own total
+        from_options({"resume": first.out}).resolve()
+    assert {p: p.read_bytes() for p in Path(first.out).rglob("*") if p.is_file()} == before
+
+
+def test_the_last_step_is_checkpointed_so_a_finished_run_extends_from_its_end(tmp_path):
+    cfg = _cfg(tmp_path, "identity", steps=K + 1)  # every K: at K, and at the last step K + 1
+    assert _train(cfg)[0]["checkpoints_written"] == 2
+    assert checkpoint.locate(cfg.out) == checkpoint.step_dir(cfg.out, K + 1)
+    longer = _train(from_options({"resume": cfg.out, "steps": 2 * K}).resolve())[0]
+    assert longer["resumed_from"] == K + 1 and longer["steps_run"] == K - 1

@@ -15,7 +15,11 @@ C = TypeVar("C", bound=type[Codec])
 
 
 def register(cls: C) -> C:
-    """Class decorator: make a codec available by ``cls.name``."""
+    """Class decorator: make a codec available by ``cls.name``. A codec from outside this
+    package (a user's module) registers after the built-in ones, so it is listed after them
+    and cannot take a built-in name."""
+    if not cls.__module__.startswith(f"{__package__}."):
+        _load_builtin()
     if cls.name in _CODECS:
         raise ValueError(f"codec {cls.name!r} registered twice")
     _CODECS[cls.name] = cls

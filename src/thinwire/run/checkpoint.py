@@ -169,6 +169,16 @@ def later_results(run: Path, step: int) -> str | None:
 def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str, steps: int,
                   task_options: dict[str, Any] | None = None, seed: int | None = None,
                   batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None) -> None:
+    """Refuse a checkpoint from a different run (:func:`check_same_run`) or one with nothing
+    left to train up to ``steps`` (:func:`check_steps`)."""
+    check_same_run(meta, workers=workers, task=task, method=method, task_options=task_options, seed=seed,
+                   batch_size=batch_size, optimizer=optimizer, lr=lr)
+    check_steps(meta, steps)
+
+
+def check_same_run(meta: dict[str, Any], *, workers: int, task: str, method: str,
+                   task_options: dict[str, Any] | None = None, seed: int | None = None,
+                   batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None) -> None:
     """Refuse a checkpoint from a different run, naming every field that differs (the seed
     and the batch size decide the data stream a resume continues; the optimizer's kind and
     learning rate travel in its saved state, which a resume restores)."""
@@ -188,9 +198,32 @@ def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str,
         diffs.append(f"task options {meta.get('task_options')} (this run: {task_options})")
     if diffs:
         raise CheckpointError("the checkpoint is from a different run: " + "; ".join(diffs))
+
+
+def check_steps(meta: dict[str, Any], steps: int) -> None:
+    """Refuse a checkpoint already at or past ``steps``, the total."""
     if meta["step"] >= steps:
         raise CheckpointError(f"the checkpoint is at step {meta['step']} and --steps is {steps} (the total): "
                               "nothing left to train; raise --steps")
+
+
+def finished(run: Path | None, step: int, steps: int) -> bool:
+    """Whether run directory ``run``, resumed from its checkpoint at ``step``, already
+    finished a run of ``steps`` steps: the checkpoint is at that step and ``summary.json``
+    says so (a stopped or crashed run has no summary)."""
+    if run is None or step != steps:
+        return False
+    try:
+        return json.loads((Path(run) / "summary.json").read_text()).get("steps") == steps
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def saved_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The run config saved with the checkpoint ``--resume PATH`` means (``{}`` for a
+    checkpoint that holds none)."""
+    config = read_meta(locate(path)).get("config")
+    return dict(config) if isinstance(config, dict) else {}
 
 
 def load_rank(d: Path, rank: int, map_location: torch.device | str = "cpu") -> dict[str, Any]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from thinwire.algorithms.registry import check_world, resolve_method
 from thinwire.codecs.config import require
@@ -37,12 +40,19 @@ class TrainConfig:
     checkpoint_every: int = 0  # write a checkpoint into out/checkpoints every K steps (0: never)
     resume: str | None = None  # a run directory (its latest checkpoint) or one checkpoint directory
     on_nonfinite: str = "raise"  # a NaN/Inf gradient: raise (name it) or skip the step on every rank
+    imports: tuple[str, ...] = ()  # modules (dotted names or .py files) imported before methods resolve: user codecs
 
     def resolve(self) -> "TrainConfig":
-        """Validate every field and fill defaults; raises ValueError naming the rule broken."""
+        """Validate every field and fill defaults; raises ValueError naming the rule broken, or
+        :class:`RunFinished` when a resume in place finds its run already at ``steps``.
+
+        ``imports`` are imported first (here and in every rank), so a method they register
+        resolves like a built-in one."""
         from thinwire.comm.link import Link
         from thinwire.tasks import get as get_task
 
+        imports = tuple(_stored(name) for name in self.imports)
+        import_modules(imports)
         task_cls = get_task(self.task)
         d = task_cls.defaults
         require(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
@@ -109,19 +119,125 @@ class TrainConfig:
             check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
         if meta is not None:
             world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
-            checkpoint.check_matches(meta, workers=world, task=self.task, method=method, steps=steps,
-                                     task_options=self.task_options, seed=self.seed, batch_size=batch,
-                                     optimizer=opt, lr=lr)
+            checkpoint.check_same_run(meta, workers=world, task=self.task, method=method,
+                                      task_options=self.task_options, seed=self.seed, batch_size=batch,
+                                      optimizer=opt, lr=lr)
+            if continuing and checkpoint.finished(own, meta["step"], steps):
+                raise RunFinished(f"{own} already finished its {steps} steps (summary.json): nothing to do; "
+                                  "raise --steps to train longer")
+            checkpoint.check_steps(meta, steps)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
-            optimizer=opt, eval_every=eval_every, links=links, out=out,
+            optimizer=opt, eval_every=eval_every, links=links, out=out, imports=imports,
         )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["links"] = list(self.links)
         d["policy_rules"] = list(self.policy_rules)
+        d["imports"] = list(self.imports)
         return d
+
+
+class RunFinished(Exception):
+    """A resume in place whose run already finished at the ``steps`` asked for: nothing to do
+    (not an error: the command line that started the run can be repeated safely)."""
+
+
+class ImportFailed(ValueError):
+    """An ``--import`` module that cannot be imported; the message names it and the error."""
+
+
+# -- resuming with the run's own settings -------------------------------------------------------
+OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume"})  # never taken from the checkpoint
+METHOD_FIELDS = ("method", "policy", "policy_rules")  # given --method or --policy replaces all three
+SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
+
+
+def from_options(given: dict[str, Any]) -> TrainConfig:
+    """The config of ``thinwire train`` from the options typed on its command line (a field
+    absent from ``given`` was not typed). A fresh run takes the defaults for the rest; a
+    resume (``given["resume"]``) takes them from its checkpoint's saved config, so it keeps
+    the run's checkpoint interval, links, method, hyperparameters and imports, and an option
+    typed again replaces the saved one (``resolve`` still refuses what must match)."""
+    if given.get("resume") is None:
+        return TrainConfig(**given)
+    from thinwire.run import checkpoint
+
+    saved = checkpoint.saved_config(given["resume"])  # CheckpointError (a ValueError) names what is missing
+    return TrainConfig(**merge_saved(saved, given))
+
+
+def merge_saved(saved: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig fields: ``given`` over the saved config's (task options merged key by key;
+    the method, policy and its rules replaced together; a policy travels as its rules)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - OWN_TO_EACH_COMMAND
+    kept = {k: saved[k] for k in names if k in saved}
+    for k in SEQUENCES:
+        if k in kept:
+            kept[k] = tuple(kept[k])
+    kept["policy"] = None  # the rules were read from the file once; it may have changed or moved since
+    if any(k in given for k in METHOD_FIELDS):
+        kept = {k: v for k, v in kept.items() if k not in METHOD_FIELDS}
+    merged = {**kept, **given}
+    if "task_options" in given:
+        merged["task_options"] = {**kept.get("task_options", {}), **given["task_options"]}
+    return merged
+
+
+# -- user modules -------------------------------------------------------------------------------
+def import_modules(names: Iterable[str]) -> None:
+    """Import each module (``--import``): a dotted name, looked up on ``sys.path`` and then in
+    the current directory, or a path to a ``.py`` file (see :func:`file_module_name`). A
+    module imported already is not imported again. Raises :class:`ImportFailed`."""
+    for name in names:
+        try:
+            _import_file(name) if name.endswith(".py") else _import_name(name)
+        except Exception as e:  # noqa: BLE001  (ImportError, or whatever the module raised while importing)
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ImportFailed(f"--import {name}: {type(e).__name__}: {text}".rstrip(": ")) from None
+
+
+def _stored(name: str) -> str:
+    """A ``.py`` path made absolute (a resume from another directory still finds it); a dotted
+    name as given."""
+    return os.path.abspath(name) if name.endswith(".py") else name
+
+
+def _import_name(name: str) -> None:
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)  # after every installed package: a local file never shadows one
+    importlib.import_module(name)
+
+
+def _import_file(path: str) -> None:
+    name = file_module_name(path)
+    if name in sys.modules:
+        return
+    if not os.path.isfile(path):
+        raise ImportError(f"no such file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and typing look the module up by name while it runs
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # a failed import leaves nothing behind, as importlib's own
+        raise
+
+
+FILE_MODULE = "thinwire_file_"  # prefix of the name a .py file is imported under
+
+
+def file_module_name(path: str) -> str:
+    """The module name a ``.py`` file is imported under: its file name and a digest of its
+    real path, so a file named like another module (``codecs.py``) takes nothing's place."""
+    import hashlib
+
+    real = os.path.realpath(path)
+    stem = os.path.splitext(os.path.basename(real))[0]
+    return f"{FILE_MODULE}{stem}_{hashlib.sha1(real.encode()).hexdigest()[:8]}"
 
 
 def _holds_run(path: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from thinwire.run.config import TrainConfig
+from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
 
@@ -48,6 +48,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     from thinwire.comm.torch_dist import init_from_env
     from thinwire.run.trainer import train_rank
 
+    import_modules(cfg.imports)  # the CLI's resolve() did already; a script's launch() may not have
     comm = _maybe_emulate(init_from_env(timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
     cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
     device = _device()
@@ -107,6 +108,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         from thinwire.comm.torch_dist import TorchComm
         from thinwire.run.trainer import train_rank
 
+        import_modules(cfg.imports)  # a spawned rank starts afresh: the launcher's registrations are not here
         torch.distributed.init_process_group(
             "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.workers,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),

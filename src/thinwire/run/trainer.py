@@ -54,7 +54,8 @@ def train_rank(
     return None).
 
     ``cfg.resume`` continues from a checkpoint (every state restored, the data stream
-    advanced to its step); ``cfg.checkpoint_every`` writes one every K steps. After each
+    advanced to its step); ``cfg.checkpoint_every`` writes one every K steps and at the last
+    step (a finished run can be extended from where it ended). After each
     backward the gradients are checked (one fused norm) before anything is encoded: with
     ``cfg.on_nonfinite == "raise"`` a rank holding a non-finite one raises, naming the
     parameter (the launcher stops the others); with ``"skip"`` one small all_reduce (not
@@ -147,7 +148,7 @@ def train_rank(
                 writer.write(last_eval)
             if report is not None and rank == 0:
                 report("eval", **last_eval)
-        if cfg.out and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop):
+        if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
             t5 = time.perf_counter()
             _save(cfg, comm, step, model, optimizer, method, clock, last_eval)
             clock.checkpoints += 1
