@@ -43,6 +43,15 @@ class Timing:
     codec_seconds: float = 0.0  # encode, decode, error feedback, packing
     comm_seconds: float = 0.0  # inside collectives, waiting included
 
+    @classmethod
+    def total(cls, timings) -> "Timing":
+        """The sum of several timings (e.g. of every aggregator a reducer or hook built)."""
+        out = cls()
+        for t in timings:
+            out.codec_seconds += t.codec_seconds
+            out.comm_seconds += t.comm_seconds
+        return out
+
 
 @dataclass
 class _Slot:

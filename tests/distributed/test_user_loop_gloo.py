@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from branchy import branchy
 from spawn import run_ranks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
@@ -25,29 +26,10 @@ def _example(name: str):
     return module
 
 
-class Branchy(torch.nn.Module):
-    """A trunk, a layer frozen mid-run, a layer no rank uses, one only rank 1 uses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = torch.nn.Linear(32, 64)
-        self.frozen = torch.nn.Linear(64, 64)
-        self.unused = torch.nn.Linear(64, 64)
-        self.branch = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
-        h = torch.relu(self.frozen(torch.relu(self.trunk(x))))
-        if use_branch:
-            h = h + self.branch(h)
-        return self.head(h)
-
-
 def _branchy_run(rank: int, with_ddp: bool) -> list[torch.Tensor]:
     import thinwire
 
-    model = Branchy()
+    model = branchy()
     net = DDP(model, find_unused_parameters=True) if with_ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     reducer = None if with_ddp else thinwire.SyncReducer(model, "identity", find_unused_parameters=True)
@@ -69,12 +51,12 @@ def _branchy_run(rank: int, with_ddp: bool) -> list[torch.Tensor]:
 
 
 def _versus_ddp(rank: int, world: int):
-    return _branchy_run(rank, True), _branchy_run(rank, False), [p.detach().clone() for p in Branchy().parameters()]
+    return _branchy_run(rank, True), _branchy_run(rank, False), [p.detach().clone() for p in branchy().parameters()]
 
 
 @pytest.mark.timeout(120)
 def test_frozen_unused_and_disagreeing_parameters_match_ddp_with_find_unused_parameters():
-    names = [n for n, _ in Branchy().named_parameters()]
+    names = [n for n, _ in branchy().named_parameters()]
     for ddp, ours, init in run_ranks(_versus_ddp, 2):
         for name, a, b, p0 in zip(names, ddp, ours, init):
             if name.startswith(("frozen", "unused")):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import thinwire
+from branchy import branchy
 from thinwire.comm.local import LocalWorld
 from thinwire.comm.meter import sent_bytes
 
@@ -41,7 +42,8 @@ def _accuracy(model: torch.nn.Module) -> float:
         return (model(TEST_X).argmax(1) == TEST_Y).float().mean().item()
 
 
-def _amp_run(method: str, steps: int, overflow_at: int | None, init_scale: float = 2.0**16, autocast: bool = False):
+def _amp_run(method: str, steps: int, overflow_at: int | None, init_scale: float = 2.0**16,
+             autocast: torch.dtype | None = None):
     """2 ranks, SGD with a GradScaler; at ``overflow_at`` rank 0's gradient gets an inf."""
 
     def fn(comm):
@@ -54,7 +56,7 @@ def _amp_run(method: str, steps: int, overflow_at: int | None, init_scale: float
         for step in range(steps):
             x, y = _batch(g)
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
             if step == overflow_at and comm.rank == 0:
@@ -144,10 +146,11 @@ def test_an_overflow_step_changes_no_residual_codec_state_or_step():
         assert after["sent_bytes"] == before["sent_bytes"]  # nothing sent for the skipped step
 
 
-def test_bf16_autocast_with_a_scaler_trains_through_a_compressing_codec():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_with_a_scaler_trains_through_a_compressing_codec(dtype):
     fp32 = _amp_run("identity", 150, None)
     for method in ("identity", "topk:ratio=0.01", "powersgd:rank=2"):
-        for acc, scale, outcomes, skipped in _amp_run(method, 150, None, autocast=True):
+        for acc, scale, outcomes, skipped in _amp_run(method, 150, None, autocast=dtype):
             assert all(outcomes) and scale == 2.0**16
             assert acc >= fp32[0][0] - 0.05, (method, acc, fp32[0][0])
 
@@ -168,37 +171,9 @@ def test_unscale_before_averaging_is_refused():
 
 
 # -- frozen, unused, disagreeing, sparse -------------------------------------------------------
-class Branchy(torch.nn.Module):
-    """A trunk, a layer frozen mid-run, a layer no rank uses, and one only some ranks use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = torch.nn.Linear(32, 64)
-        self.frozen = torch.nn.Linear(64, 64)
-        self.unused = torch.nn.Linear(64, 64)
-        self.branch = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
-        h = torch.relu(self.frozen(torch.relu(self.trunk(x))))
-        if use_branch:
-            h = h + self.branch(h)
-        return self.head(h)
-
-
-torch.manual_seed(0)
-BRANCHY = Branchy().state_dict()
-
-
-def _branchy() -> Branchy:
-    model = Branchy()
-    model.load_state_dict(BRANCHY)
-    return model
-
-
 def test_frozen_and_unused_parameters_stay_put_and_cost_nothing():
     def fn(comm):
-        model = _branchy()
+        model = branchy()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
         reducer = thinwire.SyncReducer(model, "identity", comm)
         g = torch.Generator().manual_seed(comm.rank)
@@ -219,7 +194,7 @@ def test_frozen_and_unused_parameters_stay_put_and_cost_nothing():
             assert torch.equal(p, p10)
         return reducer.reducer.sent_bytes
 
-    n = sum(p.numel() for p in Branchy().parameters())
+    n = sum(p.numel() for p in branchy().parameters())
     for sent in LocalWorld(2).run(fn):
         assert sent["unused.weight"] == sent["unused.bias"] == sent["branch.weight"] == 0
         assert sent["frozen.weight"] == 10 * sent_bytes("all_reduce", 4 * 64 * 64, 2)  # its 10 trained steps
@@ -231,7 +206,7 @@ def test_ranks_that_disagree_average_as_ddp_with_find_unused_parameters():
     2 on both ranks (rank 0 receives it in a new .grad); a layer no rank used stays None."""
 
     def fn(comm):
-        model = _branchy()
+        model = branchy()
         reducer = thinwire.SyncReducer(model, "identity", comm, find_unused_parameters=True)
         x, y = _batch(torch.Generator().manual_seed(comm.rank))
         F.cross_entropy(model(x, use_branch=comm.rank == 1), y).backward()
@@ -243,7 +218,7 @@ def test_ranks_that_disagree_average_as_ddp_with_find_unused_parameters():
     assert own0 is None and own1 is not None and u0 is None and u1 is None
     torch.testing.assert_close(g0, own1 / 2, rtol=0, atol=0)
     assert torch.equal(g0, g1)
-    used = sum(p.numel() for n, p in Branchy().named_parameters() if not n.startswith("unused"))
+    used = sum(p.numel() for n, p in branchy().named_parameters() if not n.startswith("unused"))
     assert b0 == b1 == sent_bytes("all_reduce", 4 * used, 2) + sent_bytes("all_reduce", 4 * (1 + 10), 2)
 
 

@@ -80,11 +80,7 @@ class GradientReducer:
 
     @property
     def timing(self) -> Timing:
-        total = Timing()
-        for agg in self._aggregators.values():
-            total.codec_seconds += agg.timing.codec_seconds
-            total.comm_seconds += agg.timing.comm_seconds
-        return total
+        return Timing.total(agg.timing for agg in self._aggregators.values())
 
     @property
     def sent_bytes(self) -> dict[str, float]:

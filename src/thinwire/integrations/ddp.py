@@ -81,11 +81,7 @@ class HookState:
 
     @property
     def timing(self) -> Timing:
-        total = Timing()
-        for agg in self.aggregators.values():
-            total.codec_seconds += agg.timing.codec_seconds
-            total.comm_seconds += agg.timing.comm_seconds
-        return total
+        return Timing.total(agg.timing for agg in self.aggregators.values())
 
 
 # no `from __future__ import annotations` here: DDP checks that the hook's annotations are
