@@ -126,8 +126,8 @@ BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "fft:positions=bitmap,bits=4,exp_bits=2": lambda x: _fft_bound(x, theta=0.9, exp_bits=2, man_bits=1),
     # 2-bit: every value becomes the nearest of {-t, 0, +t} on its side of +-t, so the error is
     # exactly sum_{|x| >= t} (|x| - t)^2 + sum_{|x| < t} x^2 (float slack 1e-6)
-    "twobit": lambda x: _twobit_error(x, x.abs().mean().item()),
-    "twobit:stat=rms": lambda x: _twobit_error(x, x.square().mean().sqrt().item()),
+    "twobit": lambda x: _twobit_error(x, x.square().mean().sqrt().item()),  # default stat: rms
+    "twobit:stat=mean": lambda x: _twobit_error(x, x.abs().mean().item()),
     "twobit:stat=max,alpha=0.5": lambda x: _twobit_error(x, 0.5 * x.abs().max().item()),
     "twobit:threshold=0.5": lambda x: _twobit_error(x, 0.5),
     # kernels on a matrix: one element per kernel unit, rate(65536) = 0.25 * (16384/65536)^0.5 =

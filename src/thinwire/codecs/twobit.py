@@ -1,8 +1,8 @@
 """Adaptive 2-bit threshold quantization (Hylo's fully-connected branch; MXNet's 2-bit layout).
 
 Per tensor and step, with ``u`` the tensor (the aggregator adds the error-feedback residual
-first): a threshold ``t = alpha * stat(|u|)`` (``stat`` = mean, rms or max) or, with
-``threshold=``, a fixed ``t`` (MXNet's behaviour). Each value becomes a 2-bit code:
+first): a threshold ``t = alpha * stat(|u|)`` (``stat`` = rms, the default, mean or max)
+or, with ``threshold=``, a fixed ``t`` (MXNet's behaviour). Each value becomes a 2-bit code:
 ``u >= t`` -> ``0b11`` (decodes to ``+t``), ``u <= -t`` -> ``0b10`` (``-t``), otherwise
 ``0b00`` (0). What a code does not carry stays in the residual: ``r = u - decode``, so a
 value sent as ``+t`` keeps ``u - t`` and a zero code keeps all of ``u`` (error feedback is
@@ -15,9 +15,20 @@ most significant bits, zero-padded to whole 32-bit words (16 values per word):
 Non-finite input: with the adaptive threshold, a NaN or infinite value makes ``t``
 non-finite and the whole tensor is sent as zeros (all of it stays in the residual); with a
 fixed threshold NaN compares false both ways and travels as 0, and +-inf as +-t. ``t = 0``
-(an all-zero tensor) sends zeros only. The default ``alpha = 1.0``
-with ``stat = mean`` is thinwire's choice: the thesis says the threshold adapts to the
-layer's gradient magnitude but not how.
+(an all-zero tensor) sends zeros only.
+
+The default ``alpha = 1.0`` with ``stat = rms`` (``t = sqrt(mean(u^2))``) is thinwire's
+choice: the thesis says the threshold adapts to the layer's gradient magnitude but not how
+(METHODS.md's sketch writes the mean). A code moves a value by at most ``t`` per step, so a
+value whose gradient stays above ``t`` piles up in the residual until ``t`` grows to match
+it. When ``k`` of ``N`` values carry most of ``|u|`` (a classifier head), ``mean|u|``
+reaches their size only once their residual holds about ``N / k`` steps of their gradient,
+the rms after about ``sqrt(N / k)``; on Gaussian-like tensors the two send the same share of
+``u``. Measured on a BatchNorm CNN (2 ranks, SGD momentum 0.9, lr 0.02, 300 steps, seeds
+0-2) with every weight matrix 2-bit: 0.09-0.49 accuracy with the mean, 0.76-0.90 with the
+rms, 0.97-0.98 uncompressed. The rms does not make a 2-bit classifier head safe under
+momentum: keep the last layer in fp32 (Hylo sends only linear layers above ``t_fc`` as
+2-bit).
 
 On the CPU both directions run in cache-sized chunks through reused buffers. Encoding
 (NumPy): the codes of four values form one little-endian 32-bit word that a single multiply
@@ -58,7 +69,7 @@ class TwoBitConfig(CodecConfig):
     ef: bool = knob(True, "error feedback: what was not sent is added to the next step's tensor", "true|false")
     alpha: float = knob(1.0, "threshold t = alpha * stat(|u|); higher = fewer, larger steps sent", "> 0")
     stat: Literal["mean", "rms", "max"] = knob(
-        "mean", "the magnitude statistic the threshold scales: mean |u|, rms of u, or max |u|", "mean|rms|max"
+        "rms", "the magnitude statistic the threshold scales: rms of u, mean |u|, or max |u|", "mean|rms|max"
     )
     threshold: float | None = knob(
         None, "a fixed threshold t instead of the adaptive one (MXNet's 2-bit compression)", "> 0, or none"
@@ -103,7 +114,7 @@ class TwoBit(Codec):
     """Codes +t / -t / 0 against a per-tensor threshold, four values per byte."""
 
     name = "twobit"
-    summary = "adaptive 2-bit: +t / -t / 0 with t = alpha * mean|u| (or fixed), t + packed codes (all_gather), EF on"
+    summary = "adaptive 2-bit: +t / -t / 0 with t = alpha * rms(u) (or fixed), t + packed codes (all_gather), EF on"
     Config = TwoBitConfig
     aggregation = Aggregation.GATHER
 
@@ -130,7 +141,7 @@ class TwoBit(Codec):
             lo, hi = torch.aminmax(flat)
             stat = torch.maximum(hi, -lo)
         elif cfg.stat == "rms":
-            stat = torch.linalg.vector_norm(flat, 2, dtype=torch.float64) / math.sqrt(n)
+            stat = (self._sum_sq(flat) / n).sqrt()
         else:
             stat = self._l1(flat) / n
         return (cfg.alpha * stat).to(torch.float32).reshape(1)
@@ -150,6 +161,28 @@ class TwoBit(Codec):
                 m = mag[: c.size]
                 np.abs(c, out=m)
                 total += float(np.dot(m, ones[: c.size]))
+            return total
+
+        return torch.tensor(sum(_in_parts(part, a.size)), dtype=torch.float64)
+
+    def _sum_sq(self, flat: torch.Tensor) -> torch.Tensor:
+        """sum x^2 in fp64 (on the CPU a BLAS dot of each chunk with itself, summed in fp64;
+        torch's fp64 L2 norm measured 8x slower there). A chunk whose fp32 sum of squares
+        could have overflowed or lost values below fp32's range is summed again in fp64."""
+        if flat.device.type != "cpu":
+            return torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()
+        a = flat.numpy()
+
+        def part(j: int, lo: int, hi: int) -> float:
+            total = 0.0
+            for i in range(lo, hi, _CHUNK):
+                c = a[i : min(hi, i + _CHUNK)]
+                with np.errstate(over="ignore", under="ignore"):
+                    v = float(np.dot(c, c))
+                if not 1e-20 < v < math.inf:  # squares of |x| > 1.8e19 or < 1e-19 leave fp32
+                    d = c.astype(np.float64)
+                    v = float(np.dot(d, d))
+                total += v
             return total
 
         return torch.tensor(sum(_in_parts(part, a.size)), dtype=torch.float64)
