@@ -21,12 +21,14 @@ SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 
 TASK = ["--task", "synthetic", "--batch-size", "16", *[a for k, v in SMALL.items() for a in ("--option", f"{k}={v}")]]
 
 
-def _thinwire(*args: str, cwd: Path | None = None, pythonpath: bool = True) -> subprocess.CompletedProcess:
+def _thinwire(*args: str, cwd: Path | None = None, pythonpath: bool = True,
+              safe_path: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="300")  # rich wraps `thinwire methods` at the terminal's width
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = str(TESTS)  # the user's module is found by its dotted name
-    return subprocess.run([sys.executable, "-m", "thinwire", *args], capture_output=True, text=True, timeout=240,
+    flags = ["-P"] if safe_path else []  # -P: the current directory is not on sys.path (the console script's case)
+    return subprocess.run([sys.executable, *flags, "-m", "thinwire", *args], capture_output=True, text=True, timeout=240,
                           env=env, cwd=cwd)
 
 
@@ -65,7 +67,7 @@ def test_methods_lists_an_imported_codec_with_its_knobs(tmp_path):
 
 
 def test_a_module_in_the_current_directory_is_found_by_its_name(tmp_path):
-    r = _thinwire("methods", "--import", "halftop", cwd=HALFTOP.parent, pythonpath=False)
+    r = _thinwire("methods", "--import", "halftop", cwd=HALFTOP.parent, pythonpath=False, safe_path=True)
     assert r.returncode == 0 and "halftop  (gather, from halftop)" in r.stdout, r.stderr
 
 

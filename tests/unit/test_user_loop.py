@@ -219,7 +219,43 @@ def test_ranks_that_disagree_average_as_ddp_with_find_unused_parameters():
     torch.testing.assert_close(g0, own1 / 2, rtol=0, atol=0)
     assert torch.equal(g0, g1)
     used = sum(p.numel() for n, p in branchy().named_parameters() if not n.startswith("unused"))
-    assert b0 == b1 == sent_bytes("all_reduce", 4 * used, 2) + sent_bytes("all_reduce", 4 * (1 + 10), 2)
+    # the agreement: float64 [flag, h, h^2] and one entry per parameter (10)
+    assert b0 == b1 == sent_bytes("all_reduce", 4 * used, 2) + sent_bytes("all_reduce", 8 * (3 + 10), 2)
+
+
+def test_ranks_that_disagree_without_find_unused_parameters_are_told_on_every_rank():
+    """Under a scaler the agreement carries a fingerprint of each rank's set: a mismatch is
+    named on every rank, instead of mismatched collectives."""
+
+    def fn(comm):
+        model = branchy()
+        reducer = thinwire.SyncReducer(model, "identity", comm)
+        x, y = _batch(torch.Generator().manual_seed(comm.rank))
+        F.cross_entropy(model(x, use_branch=comm.rank == 1), y).backward()
+        with pytest.raises(ValueError, match=r"ranks hold gradients for different parameters.*find_unused_parameters=True"):
+            reducer.reduce(scaler=torch.amp.GradScaler("cpu"))
+
+    LocalWorld(2).run(fn)
+
+
+def test_plain_fp16_stays_in_the_scalers_units():
+    """fp16 keeps no state: it is sent scaled, where loss scaling keeps small gradients out of
+    fp16's subnormals (as PyTorch's fp16_compress_hook sees them)."""
+
+    def fn(comm):
+        w = torch.nn.Parameter(torch.zeros(4096))
+        g = torch.Generator().manual_seed(comm.rank)
+        true = torch.randn(4096, generator=g) * 1e-6
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        reducer = thinwire.SyncReducer([("w", w)], "fp16", comm)
+        w.grad = true * scaler.get_scale()
+        reducer.reduce(scaler=scaler)
+        return w.grad / scaler.get_scale(), true
+
+    (m0, t0), (m1, t1) = LocalWorld(2).run(fn)
+    mean = (t0 + t1) / 2
+    assert torch.equal(m0, m1)
+    assert ((m0 - mean).norm() / mean.norm()).item() < 1e-3  # unscaled first it would be ~2e-2
 
 
 def test_sparse_gradients_are_refused_naming_the_parameter():

@@ -68,7 +68,9 @@ class Attached:
 
     def finish(self) -> None:
         """Call once after the last step: methods that end with work of their own do it
-        (AB-training syncs every rank and gives back plain layers); the others have none."""
+        (AB-training syncs every rank and gives back plain layers); the others have none.
+        Model averaging and gossip (``localsgd``, ``dasgd``, ``dpsgd``, ``powergossip``)
+        leave each rank with its own model, apart by the steps since the last average."""
         self._check_open()
         if hasattr(self.method, "finish"):
             self.method.finish()
@@ -129,6 +131,9 @@ def attach(
         reducer = SyncReducer(model, method, comm, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters)
         return Attached(reducer, model, reducer.method, comm)
     spec = resolve_method(method)
+    if find_unused_parameters and not _is_gradient_codec(spec):
+        raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to {spec.split(':')[0]}: "
+                         "its averaging assumes every rank's gradients cover the same parameters")
     if optimizer is None and not _is_gradient_codec(spec):
         raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
                          f"thinwire.attach(model, optimizer, {method!r})")

@@ -8,20 +8,25 @@ the ranks, through codecs, and behaves in a user's loop as ``DistributedDataPara
   or a module no rank used, is left exactly as plain PyTorch leaves it (its ``.grad`` is not
   created, an optimizer's momentum and weight decay never see it) and costs no bytes.
 * **Ranks that disagree** about which parameters have a gradient (a branch taken on one rank
-  only) need ``find_unused_parameters=True``, as DDP does: one all_reduce of an int32 map of
-  the used parameters per step (counted by the byte meter) lets every rank average the
+  only) need ``find_unused_parameters=True``, as DDP does: one all_reduce of a map of the
+  used parameters per step (float64, counted by the byte meter) lets every rank average the
   parameters some rank used (a rank without a gradient contributes zeros and, unless the
   parameter is frozen there, receives the mean in a new ``.grad``) and leave alone those no
   rank used. Without it (the default, DDP's too) the ranks must agree, or their collectives
-  would not match.
+  would not match; when a scaler makes the ranks agree anyway, a fingerprint of each rank's
+  set rides along and a mismatch raises ``ValueError`` on every rank alike.
 * **Mixed precision.** With a ``torch.amp.GradScaler``, gradients are unscaled before they
   are encoded and scaled back after, so error-feedback residuals and codec state live in
-  the model's own units whatever the scale does. A step whose gradients are not finite on
-  some rank (a scaler overflow) is agreed on by every rank (one 4-byte all_reduce, sharing
-  the used map's when there is one), sends nothing, changes no residual, codec state or
+  the model's own units whatever the scale does (plain casts without state, ``fp16`` above
+  all, stay in the scaler's units: :func:`is_plain`). A step whose gradients are not finite
+  on some rank (a scaler overflow) is agreed on by every rank (one all_reduce of 24 bytes,
+  sharing the used map's when there is one, read back once), sends nothing, changes no residual, codec state or
   step counter, and fills every gradient with NaN on every rank, so each rank's
   ``scaler.step`` skips it and ``scaler.update`` backs the scale off, as under DDP.
 * **Sparse gradients** (``nn.Embedding(sparse=True)``) are refused naming the parameter.
+
+At most :data:`MAX_SETS` sets keep their aggregators (and buffers); the least recently
+used is evicted, its bytes and seconds kept in the totals.
 
 Distributed invariant: the averaged names are a pure function of the agreed map (or, without
 ``find_unused_parameters``, of state the ranks share), and each distinct set has its own
@@ -34,6 +39,8 @@ set around it changes.
 
 from __future__ import annotations
 
+import zlib
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +48,9 @@ import torch
 from thinwire.aggregate import Aggregator, CodecChooser, Timing
 from thinwire.comm.base import Communicator
 from thinwire.feedback import ErrorFeedback
+
+
+MAX_SETS = 8  # distinct sets of parameters whose aggregators (and buffers) are kept
 
 
 class GradientReducer:
@@ -71,7 +81,10 @@ class GradientReducer:
         self.feedback = ErrorFeedback()
         self.step = 0  # steps averaged (skipped overflow steps not counted); identical on all ranks
         self.skipped = 0  # steps dropped on every rank for a non-finite gradient under a scaler
-        self._aggregators: dict[tuple[str, ...], Aggregator] = {}
+        self._aggregators: OrderedDict[tuple[str, ...], Aggregator] = OrderedDict()  # most recently used last
+        self._retired = Timing()  # seconds of aggregators evicted from the cache
+        self._retired_sent: dict[str, float] = {}  # and their bytes, by name
+        self._plain: dict[str, bool] = {}  # name -> sent as a plain cast (stays in the scaler's units)
         self.aggregator = self._aggregator_for(live)  # the set at construction: plans and codecs
 
     @property
@@ -80,12 +93,12 @@ class GradientReducer:
 
     @property
     def timing(self) -> Timing:
-        return Timing.total(agg.timing for agg in self._aggregators.values())
+        return Timing.total([self._retired, *(agg.timing for agg in self._aggregators.values())])
 
     @property
     def sent_bytes(self) -> dict[str, float]:
         """Bytes this rank sent per parameter name, over every set averaged so far."""
-        out = {n: 0.0 for n, _ in self.named}
+        out = {n: self._retired_sent.get(n, 0.0) for n, _ in self.named}
         for agg in self._aggregators.values():
             for name, b in agg.sent_bytes.items():
                 out[name] += b
@@ -96,13 +109,31 @@ class GradientReducer:
         return self.aggregator.plan()
 
     def _aggregator_for(self, names: tuple[str, ...]) -> Aggregator:
+        """The aggregator of this set of names (built on first use; at most
+        :data:`MAX_SETS` are kept, the least recently used other than the construction-time
+        one evicted with its buffers, its bytes and seconds kept in the totals)."""
         agg = self._aggregators.get(names)
         if agg is None:
             params = dict(self.named)
             agg = Aggregator([(n, params[n]) for n in names], self.codec_for, self.comm,
                              bucket_mb=self.bucket_mb, feedback=self.feedback)
             self._aggregators[names] = agg
+            while len(self._aggregators) > MAX_SETS:
+                old = next(k for k, a in self._aggregators.items() if a is not self.aggregator)
+                self._retire(self._aggregators.pop(old))
+        self._aggregators.move_to_end(names)
         return agg
+
+    def _retire(self, agg: Aggregator) -> None:
+        self._retired = Timing.total([self._retired, agg.timing])
+        for name, b in agg.sent_bytes.items():
+            self._retired_sent[name] = self._retired_sent.get(name, 0.0) + b
+
+    def _is_plain(self, name: str, p: torch.Tensor) -> bool:
+        plain = self._plain.get(name)
+        if plain is None:
+            plain = self._plain[name] = is_plain(self.codec_for(name, p), p.shape)
+        return plain
 
     # -- work ------------------------------------------------------------------------------
     def reduce(self, scaler: Any = None) -> bool:
@@ -111,7 +142,9 @@ class GradientReducer:
 
         Mutates the parameters' ``.grad`` (creating one, for a parameter some other rank
         used, under ``find_unused_parameters``), the residuals and the codecs' state. Call it
-        after ``backward()`` and before ``scaler.unscale_``/``scaler.step``.
+        after ``backward()`` and before ``scaler.unscale_``/``scaler.step``. Raises
+        ``ValueError`` on every rank alike when a scaler's agreement shows that the ranks hold
+        gradients for different parameters without ``find_unused_parameters``.
         """
         scale = loss_scale(scaler)
         local = [p.requires_grad and p.grad is not None for _, p in self.named]
@@ -119,11 +152,15 @@ class GradientReducer:
             if has and p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which thinwire cannot average; "
                                  "build its layer with sparse=False (e.g. nn.Embedding(..., sparse=False))")
-        held = [p.grad for (_, p), has in zip(self.named, local) if has]
-        bad = scale is not None and unscale_nonfinite(held, 1.0 / scale)
-        used = local
+        found, unscaled = None, []
+        if scale is not None:
+            held = [(name, p) for (name, p), has in zip(self.named, local) if has]
+            unscaled = [name for name, p in held if not self._is_plain(name, p)]
+            found = check_and_unscale([p.grad for _, p in held],
+                                      [1.0 if self._is_plain(name, p) else 1.0 / scale for name, p in held])
+        bad, used = False, local
         if scale is not None or self.find_unused_parameters:
-            bad, used = self._agree(bad, local)
+            bad, used = self._agree(found, local)
         if bad:
             for (_, p), u in zip(self.named, used):
                 if u and p.requires_grad:
@@ -143,22 +180,30 @@ class GradientReducer:
             agg = self._aggregator_for(tuple(tensors))
             agg.step = self.step  # the step of the whole reducer, whichever set is averaged
             agg.reduce_(tensors)
-        if scale is not None and scale != 1.0:
-            torch._foreach_mul_([t for t in tensors.values()], scale)  # back to the scaler's units
+        back = [tensors[name] for name in unscaled if name in tensors]
+        if back and scale != 1.0:
+            torch._foreach_mul_(back, scale)  # back to the scaler's units: scaler.step unscales
         self.step += 1
         return True
 
-    def _agree(self, bad: bool, local: list[bool]) -> tuple[bool, list[bool]]:
-        """One all_reduce (metered) of [non-finite flag, used map]: identical answers on all ranks."""
+    def _agree(self, found: torch.Tensor | None, local: list[bool]) -> tuple[bool, list[bool]]:
+        """One all_reduce (metered, float64) of [non-finite flag, h, h^2, used map]: the same
+        answers on every rank, with one host read. ``h`` fingerprints this rank's set of
+        parameters holding a gradient: without ``find_unused_parameters`` the ranks must
+        agree, and n * sum(h^2) == (sum h)^2 exactly when every rank's ``h`` is the same."""
         device = self.named[0][1].device
-        width = 1 + (len(local) if self.find_unused_parameters else 0)
-        flags = torch.zeros(width, dtype=torch.int32, device=device)  # (1 + params,)
-        flags[0] = int(bad)
-        if self.find_unused_parameters:
-            flags[1:] = torch.tensor(local, dtype=torch.int32, device=device)
+        h = float(zlib.crc32(bytes(local)) & 0xFFFF)  # h^2 * n^2 stays exact in float64 up to ~1,400 ranks
+        head = [0.0, h, h * h] + ([float(u) for u in local] if self.find_unused_parameters else [])
+        flags = torch.tensor(head, dtype=torch.float64).to(device)  # (3 [+ params],)
+        if found is not None:
+            flags[:1].copy_(found.to(device))  # stays on the device: no sync before the collective
         self.comm.all_reduce(flags)
         got = flags.tolist()
-        used = [v > 0 for v in got[1:]] if self.find_unused_parameters else local
+        n = self.comm.world_size
+        if not self.find_unused_parameters and n * got[2] != got[1] ** 2:
+            raise ValueError("ranks hold gradients for different parameters this step (a layer used on some ranks "
+                             "only); pass find_unused_parameters=True, as DDP needs")
+        used = [v > 0 for v in got[3:]] if self.find_unused_parameters else local
         return got[0] > 0, used
 
     # -- state -------------------------------------------------------------------------------
@@ -172,6 +217,7 @@ class GradientReducer:
         self.aggregator.load_state_dict(state)
         for names in [k for k, a in self._aggregators.items() if a is not self.aggregator]:
             del self._aggregators[names]  # their bytes are in the loaded totals
+        self._retired_sent = {}
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
 
@@ -187,18 +233,28 @@ def loss_scale(scaler: Any) -> float | None:
     return float(scaler.get_scale())
 
 
-def unscale_nonfinite(grads: list[torch.Tensor], inv_scale: float) -> bool:
-    """Multiply ``grads`` by ``inv_scale`` in place; True when any holds an inf or NaN (the
-    check and unscale ``GradScaler`` itself runs, per device and dtype)."""
-    found = False
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), gs in groups.items():
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
-        found = found or bool(flag.item())
+def is_plain(codec: Any, shape: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` travels as a plain cast (fp32, bf16 or fp16 without error
+    feedback): such tensors keep no state, so under a scaler they stay in its units, where
+    fp16 keeps the small gradients loss scaling exists to keep (as PyTorch's fp16 hook
+    sees them); every other codec gets unscaled gradients."""
+    return not codec.compresses(shape) or (codec.fusable and not codec.config.ef)
+
+
+def check_and_unscale(grads: list[torch.Tensor], inv_scales: list[float]) -> torch.Tensor:
+    """Multiply each gradient by its ``inv_scale`` in place (1.0: a check alone) and return a
+    one-element float32 tensor on the first gradient's device, non-zero when any held an inf
+    or NaN: ``GradScaler``'s own fused check and unscale, per device, dtype and factor,
+    with no read back to the host."""
+    groups: dict[tuple[torch.device, torch.dtype, float], list[torch.Tensor]] = {}
+    for g, inv in zip(grads, inv_scales):
+        groups.setdefault((g.device, g.dtype, inv), []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    for (dev, _, inv), gs in groups.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, torch.full((1,), inv, device=dev))
+        found += flag.to(device)
     return found
 
 

@@ -12,13 +12,13 @@ rest of the backward pass the way DDP's own asynchronous all_reduce does.
 
 Gradient semantics are DDP's own: DDP decides which parameters are reduced (frozen ones,
 and with ``find_unused_parameters=True`` unused ones, are handled by DDP itself). With
-mixed precision, give the ``GradScaler`` to :func:`register`: each bucket is unscaled
-before it is encoded and scaled back after (residuals and codec state in the model's own
-units), and a bucket holding an inf or NaN on any rank (agreed with one 4-byte all_reduce
-per bucket, counted by the meter) is sent by nobody, changes no residual or codec state and
-comes back as NaN on every rank, so every rank's ``scaler.step`` skips the step. Buckets of
-that step that were finite are averaged as usual; the skipped step discards their result,
-as DDP's would.
+mixed precision, give the ``GradScaler`` to :func:`register`: the buckets of a step are
+then held until the last one is ready (DDP waits for their futures only after the whole
+backward pass), checked together with one 4-byte all_reduce, and either all averaged, in
+unscaled units (residuals and codec state in the model's own units; plain casts such as
+``fp16`` stay in the scaler's units, where loss scaling keeps small values) and scaled
+back, or, when any rank holds an inf or NaN, all returned as NaN on every rank with no
+residual, codec state or step changed, so every rank's ``scaler.step`` skips the step.
 """
 
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.aggregate import Aggregator, Timing
-from thinwire.algorithms.gradients import loss_scale, unscale_nonfinite, refuse_sparse
+from thinwire.algorithms.gradients import check_and_unscale, is_plain, loss_scale, refuse_sparse
 from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
@@ -53,8 +53,8 @@ class HookState:
     aggregators: dict[tuple[str, ...], Aggregator] = field(default_factory=dict)
     step: int = 0  # iterations completed; identical on all ranks
     scaler: Any = None  # a torch.amp.GradScaler: buckets averaged in unscaled units, overflows agreed
-    skipped_buckets: int = 0  # buckets dropped on every rank for a non-finite gradient (under a scaler)
-    _scale: tuple[int, float] | None = None  # (step, the scaler's scale read at that step's first bucket)
+    skipped: int = 0  # steps dropped on every rank for a non-finite gradient (under a scaler)
+    pending: list = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
 
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
         return self.codec if self.assignment is None else self.assignment.codec_for(name)
@@ -68,13 +68,14 @@ class HookState:
 
     def state_dict(self) -> dict:
         """Step, residuals by parameter name, and the codecs' state (for checkpoints)."""
-        return {"step": self.step, "codec": self.describe(), "feedback": self.feedback.state_dict(),
-                "codec_state": [c.state_dict() for c in self.codecs]}
+        return {"step": self.step, "skipped": self.skipped, "codec": self.describe(),
+                "feedback": self.feedback.state_dict(), "codec_state": [c.state_dict() for c in self.codecs]}
 
     def load_state_dict(self, state: dict) -> None:
         if state["codec"] != self.describe():
             raise ValueError(f"checkpoint was saved with codec {state['codec']}, this hook has {self.describe()}")
         self.step = int(state["step"])
+        self.skipped = int(state.get("skipped", 0))
         self.feedback.load_state_dict(state["feedback"])
         for c, cs in zip(self.codecs, state["codec_state"]):
             c.load_state_dict(cs)
@@ -99,36 +100,50 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             del state.aggregators[old]
         named = list(zip(names, grads))
         agg = state.aggregators[names] = Aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state.scaler is not None and state.scaler.is_enabled():
+        # DDP waits for every bucket's future only once the whole backward has run, so each
+        # bucket waits here until the last one is ready; the step is then decided at once
+        state.pending.append((bucket.buffer(), names, grads, agg, fut))
+        if bucket.is_last():
+            _land_scaled(state)
+        return fut
     agg.step = state.step
-    scale = _scale_now(state)
-    if scale is None:
-        agg.reduce_(dict(zip(names, grads)))
-    else:
-        buffer = bucket.buffer()
-        bad = unscale_nonfinite([buffer], 1.0 / scale)
-        flag = torch.tensor([int(bad)], dtype=torch.int32, device=buffer.device)
-        state.comm.all_reduce(flag)  # every rank takes the same branch
-        if flag.item():
-            buffer.fill_(float("nan"))  # each rank's scaler.step sees it and skips the step
-            state.skipped_buckets += 1
-        else:
-            agg.reduce_(dict(zip(names, grads)))
-            if scale != 1.0:
-                buffer.mul_(scale)  # back to the scaler's units: scaler.step unscales
+    agg.reduce_(dict(zip(names, grads)))
     if bucket.is_last():
         state.step += 1
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
 
 
-def _scale_now(state: HookState) -> "float | None":
-    """The scaler's scale for this step (read once, at the step's first bucket), or None."""
-    if state.scaler is None or not state.scaler.is_enabled():
-        return None
-    if state._scale is None or state._scale[0] != state.step:
-        state._scale = (state.step, loss_scale(state.scaler))
-    return state._scale[1]
+def _land_scaled(state: HookState) -> None:
+    """The whole step under a scaler: every bucket checked (and unscaled, but for plain
+    casts) at once, one 4-byte all_reduce, then either every bucket NaN (every rank's scaler
+    skips; no residual, codec state or step changes) or every bucket averaged and scaled
+    back. Completes every pending future."""
+    pending, state.pending = state.pending, []
+    scale = loss_scale(state.scaler)
+    plain = [[is_plain(state.codec_for(n, g), g.shape) for n, g in zip(names, grads)]
+             for _, names, grads, _, _ in pending]
+    found = check_and_unscale([g for _, _, grads, _, _ in pending for g in grads],
+                              [1.0 if p else 1.0 / scale for flags in plain for p in flags])
+    state.comm.all_reduce(found)  # every rank takes the same branch
+    bad = bool(found.item())
+    for (buffer, names, grads, agg, _), flags in zip(pending, plain):
+        if bad:
+            buffer.fill_(float("nan"))  # each rank's scaler.step sees it and skips the step
+            continue
+        agg.step = state.step
+        agg.reduce_(dict(zip(names, grads)))
+        back = [g for g, p in zip(grads, flags) if not p]
+        if back and scale != 1.0:
+            torch._foreach_mul_(back, scale)  # back to the scaler's units: scaler.step unscales
+    if bad:
+        state.skipped += 1
+    else:
+        state.step += 1
+    for buffer, _, _, _, fut in pending:
+        fut.set_result(buffer)
 
 
 def _refuse_loss_window(codecs: "list[Codec]") -> None:
