@@ -315,3 +315,21 @@ def test_attach_trains_any_method_with_the_same_calls(spec):
     for first, last, state, resolved in LocalWorld(2).run(fn):
         assert last < 0.7 * first, (spec, first, last)
         assert isinstance(state, dict) and resolved.split(":")[0] == spec.split(":")[0]
+
+
+def test_a_scaler_with_find_unused_parameters_gives_every_rank_the_same_mean():
+    """Rank 1 alone uses the branch: rank 0 receives the branch's mean in its own new .grad,
+    scaled back like rank 1's (both in the scaler's units), under a compressing codec."""
+
+    def fn(comm):
+        model = branchy()
+        reducer = thinwire.SyncReducer(model, "topk:ratio=0.5", comm, find_unused_parameters=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        x, y = _batch(torch.Generator().manual_seed(comm.rank))
+        scaler.scale(F.cross_entropy(model(x, use_branch=comm.rank == 1), y)).backward()
+        assert reducer.reduce(scaler=scaler)
+        return model.branch.weight.grad, model.unused.weight.grad
+
+    (g0, u0), (g1, u1) = LocalWorld(2).run(fn)
+    assert u0 is None and u1 is None
+    assert torch.equal(g0, g1) and g0.abs().max() > 0

@@ -152,10 +152,9 @@ class GradientReducer:
             if has and p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which thinwire cannot average; "
                                  "build its layer with sparse=False (e.g. nn.Embedding(..., sparse=False))")
-        found, unscaled = None, []
+        found = None
         if scale is not None:
             held = [(name, p) for (name, p), has in zip(self.named, local) if has]
-            unscaled = [name for name, p in held if not self._is_plain(name, p)]
             found = check_and_unscale([p.grad for _, p in held],
                                       [1.0 if self._is_plain(name, p) else 1.0 / scale for name, p in held])
         bad, used = False, local
@@ -169,18 +168,19 @@ class GradientReducer:
                     p.grad.fill_(float("nan"))  # every rank's scaler sees the overflow and skips
             self.skipped += 1
             return False
-        tensors = {}
+        tensors, back = {}, []
         for (name, p), u, has in zip(self.named, used, local):
             if not u:
                 continue
             if not has and p.requires_grad:
                 p.grad = torch.zeros_like(p)  # used on another rank: DDP gives this rank the mean too
             tensors[name] = p.grad if p.requires_grad else torch.zeros_like(p)  # frozen here: sent, not kept
+            if scale is not None and p.requires_grad and not self._is_plain(name, p):
+                back.append(p.grad)  # averaged unscaled on every rank, this one's zeros included
         if tensors:
             agg = self._aggregator_for(tuple(tensors))
             agg.step = self.step  # the step of the whole reducer, whichever set is averaged
             agg.reduce_(tensors)
-        back = [tensors[name] for name in unscaled if name in tensors]
         if back and scale != 1.0:
             torch._foreach_mul_(back, scale)  # back to the scaler's units: scaler.step unscales
         self.step += 1
