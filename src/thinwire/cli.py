@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                    "itself when omitted; a run that already finished there says so and exits 0")
     t.add_argument("--on-nonfinite", choices=["raise", "skip"],
                    help="a NaN/Inf gradient: stop naming the parameter and step (raise, the default), or skip that "
-                   "step on every rank before anything is encoded (skip; counted as skipped_steps)")
+                   "step on every rank before anything is encoded (skip; counted as skipped_steps; a run that skipped "
+                   "most of its steps ends with exit code 1)")
+    _max_workers_option(t)
     _import_option(t)
 
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
@@ -94,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
+    _max_workers_option(c)
     _import_option(c)
 
     k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
@@ -111,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
+    _max_workers_option(k)
     _import_option(k)
 
     m = sub.add_parser("methods", help="every method and knob, with default and allowed range")
@@ -136,7 +140,14 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--workers", type=int, default=2, help="spawned ranks per run (default: 2)")
     bm.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
     bm.add_argument("--out", help="also write the table to this markdown file")
+    _max_workers_option(bm)
     return p
+
+
+def _max_workers_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-workers", type=int, metavar="N",
+                   help="allow up to N local ranks (default: what this machine can hold: 8 per core, and "
+                   "0.5 GB of available memory per rank)")
 
 
 def _import_option(p: argparse.ArgumentParser) -> None:
@@ -169,8 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "memory":
             from thinwire.run.bench_memory import main as bench_memory
 
+            from thinwire.run.config import check_workers
+
             if args.workers < 1 or args.steps < 1:
                 raise BadInput("bench memory: --workers and --steps must be >= 1")
+            try:
+                check_workers(args.workers, args.max_workers)
+            except ValueError as e:
+                raise BadInput(str(e)) from None
             return bench_memory(methods=args.methods, workers=args.workers, steps=args.steps, out=args.out)
         _parser().print_help()
         return EXIT_BAD_INPUT if args.command is None else 0
@@ -208,12 +225,16 @@ def _train(args: argparse.Namespace) -> int:
         return 143 if summary.get("signal") == "SIGTERM" else 130
     if summary is not None:
         _print_summary(summary, cfg.out)
+        if summary.get("status") == "diverged":
+            where = f"; {cfg.out}/summary.json records it" if cfg.out else ""
+            print(f"thinwire: the run did not train: {summary['failure']}{where}", file=sys.stderr)
+            return 1
     return 0
 
 
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
-                "checkpoint_every", "resume", "on_nonfinite", "imports")  # TrainConfig fields named by train's options
+                "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers")  # TrainConfig fields named by train's options
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,7 +265,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         task=args.task, workers=workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
         emulate_link=args.emulate_link, eval_every=args.eval_every, bucket_mb=args.bucket_mb, threads=args.threads,
-        task_options=_options(args.option), imports=tuple(args.imports or ()),
+        task_options=_options(args.option), imports=tuple(args.imports or ()), max_workers=args.max_workers,
     )
     try:
         _check_task(base.resolve())
@@ -298,7 +319,7 @@ def _cost(args: argparse.Namespace) -> int:
     base = TrainConfig(task=args.task, workers=args.workers, steps=args.probe_steps, batch_size=args.batch_size,
                        seed=args.seed, data_dir=args.data_dir, links=tuple(args.link) or DEFAULT_LINKS,
                        eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option),
-                       imports=tuple(args.imports or ()))
+                       imports=tuple(args.imports or ()), max_workers=args.max_workers)
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
         _check_task(base.resolve())

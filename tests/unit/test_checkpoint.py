@@ -113,7 +113,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(tmp_pa
     newest = checkpoint.step_dir(cfg.out, 2 * K) / "rank-1.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
     more = dataclasses.replace(cfg, steps=3 * K, resume=cfg.out, out=str(tmp_path / "c"))
-    with pytest.raises(CheckpointError, match=r"rank-1.pt is damaged or not a thinwire checkpoint"):
+    with pytest.raises(CheckpointError, match=r"rank-1.pt is damaged \(\d+ bytes, \d+ when written\)"):
         _train(more)
     older = dataclasses.replace(more, resume=str(checkpoint.step_dir(cfg.out, K)))
     assert _train(older)[0]["resumed_from"] == K
@@ -157,9 +157,14 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
     target = checkpoint.step_dir(cfg.out, 2 * K) / "rank-0.pt"
-    torch.save({"format": 1, "rank": 0, "payload": Path("/")}, target)  # an arbitrary object, not weights
-    with pytest.raises(CheckpointError, match="damaged or not a thinwire checkpoint"):
+    torch.save({"format": checkpoint.FORMAT, "rank": 0, "payload": Path("/")}, target)  # an object, not weights
+    meta_path = target.parent / "meta.json"  # one who can write both files: the checksum matches
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["rank-0.pt"] = checkpoint.file_record(target)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="holds objects other than tensors and plain containers") as e:
         checkpoint.load_rank(target.parent, 0)
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)  # never torch's advice to load it anyway
 
 
 @pytest.mark.parametrize("change, message", [
@@ -204,7 +209,7 @@ def test_an_earlier_longer_runs_checkpoints_never_outlive_a_new_commit(tmp_path)
     (checkpoint.step_dir(out, 100) / "rank-0.pt").write_bytes(b"an earlier run's file")
     checkpoint.prepare(out, 100)  # rank 0, before anyone writes step 100
     assert not checkpoint.step_dir(out, 100).exists()
-    checkpoint.write_rank(out, 100, 0, {"format": 1, "rank": 0})
+    checkpoint.write_rank(out, 100, 0, {"format": checkpoint.FORMAT, "rank": 0})
     checkpoint.commit(out, 100, {"world_size": 1, "task": "t", "method": "m"})
     assert checkpoint.locate(out) == checkpoint.step_dir(out, 100)
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000100"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,53 @@ def test_a_failing_method_does_not_stop_the_race(tmp_path):
     assert float(rows[2]["bytes_sent_per_worker"]) == 1000.0 and rows[2]["step_to_target"] == "4"
     assert float(rows[0]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(12.0)
     assert float(rows[2]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(3.0)
+
+
+# -- an earlier comparison's files are never overwritten without --overwrite --------------------
+EARLIER = ["report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png",
+           "accuracy_vs_time_1gbit_50us.png", "time_breakdown.png", "runs/01-identity/metrics.jsonl"]
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("name", EARLIER)
+def test_an_out_holding_any_file_of_an_earlier_comparison_is_refused(name, tmp_path):
+    out = tmp_path / "out"
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    (out / name).write_bytes(b"earlier \x00\xff")
+    before = _listing(out)
+    shown = "runs/01-identity" if name.startswith("runs/") else name
+    with pytest.raises(ValueError, match=rf"--out {re.escape(str(out))} already holds a comparison \({shown}\); "
+                                         "pass --overwrite or choose another --out"):
+        compare.prepare(BASE, ["identity"], str(out))
+    assert (out / name).read_bytes() == b"earlier \x00\xff" and _listing(out) == before  # nothing created
+    assert compare.prepare(BASE, ["identity"], str(out), overwrite=True).out == out
+
+
+def test_an_out_holding_only_other_files_or_an_empty_runs_is_accepted(tmp_path):
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)  # what a prepare that never ran left behind
+    (out / "notes.txt").write_text("mine\n")
+    (out / "plot.png").write_text("mine\n")
+    assert compare.prepare(BASE, ["identity"], str(out)).out == out
+    assert (out / "notes.txt").read_text() == "mine\n"
+
+
+def test_every_file_a_comparison_writes_is_one_prepare_refuses_to_overwrite(tmp_path):
+    race = compare.prepare(BASE, ["identity,bf16"], str(tmp_path / "done"))
+    compare.finish(race, compare.run(race, launch=_fake_launch("none"), show_progress=False, say=lambda s: None),
+                   "thinwire compare ...")
+    written = sorted(p.name for p in race.out.iterdir())
+    assert "report.md" in written and "time_breakdown.png" in written and "runs" in written
+    for name in written:
+        fresh = tmp_path / f"again-{name}"
+        fresh.mkdir()
+        copy = fresh / name
+        if (race.out / name).is_dir():
+            (copy / "01-identity").mkdir(parents=True)
+        else:
+            copy.write_bytes((race.out / name).read_bytes())
+        with pytest.raises(ValueError, match="already holds a comparison"):
+            compare.prepare(BASE, ["identity"], str(fresh))

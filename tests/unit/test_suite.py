@@ -139,3 +139,26 @@ def test_the_seed_suite_validates_on_its_task():
         labels = {s.split(":")[0] for s in race.specs}
         for claim in group.claims:
             assert claim.peer in (None, "best-uniform") or claim.peer in labels
+
+
+@pytest.mark.parametrize("name", ["report.md", "claims.csv", "b/report.md", "b/results.csv", "b/time_breakdown.png",
+                                  "b/runs/01-dasgd/summary.json"])
+def test_an_out_holding_any_file_of_an_earlier_suite_is_refused_before_anything_is_made(name, tmp_path):
+    out = tmp_path / "suite"
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    (out / name).write_bytes(b"earlier")
+    shown = name if not name.startswith("b/runs/") else "b/runs/01-dasgd"
+    with pytest.raises(ValueError, match=rf"already holds a suite \({shown}\); pass --overwrite"):
+        suite.prepare(BASE, str(out), groups=GROUPS)
+    assert (out / name).read_bytes() == b"earlier"
+    assert not (out / "a").exists()  # race a was not prepared before race b's files were seen
+    assert [r.out for r in suite.prepare(BASE, str(out), overwrite=True, groups=GROUPS)] == [out / "a", out / "b"]
+
+
+def test_an_out_holding_only_other_files_is_accepted_by_the_suite(tmp_path):
+    out = tmp_path / "suite"
+    (out / "a").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine\n")
+    (out / "a" / "notes.txt").write_text("mine\n")
+    assert len(suite.prepare(BASE, str(out), groups=GROUPS)) == 2
+    assert (out / "notes.txt").read_text() == "mine\n" and (out / "a" / "notes.txt").read_text() == "mine\n"

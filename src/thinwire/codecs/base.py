@@ -14,9 +14,10 @@ Contract (tested for every registered codec):
 * Multi-round codecs (PowerSGD: a P round then a Q round) set ``rounds > 1``; the caller
   reduces round ``i`` and passes the reduced payload to ``encode_next`` for round ``i+1``.
 * Every ``decode``, ``decode_add`` and ``decode_sum`` first runs :meth:`Codec.check` on its
-  payloads (wrapped in by ``__init_subclass__``, so a new codec gets it too): tensor count,
-  shapes and dtypes against ``wire_spec``, then the codec's own header fields
-  (``check_fields``: counts, exponents, indices in range). A malformed payload raises
+  payloads (wrapped in by ``__init_subclass__``, so a new codec gets it too): the declared
+  tensor is real floating point with no negative dimension, the tensor count, shapes and
+  dtypes match ``wire_spec``, then the codec's own header fields (``check_fields``: counts,
+  exponents, indices in range and each sent once). A malformed payload raises
   :class:`~thinwire.payload.PayloadError` instead of reading out of bounds.
 """
 
@@ -26,6 +27,7 @@ import math
 from dataclasses import asdict
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec, spec_nbytes
@@ -96,9 +98,15 @@ class Codec:
     def check(self, payload: Payload) -> None:
         """Raise :class:`PayloadError` unless ``payload`` has exactly the wire layout this
         codec declares for its shape and dtype (in any of its rounds) and header fields in
-        range (:meth:`check_fields`)."""
-        got = [(tuple(t.shape), t.dtype) for t in payload.tensors]
+        range (:meth:`check_fields`). The declared tensor (``payload.dtype``, ``payload.shape``)
+        must be a gradient: real floating point, no negative dimension."""
+        if not (isinstance(payload.dtype, torch.dtype) and payload.dtype.is_floating_point):
+            raise PayloadError(f"{self.name}: the payload declares dtype {_dtype(payload.dtype)}; "
+                               "gradients are real floating point")
         shape = torch.Size(payload.shape)
+        if any(d < 0 for d in shape):
+            raise PayloadError(f"{self.name}: the payload declares shape {list(shape)}, with a negative dimension")
+        got = [(tuple(t.shape), t.dtype) for t in payload.tensors]
         layouts = [[(tuple(s), d) for s, d in self.wire_spec(shape, payload.dtype, r)] for r in range(self.rounds)]
         if got not in layouts:
             raise PayloadError(f"{self.name}: payload for a {list(shape)} {payload.dtype} tensor has wire tensors "
@@ -159,8 +167,12 @@ class Codec:
         return f"<{self.describe()}>"
 
 
+def _dtype(dtype: object) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
-    return "[" + ", ".join(f"{list(s)} {str(d).replace('torch.', '')}" for s, d in specs) + "]"
+    return "[" + ", ".join(f"{list(s)} {_dtype(d)}" for s, d in specs) + "]"
 
 
 def _checked(fn, many: bool):
@@ -193,6 +205,24 @@ def not_negative(name: str, what: str, t: torch.Tensor) -> None:
     inf pass (a codec carries non-finite input that way; the trainer stops it before encoding)."""
     if t.numel() and bool((t < 0).any()):
         raise PayloadError(f"{name}: {what} must not be negative, got {t.min().item():g}")
+
+
+def distinct(name: str, what: str, t: torch.Tensor) -> None:
+    """Raise :class:`PayloadError` when the 1-D ``t`` (indices that may each name a position
+    once) holds a value more than once. Indices that already ascend strictly pass in one
+    comparison pass; others are sorted once. On the CPU this runs in NumPy (torch ops on
+    cores shared by several ranks wait on OpenMP regions)."""
+    if t.numel() < 2:
+        return
+    flat = t.detach().reshape(-1)
+    a = flat.numpy() if flat.device.type == "cpu" else flat
+    if bool((a[1:] > a[:-1]).all()):
+        return
+    s = np.sort(a) if isinstance(a, np.ndarray) else a.sort().values
+    repeated = s[1:][s[1:] == s[:-1]]
+    if len(repeated):
+        v = repeated[0]
+        raise PayloadError(f"{name}: {what} must be distinct, index {int(v)} appears {int((a == v).sum())} times")
 
 
 def generator_for(seed: int, step: int, key: str, device: torch.device | str = "cpu") -> torch.Generator:

@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, generator_for, in_range
+from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, distinct, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
@@ -163,6 +163,8 @@ class FFT(Codec):
         return [((1,), torch.int32), pos, self._value_spec(2 * kept)]
 
     def check_fields(self, payload: Payload) -> None:
+        """E_max within fp32's exponents; positions: a bitmap marking exactly ``K`` bins, or
+        ``K`` bin indices within the spectrum, each sent once."""
         header, pos, _ = payload.tensors
         in_range(self.name, "the exponent E_max", header, E_MAX_LOW, E_MAX_HIGH)
         _, bins, kept = self._sizes(math.prod(payload.shape))
@@ -172,6 +174,7 @@ class FFT(Codec):
                 raise PayloadError(f"{self.name}: the bitmap marks {chosen} frequency bins, the layout carries {kept}")
         else:
             in_range(self.name, "bin indices", pos, 0, bins - 1)
+            distinct(self.name, "bin indices", pos)
 
     def __init__(self, config: FFTConfig) -> None:
         super().__init__(config)

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import Codec, generator_for, in_range
+from thinwire.codecs.base import Codec, distinct, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
@@ -114,6 +114,8 @@ class Kernels(Codec):
 
     # -- work ------------------------------------------------------------------------------
     def check_fields(self, payload: Payload) -> None:
+        """Positions: a bitmap marking exactly ``k`` units, or ``k`` unit indices within the
+        layer, each sent once."""
         count, _ = self.units(payload.shape)
         k = self.k(payload.shape)
         if self._bitmap(count, k):
@@ -122,6 +124,7 @@ class Kernels(Codec):
                 raise PayloadError(f"{self.name}: the bitmap marks {chosen} units, the layout carries {k}")
         else:
             in_range(self.name, "unit indices", payload.tensors[0], 0, count - 1)
+            distinct(self.name, "unit indices", payload.tensors[0])
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         (count, size), k = self.units(x.shape), self.k(x.shape)

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec, generator_for, in_range
+from thinwire.codecs.base import Codec, distinct, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.payload import Aggregation, Payload, WireSpec
@@ -80,7 +80,10 @@ class TopK(Codec):
         return [((k,), torch.float32), ((k,), torch.int32)]
 
     def check_fields(self, payload: Payload) -> None:
+        """Indices within the tensor, each sent once (``decode`` assigns, ``decode_add`` sums:
+        a repeated index would make them disagree)."""
         in_range(self.name, "indices", payload.tensors[1], 0, math.prod(payload.shape) - 1)
+        distinct(self.name, "indices", payload.tensors[1])
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         return Payload(self.top(x.reshape(-1), key), x.shape, x.dtype)

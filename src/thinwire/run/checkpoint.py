@@ -17,25 +17,42 @@ directory if the newest is damaged.
 A rank's file holds the model, the optimizer, the method's own state (error-feedback
 residuals, factors, schedules, snapshots, phases, per-edge state), the byte meter, the
 clock, the seconds spent so far and the RNG states; the data position is the step itself
-(every task's batch stream is a pure function of the step). Files are read with
-``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
+(every task's batch stream is a pure function of the step).
+
+Trust: ``meta.json`` records the SHA-256 and size of every rank's file as written, and a
+checkpoint is used only after :func:`verify` (the launcher, before any rank starts) and
+:func:`load_rank` (each rank, on the bytes it loads) find them unchanged; torch does not
+check its own zip CRCs on load, so a flipped byte would otherwise pass. ``meta.json`` and
+``latest.json`` are checked against their schema (:func:`read_meta`, :func:`locate`), and
+``latest.json`` can only name a ``step-NNNNNNNN`` directory of its own run. Files are read
+with ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
 pickled objects.
+
+Deleting: thinwire removes only what it wrote, recognised by its own names (``latest.json``,
+``step-NNNNNNNN/`` holding ``meta.json`` and ``rank-R.pt``, their temporary files); a file
+of anyone else's inside ``checkpoints/`` stays, and so does the directory holding it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import pickle
 import random
-import shutil
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FORMAT = 1
+FORMAT = 2  # 2: meta.json records every rank file's checksum
 KEEP = 2  # checkpoints kept on disk: the newest and the one before it
 LATEST = "latest.json"
+STEP_NAME = re.compile(r"step-\d{8}")  # a checkpoint directory's name
+OWN_FILE = re.compile(r"\.?(meta\.json|rank-\d+\.pt)(\.tmp)?")  # the files thinwire writes into one
+CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -51,8 +68,10 @@ def step_dir(out: str | os.PathLike, step: int) -> Path:
 
 
 # -- writing ----------------------------------------------------------------------------------
-def write_rank(out: str | os.PathLike, step: int, rank: int, state: dict[str, Any]) -> Path:
-    """This rank's file of the checkpoint at ``step`` (temporary file, fsync, rename)."""
+def write_rank(out: str | os.PathLike, step: int, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's file of the checkpoint at ``step`` (temporary file, fsync, rename); returns
+    its record for ``meta.json``: ``{"sha256": hex digest, "bytes": size}`` of the bytes on
+    disk."""
     d = step_dir(out, step)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"rank-{rank}.pt"
@@ -62,34 +81,87 @@ def write_rank(out: str | os.PathLike, step: int, rank: int, state: dict[str, An
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return path
+    return file_record(path)
 
 
-def commit(out: str | os.PathLike, step: int, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its file: ``meta.json``, then ``latest.json`` (each
-    atomically), then older checkpoints beyond :data:`KEEP` are removed."""
+def file_record(path: Path) -> dict[str, Any]:
+    """``{"sha256": ..., "bytes": ...}`` of the file at ``path``."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": size}
+
+
+def commit(out: str | os.PathLike, step: int, meta: dict[str, Any],
+           files: dict[str, dict[str, Any]] | None = None) -> None:
+    """Rank 0, after every rank wrote its file: ``meta.json`` (with ``files``, each rank
+    file's record from :func:`write_rank`; read back from disk when not given), then
+    ``latest.json`` (each atomically), then older checkpoints beyond :data:`KEEP` are
+    removed."""
     d = step_dir(out, step)
-    _write_json(d / "meta.json", dict(meta, format=FORMAT, step=step))
+    if files is None:
+        files = {f"rank-{r}.pt": file_record(d / f"rank-{r}.pt") for r in range(int(meta["world_size"]))}
+    _write_json(d / "meta.json", dict(meta, format=FORMAT, step=step, files=files))
     _write_json(root(out) / LATEST, {"step": step, "dir": d.name})
     # keep the newest KEEP at or below this step; any above it belong to an earlier, longer run
-    older = sorted(p for p in root(out).glob("step-*") if p.is_dir() and p.name <= d.name)
-    stale = [p for p in root(out).glob("step-*") if p.is_dir() and p.name > d.name]
+    steps = _step_dirs(out)
+    older = [p for p in steps if p.name <= d.name]
+    stale = [p for p in steps if p.name > d.name]
     for old in older[:-KEEP] + stale:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_step(old)
 
 
 def prepare(out: str | os.PathLike, step: int) -> None:
     """Rank 0, before any rank writes the checkpoint at ``step``: an existing directory of
-    that step (an earlier run's) is removed, so no file of it can mix with this one."""
+    that step (an earlier run's) is emptied of thinwire's files, so none can mix with this one."""
     d = step_dir(out, step)
-    if d.exists():
-        shutil.rmtree(d)
+    if d.is_dir():
+        remove_step(d)
 
 
 def clear(out: str | os.PathLike) -> None:
     """Rank 0, when a fresh run (not a resume) starts in ``out``: an earlier run's
-    checkpoints go, so ``latest.json`` can only ever name one of this run's."""
-    shutil.rmtree(root(out), ignore_errors=True)
+    checkpoints go, so ``latest.json`` can only ever name one of this run's. Only
+    thinwire's own files go (:func:`remove_step`); ``checkpoints/`` itself goes when that
+    leaves it empty."""
+    r = root(out)
+    if not r.is_dir():
+        return
+    for d in _step_dirs(out):
+        remove_step(d)
+    for name in (LATEST, f".{LATEST}.tmp"):
+        if (r / name).is_file() and not (r / name).is_symlink():
+            (r / name).unlink()
+    _rmdir_if_empty(r)
+
+
+def remove_step(d: Path) -> None:
+    """Remove a checkpoint directory's files that thinwire wrote (``meta.json``,
+    ``rank-R.pt`` and their temporary files), then the directory if nothing else is left in
+    it: a file someone else put there is never deleted."""
+    if d.is_symlink() or not d.is_dir():
+        return
+    for p in d.iterdir():
+        if OWN_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink():
+            p.unlink()
+    _rmdir_if_empty(d)
+
+
+def _step_dirs(out: str | os.PathLike) -> list[Path]:
+    """This run's checkpoint directories (``step-NNNNNNNN``, not links), oldest first."""
+    r = root(out)
+    if not r.is_dir():
+        return []
+    return sorted(p for p in r.iterdir() if STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:  # not empty (someone else's files), or already gone
+        pass
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -116,23 +188,86 @@ def locate(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"--resume {path}: no checkpoint there (neither meta.json nor checkpoints/{LATEST}); "
                               "write one with --checkpoint-every")
     try:
-        name = json.loads(pointer.read_text())["dir"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged ({e})") from None
-    d = root(p) / str(name)
-    if not (d / "meta.json").exists():
-        raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} names {name}, which is missing or incomplete")
+        latest = json.loads(pointer.read_text())
+        name, step = latest["dir"], latest["step"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged ({_reason(e)})") from None
+    if not (isinstance(name, str) and STEP_NAME.fullmatch(name) and _is_int(step) and name == f"step-{step:08d}"):
+        raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged: it must name one of this run's "
+                              f"checkpoints as step-NNNNNNNN with its step, got dir={name!r:.80}, step={step!r:.20}")
+    d = root(p) / name
+    if d.is_symlink() or not (d / "meta.json").exists():
+        raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} names {name}, which is missing, incomplete "
+                              "or not a directory of this run")
     return d
 
 
+META_FIELDS = (("step", int), ("world_size", int), ("task", str), ("method", str), ("seed", int),
+               ("task_options", dict), ("config", dict), ("files", dict))  # meta.json's schema
+
+
 def read_meta(d: Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json``, checked against its schema (:data:`META_FIELDS`, a
+    checksum record for each rank's file); raises :class:`CheckpointError` naming the field."""
+    where = f"checkpoint {d}: meta.json"
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {d}: meta.json is unreadable ({e})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{where} is unreadable ({_reason(e)})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} must hold an object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {d}: format {meta.get('format')!r}, this thinwire reads format {FORMAT}")
+        older = _is_int(meta.get("format")) and meta["format"] < FORMAT
+        raise CheckpointError(f"{where}: format {meta.get('format')!r:.20}, this thinwire reads format {FORMAT}"
+                              + (" (an older thinwire wrote it without checksums; resume it with that version)"
+                                 if older else ""))
+    for key, kind in META_FIELDS:
+        if key not in meta:
+            raise CheckpointError(f"{where} is damaged: it has no {key!r}")
+        value = meta[key]
+        if not (_is_int(value) if kind is int else isinstance(value, kind)):
+            raise CheckpointError(f"{where} is damaged: {key} must be {'an integer' if kind is int else kind.__name__}, "
+                                  f"got {value!r:.40}")
+    if meta["step"] < 0 or meta["world_size"] < 1:
+        raise CheckpointError(f"{where} is damaged: step {meta['step']}, world size {meta['world_size']}")
+    expected = {f"rank-{r}.pt" for r in range(meta["world_size"])}
+    if set(meta["files"]) != expected:
+        raise CheckpointError(f"{where} is damaged: its files are {sorted(meta['files'])[:4]}, expected a record for "
+                              f"each of rank-0.pt .. rank-{meta['world_size'] - 1}.pt")
+    for name, record in meta["files"].items():
+        if not (isinstance(record, dict) and isinstance(record.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", record["sha256"]) and _is_int(record.get("bytes"))):
+            raise CheckpointError(f"{where} is damaged: the record of {name} must be "
+                                  '{"sha256": 64 hex digits, "bytes": an integer}')
     return meta
+
+
+def verify(d: Path, meta: dict[str, Any]) -> None:
+    """Every rank file of checkpoint ``d`` against its record in ``meta`` (size, then
+    SHA-256): raises :class:`CheckpointError` naming the first file that differs. The
+    launcher runs it before any rank starts."""
+    for name, record in sorted(meta["files"].items(), key=lambda kv: int(kv[0][5:-3])):
+        path = d / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {d}: {name} is missing")
+        _check_record(path, file_record(path), record, d)
+
+
+def _check_record(path: Path, got: dict[str, Any], record: dict[str, Any], d: Path) -> None:
+    if got["bytes"] != record["bytes"] or got["sha256"] != record["sha256"]:
+        what = (f"{got['bytes']} bytes, {record['bytes']} when written" if got["bytes"] != record["bytes"]
+                else "its SHA-256 differs from the one recorded when it was written")
+        raise CheckpointError(f"checkpoint file {path} is damaged ({what}); the previous checkpoint, if kept, "
+                              f"is beside it in {d.parent}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
 
 
 def run_dir(d: Path) -> Path | None:
@@ -226,16 +361,26 @@ def saved_config(path: str | os.PathLike) -> dict[str, Any]:
     return dict(config) if isinstance(config, dict) else {}
 
 
-def load_rank(d: Path, rank: int, map_location: torch.device | str = "cpu") -> dict[str, Any]:
-    """This rank's state from checkpoint ``d`` (``weights_only``: no arbitrary code runs)."""
+def load_rank(d: Path, rank: int, map_location: torch.device | str = "cpu",
+              meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's state from checkpoint ``d``: the bytes read are checked against the
+    checksum in ``meta`` (``d``'s ``meta.json`` when not given), then loaded with
+    ``weights_only`` (no arbitrary code runs)."""
+    meta = read_meta(d) if meta is None else meta
     path = d / f"rank-{rank}.pt"
-    if not path.exists():
+    if not path.is_file():
         raise CheckpointError(f"checkpoint {d}: {path.name} is missing")
+    if path.name not in meta["files"]:
+        raise CheckpointError(f"checkpoint {d}: meta.json records no {path.name} (a {meta['world_size']}-rank run)")
+    data = path.read_bytes()
+    _check_record(path, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, meta["files"][path.name], d)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001  (truncated zip, bad pickle, a forbidden global...)
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint file {path} is damaged or not a thinwire checkpoint ({first}); "
+        # torch's own message advises loading with weights_only=False: never, for a file that fails here
+        what = ("it holds objects other than tensors and plain containers, refused because loading them could run "
+                "code" if isinstance(e, pickle.UnpicklingError) else type(e).__name__)
+        raise CheckpointError(f"checkpoint file {path} is damaged or not a thinwire checkpoint ({what}); "
                               f"the previous checkpoint, if kept, is beside it in {d.parent}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("rank") != rank:
         raise CheckpointError(f"checkpoint file {path} does not hold rank {rank}'s state")

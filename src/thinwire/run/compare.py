@@ -4,7 +4,8 @@ Every method runs as a full ``thinwire train`` run (same task, workers, steps, s
 one after the other, into ``OUT/runs/NN-name/``; a method that fails is reported as failed
 and the race goes on. Then ``OUT/results.csv`` (one row per method: the summary's figures
 and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the best
-method per link in bold) and the plots of :mod:`thinwire.run.plots`.
+method per link in bold) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
+any of these files, or a non-empty ``runs/``, is refused unless ``--overwrite``.
 
 The target accuracy defaults to 95% of the best final accuracy any method reached (ours);
 ``--target`` sets it. Times at a link are modeled: measured compute and codec time plus the
@@ -26,6 +27,10 @@ from thinwire.run.config import TrainConfig
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
 TARGET_SHARE = 0.95  # default target: this share of the best final accuracy
+# What a comparison writes at the top of --out (glob patterns; the plots' names are those of
+# thinwire.run.plots), besides the runs under runs/.
+OUTPUTS = ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png", "accuracy_vs_time_*.png",
+           "time_breakdown.png")
 
 
 def split_methods(texts: list[str]) -> list[str]:
@@ -62,17 +67,21 @@ class Race:
 
 def prepare(base: TrainConfig, methods: list[str], out: str, target: float | None = None,
             overwrite: bool = False) -> Race:
-    """Validate everything before any run: raises ``ValueError`` naming the rule broken."""
+    """Validate everything before any run: raises ``ValueError`` naming the rule broken.
+    Unless ``overwrite``, an ``out`` holding any file a comparison writes (:func:`earlier_output`)
+    is refused before anything is created there."""
     specs = split_methods(methods)
     if not specs:
         raise ValueError("--methods names no method")
     if target is not None and not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
+    path = Path(out)
+    found = None if overwrite else earlier_output(path)
+    if found is not None:
+        raise ValueError(f"--out {out} already holds a comparison ({found.relative_to(path).as_posix()}); "
+                         "pass --overwrite or choose another --out")
     base = dataclasses.replace(base, links=base.links or DEFAULT_LINKS, out=None, policy=None, policy_rules=())
     base, resolved = resolve_methods(base, specs)
-    path = Path(out)
-    if (path / "results.csv").exists() and not overwrite:
-        raise ValueError(f"--out {out} already holds a comparison (results.csv); pass --overwrite or choose another")
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -81,6 +90,20 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
     except OSError as e:
         raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
     return Race(base, resolved, path, target)
+
+
+def earlier_output(path: Path) -> Path | None:
+    """The first file in ``path`` that a comparison writes (:data:`OUTPUTS`), or the first
+    entry of a non-empty ``runs/``; None when there is none. Other files (a user's notes) do
+    not count, nor does an empty ``runs/``: only these would an ``--overwrite`` replace."""
+    if not path.is_dir():
+        return None
+    for pattern in OUTPUTS:
+        found = sorted(path.glob(pattern))
+        if found:
+            return found[0]
+    runs = path / "runs"
+    return min(runs.iterdir(), default=None) if runs.is_dir() else None
 
 
 def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, list[str]]:
@@ -133,7 +156,10 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
             summary = launch(cfg, show_progress=show_progress)
             if summary is not None and summary.get("stopped_at") is not None:
                 raise KeyboardInterrupt  # a signal stopped the run: the race ends here
-            result.update(status="ok", error="", summary=summary, rows=_rows(out))
+            if summary is not None and summary.get("status") == "diverged":  # it ran, but did not train
+                result.update(status="failed", error=f"diverged: {summary['failure']}"[:300], summary=summary)
+            else:
+                result.update(status="ok", error="", summary=summary, rows=_rows(out))
         except Exception as e:  # noqa: BLE001  (a failed method is reported; the race goes on)
             result.update(status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         result["seconds"] = time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class TrainConfig:
     resume: str | None = None  # a run directory (its latest checkpoint) or one checkpoint directory
     on_nonfinite: str = "raise"  # a NaN/Inf gradient: raise (name it) or skip the step on every rank
     imports: tuple[str, ...] = ()  # modules (dotted names or .py files) imported before methods resolve: user codecs
+    max_workers: int | None = None  # the most local ranks to spawn; None: what this machine can hold (worker_limit)
 
     def resolve(self) -> "TrainConfig":
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -56,35 +58,44 @@ class TrainConfig:
         task_cls = get_task(self.task)
         d = task_cls.defaults
         require(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
+        if "RANK" not in os.environ:  # local ranks: bounded by the machine (torchrun's world is torchrun's)
+            check_workers(self.workers, self.max_workers)
         steps = d.steps if self.steps is None else self.steps
         require(steps >= 1, f"steps must be >= 1, got {steps}")
         batch = d.batch_size if self.batch_size is None else self.batch_size
         require(batch >= 1, f"batch-size must be >= 1, got {batch}")
         lr = d.lr if self.lr is None else self.lr
-        require(lr >= 0, f"lr must be >= 0, got {lr}")
+        require(math.isfinite(lr) and lr >= 0, f"lr must be a finite number >= 0, got {lr}")
         opt = d.optimizer if self.optimizer is None else self.optimizer
         require(opt in ("adam", "sgd"), f"optimizer must be adam or sgd, got {opt!r}")
         eval_every = d.eval_every if self.eval_every is None else self.eval_every
         require(eval_every >= 1, f"eval-every must be >= 1, got {eval_every}")
-        require(self.bucket_mb > 0, f"bucket-mb must be > 0, got {self.bucket_mb}")
+        require(math.isfinite(self.bucket_mb) and self.bucket_mb > 0,
+                f"bucket-mb must be a finite number > 0, got {self.bucket_mb}")
         require(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         links = tuple(str(Link.parse(s)) for s in self.links)
         require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
         require(self.on_nonfinite in ("raise", "skip"), f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
+        from thinwire.run.launch import collective_timeout
+
+        collective_timeout()  # a bad THINWIRE_COLLECTIVE_TIMEOUT is refused here, before any rank starts
         out = self.out
         resume_dir = meta = own = None
         if self.resume is not None:
             from thinwire.run import checkpoint
 
             resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
-            meta = checkpoint.read_meta(resume_dir)
+            meta = checkpoint.read_meta(resume_dir)  # its schema
+            checkpoint.verify(resume_dir, meta)  # every rank's file against its checksum, before any rank starts
             own = checkpoint.run_dir(resume_dir)
             if out is None:
                 require(own is not None, f"--resume {self.resume} is not inside a run's checkpoints/ directory: "
                         "say where to write with --out")
                 out = str(own)  # continue in the run's own directory
         require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
+        if out is not None:
+            check_out(out)
         continuing = resume_dir is not None and checkpoint.in_place(resume_dir, out)  # back into its own run
         if continuing and os.environ.get("RANK", "0") == "0":
             later = checkpoint.later_results(own, meta["step"])
@@ -149,7 +160,7 @@ class ImportFailed(ValueError):
 
 
 # -- resuming with the run's own settings -------------------------------------------------------
-OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume"})  # never taken from the checkpoint
+OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers"})  # never taken from the checkpoint
 METHOD_FIELDS = ("method", "policy", "policy_rules")  # given --method or --policy replaces all three
 SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
 
@@ -238,6 +249,64 @@ def file_module_name(path: str) -> str:
     real = os.path.realpath(path)
     stem = os.path.splitext(os.path.basename(real))[0]
     return f"{FILE_MODULE}{stem}_{hashlib.sha1(real.encode()).hexdigest()[:8]}"
+
+
+# -- what this machine can run ------------------------------------------------------------------
+WORKERS_PER_CORE = 8  # local ranks per core at most (they share the cores; beyond this they only wait)
+BYTES_PER_WORKER = 500e6  # a rank's floor: the interpreter, torch and a small model
+
+
+def worker_limit() -> tuple[int, str]:
+    """The most local ranks this machine can hold, and why: :data:`WORKERS_PER_CORE` per
+    core, and the memory available now over :data:`BYTES_PER_WORKER`. A guard against a
+    typo exhausting the machine, not a promise that a large model fits."""
+    cores = os.cpu_count() or 1
+    limit, why = WORKERS_PER_CORE * cores, f"{cores} cores x {WORKERS_PER_CORE}"
+    free = _available_memory()
+    if free is not None and int(free // BYTES_PER_WORKER) < limit:
+        limit = max(1, int(free // BYTES_PER_WORKER))
+        why = f"{free / 1e9:.1f} GB of memory available / {BYTES_PER_WORKER / 1e9:.1f} GB per rank"
+    return limit, why
+
+
+def _available_memory() -> float | None:
+    """Bytes of memory available to new processes (Linux: MemAvailable), else the physical
+    memory where the OS says, else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_workers(workers: int, max_workers: int | None = None) -> None:
+    """Refuse more local ranks than :func:`worker_limit` allows (or ``max_workers``, the
+    user's own bound, which replaces it)."""
+    if max_workers is not None:
+        require(max_workers >= 1, f"max-workers must be >= 1, got {max_workers}")
+        require(workers <= max_workers, f"workers must be <= --max-workers {max_workers}, got {workers}")
+        return
+    limit, why = worker_limit()
+    require(workers <= limit, f"--workers {workers} is more local ranks than this machine can hold (at most {limit}: "
+            f"{why}); pass --max-workers N to allow up to N")
+
+
+def check_out(out: str) -> None:
+    """``--out`` must be a directory, or a path where one can be created: every part that
+    exists is a directory, and the deepest existing one is writable."""
+    path = os.path.abspath(out)
+    require(not os.path.exists(path) or os.path.isdir(path), f"--out {out} is a file, not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    require(os.path.isdir(parent), f"--out {out}: {parent} is a file, not a directory")
+    require(os.access(parent, os.W_OK | os.X_OK), f"--out {out}: {parent} is not writable")
 
 
 def _holds_run(path: str) -> bool:

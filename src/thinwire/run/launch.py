@@ -4,6 +4,13 @@ Local spawn: the launcher process shows progress and watches the ranks. When one
 fails (raises, or dies from a signal), every other rank is terminated at once and the run
 ends with :class:`RunFailed` naming the rank; collectives also carry a timeout, and each
 rank exits by itself if the launcher disappears, so nothing is left behind.
+
+Every rank beats a heartbeat into the process group's store (a counter, once a second, from
+a thread: it stops only when the whole process stops). A rank whose collective fails looks
+at the counters before it reports: a peer whose counter stood still is the one that stopped
+responding (SIGSTOP, a frozen machine), and the run names that peer, not the rank that
+timed out waiting for it. Counters rather than clock readings: ranks on different machines
+need not agree on the time.
 """
 
 from __future__ import annotations
@@ -29,7 +36,12 @@ from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
+TIMEOUT_ENV = "THINWIRE_COLLECTIVE_TIMEOUT"  # seconds; replaces COLLECTIVE_TIMEOUT_S where set
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
+HEARTBEAT_S = 1.0  # each rank's heartbeat period
+SILENT_AFTER_S = 3.0  # a peer whose heartbeat stands still this long stopped responding
+REPEAT_S = 1.0  # a signal repeated within this long of the first is the same delivery (see _on_stop_signals)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class RunFailed(RuntimeError):
@@ -43,26 +55,108 @@ def launch(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any] | 
     return _spawn_local(cfg, show_progress)
 
 
+def collective_timeout() -> float:
+    """Seconds a collective waits on a silent peer before it fails: :data:`COLLECTIVE_TIMEOUT_S`,
+    or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment variable (a number > 0)."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+# -- heartbeats ------------------------------------------------------------------------------
+def _beat_key(rank: int) -> str:
+    return f"thinwire/heartbeat/{rank}"
+
+
+def _store():
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  (no group, or a torch without it: no heartbeats)
+        return None
+
+
+def start_heartbeat(rank: int) -> None:
+    """Beat this rank's counter in the default group's store every :data:`HEARTBEAT_S`,
+    from a daemon thread, until the store goes away."""
+    store = _store()
+    if store is None:
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(_beat_key(rank), 1)
+            except Exception:  # noqa: BLE001  (the group was torn down: the rank is leaving)
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="thinwire-heartbeat", daemon=True).start()
+
+
+def silent_ranks(rank: int, world: int, wait: float = SILENT_AFTER_S) -> list[int]:
+    """The peers whose heartbeat did not move during ``wait`` seconds (empty when there is no
+    store or it cannot be read): the ranks that stopped responding."""
+    store = _store()
+    if store is None or world < 2:
+        return []
+    try:
+        before = [store.add(_beat_key(r), 0) for r in range(world)]
+        time.sleep(wait)
+        after = [store.add(_beat_key(r), 0) for r in range(world)]
+    except Exception:  # noqa: BLE001
+        return []
+    return [r for r in range(world) if r != rank and after[r] == before[r]]
+
+
+def _silent_message(silent: list[int], rank: int, step: int | None, error: str, stopped: bool = False) -> str:
+    who = ", ".join(map(str, silent))
+    after = "" if step is None else f" after step {step}"
+    how = "its process is stopped (state T: SIGSTOP or SIGTSTP)" if stopped else "stopped, e.g. by SIGSTOP, or frozen"
+    return (f"rank{'s' if len(silent) > 1 else ''} {who} stopped responding{after} (no heartbeat for "
+            f"{SILENT_AFTER_S:g} s: {how}); rank {rank} timed out waiting: {error}")
+
+
 # -- torchrun -------------------------------------------------------------------------------
 def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     from thinwire.comm.torch_dist import init_from_env
     from thinwire.run.trainer import train_rank
 
     import_modules(cfg.imports)  # the CLI's resolve() did already; a script's launch() may not have
-    comm = _maybe_emulate(init_from_env(timeout_s=COLLECTIVE_TIMEOUT_S), cfg)
+    comm = _maybe_emulate(init_from_env(timeout_s=collective_timeout()), cfg)
+    start_heartbeat(comm.rank)
     cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
     device = _device()
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
-    stop = threading.Event()  # torchrun forwards SIGINT / SIGTERM to every rank
-    received: list[str] = []
+    received: list[str] = []  # torchrun forwards SIGINT / SIGTERM to every rank
+    step: list[int | None] = [None]  # the last step rank 0 reported (other ranks do not know it)
+
+    def report(kind: str, **fields: Any) -> None:
+        if kind == "step":
+            step[0] = fields["step"]
+        view.handle(kind, **fields)
+
     # torchrun forwards the signal it gets to every rank, so a scheduler that signals every
     # process of the job reaches a rank twice: a repeat must not cancel the checkpoint (torchrun
     # kills ranks that outlast its own grace period)
-    restore = _on_stop_signals(stop, received, escalate=False)
+    restore = _on_stop_signals(lambda signum: None, received, escalate=False)
     try:
         if view:
             view.start()
-        summary = train_rank(cfg, comm, view.handle if view else None, device, stop_requested=stop.is_set)
+        try:
+            summary = train_rank(cfg, comm, report if view else None, device,
+                                 stop_requested=lambda: int(signal.Signals[received[0]]) if received else 0)
+        except RuntimeError as e:  # a collective that failed: name the peer that went silent, if one did
+            silent = silent_ranks(comm.rank, comm.world_size)
+            if silent:
+                raise RunFailed(_silent_message(silent, comm.rank, step[0], _first_line(e))) from e
+            raise
         if summary is not None and received:
             summary["signal"] = received[0]
         gc.collect()  # what holds the group in a reference cycle goes while it lives
@@ -97,13 +191,19 @@ def _threads(cfg: TrainConfig) -> int:
 
 def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None) -> None:
     """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
-    (no TCP port to pick, so concurrent runs cannot collide)."""
+    (no TCP port to pick, so concurrent runs cannot collide). ``stop`` is the launcher's
+    shared signal number (0 until it is asked to stop)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (Ctrl-C reaches the whole group)
-    asked = threading.Event()  # SIGTERM to the whole process group (e.g. a scheduler): stop like the launcher
-    signal.signal(signal.SIGTERM, lambda signum, frame: asked.set())
+    asked: list[int] = []  # SIGTERM to the whole process group or to this rank: stop like the launcher
+    signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the launcher started us: now handled
+    step = [0]
     _exit_with_parent(parent)
     torch.set_num_threads(_threads(cfg))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
+    loopback = loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:  # local ranks listen on this machine only
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
     try:
         from thinwire.comm.torch_dist import TorchComm
         from thinwire.run.trainer import train_rank
@@ -111,15 +211,20 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         import_modules(cfg.imports)  # a spawned rank starts afresh: the launcher's registrations are not here
         torch.distributed.init_process_group(
             "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.workers,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=collective_timeout()),
         )
+        start_heartbeat(rank)
         comm = _maybe_emulate(TorchComm(), cfg)
 
         def report(kind: str, **fields: Any) -> None:
+            if kind == "step":
+                step[0] = fields["step"]
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
 
-        summary = train_rank(cfg, comm, report,
-                             stop_requested=lambda: asked.is_set() or (stop is not None and stop.is_set()))
+        def stop_requested() -> int:
+            return asked[0] if asked else (stop.value if stop is not None else 0)
+
+        summary = train_rank(cfg, comm, report, stop_requested=stop_requested)
         gc.collect()  # what holds the group in a reference cycle (a DDP wrapper, a hook's state) goes while it lives
         torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
@@ -127,12 +232,28 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         q.close()
         q.join_thread()  # the summary reaches the launcher before the rank leaves
         leave_rank()
-    except BaseException as e:  # report, then exit non-zero; the launcher names this rank
-        q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+    except BaseException as e:  # report, then exit non-zero; the launcher names this rank (or the one it waited on)
+        silent = silent_ranks(rank, cfg.workers) if isinstance(e, RuntimeError) else []
+        q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                               "silent": silent}))
         q.close()
         q.join_thread()  # flush the report before leaving
         sys.stderr.flush()
         os._exit(1)
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS), or
+    None where there is none by those names. Spawned ranks pin gloo to it, unless
+    ``GLOO_SOCKET_IFNAME`` is set already: otherwise gloo binds to whatever address the host
+    name resolves to, which can be one reachable from the network."""
+    import socket
+
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -150,7 +271,7 @@ def _exit_with_parent(parent: int) -> None:
 def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    stop = ctx.Event()  # set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end
+    stop = ctx.Value("i", 0)  # the signal number, by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end
     tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
     rendezvous = os.path.join(tmp.name, "rendezvous")
     procs = [
@@ -158,15 +279,25 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
         for r in range(cfg.workers)
     ]
     received: list[str] = []
-    restore = _on_stop_signals(stop, received)
+
+    def ask(signum: int) -> None:
+        stop.value = signum
+
+    restore = _on_stop_signals(ask, received)
     view = ProgressView(cfg) if show_progress else None
     summary = None
     done: set[int] = set()
     errors: dict[int, dict] = {}
-    last_step = 0
+    last_step = _start_step(cfg)
     try:
-        for p in procs:
-            p.start()
+        # a rank takes SIGINT / SIGTERM only once its handlers are in place: it starts with them
+        # blocked (a signal meanwhile waits), so a group signal during start-up cannot kill it
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         if view:
             view.start()
         while len(done) < cfg.workers:
@@ -199,22 +330,41 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
         tmp.cleanup()
 
 
-def _on_stop_signals(stop: Any, received: list[str], escalate: bool = True) -> Callable[[], None]:
-    """SIGINT / SIGTERM: the first asks the ranks to stop after their step (with a checkpoint
-    when the run has an --out); a second one stops at once when ``escalate``, else it is
-    ignored. Returns the undo."""
+def _start_step(cfg: TrainConfig) -> int:
+    """The step a run starts after: its checkpoint's for a resume (read once more; resolve()
+    checked it), else 0."""
+    if not cfg.resume:
+        return 0
+    from thinwire.run import checkpoint
+
+    try:
+        return int(checkpoint.read_meta(checkpoint.locate(cfg.resume))["step"])
+    except ValueError:
+        return 0
+
+
+def _on_stop_signals(ask: Callable[[int], None], received: list[str], escalate: bool = True) -> Callable[[], None]:
+    """SIGINT / SIGTERM: the first calls ``ask(signum)``, asking the ranks to stop after their
+    step (with a checkpoint when the run has an --out). The rule for a repeat: one signal
+    counts once per delivery, and a delivery can reach a process twice (a wrapper such as
+    ``timeout`` or a batch scheduler signals its child and then the child's whole process
+    group), so a repeat within :data:`REPEAT_S` of the first is ignored; a later one stops at
+    once when ``escalate``, else it is ignored too. Returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None  # signal handlers live in the main thread only
+    first: list[float] = []
 
     def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if stop.is_set():
-            if not escalate:
-                return
-            raise KeyboardInterrupt  # the second signal: terminate the ranks now
+        if first:
+            if not escalate or time.monotonic() - first[0] < REPEAT_S:
+                return  # the same delivery again, or a repeat this launcher does not escalate
+            raise KeyboardInterrupt  # a second signal: terminate the ranks now
+        first.append(time.monotonic())
         received.append(name)
-        stop.set()
-        sys.stderr.write(f"thinwire: {name}: stopping after the current step (again to stop at once)\n")
+        ask(int(signum))
+        again = " (a second signal, a second or more later, stops at once)" if escalate else ""
+        sys.stderr.write(f"thinwire: {name}: stopping after the current step{again}\n")
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -236,6 +386,7 @@ def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_
         except queue_mod.Empty:
             pass
     codes = [p.exitcode for p in procs]  # before we terminate the others ourselves
+    states = [_process_state(p.pid) for p in procs]
     _terminate(procs)
     for r, code in enumerate(codes):
         if code is not None and code < 0 and r not in errors:
@@ -243,9 +394,27 @@ def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_
             return f"rank {r} died ({sig}) after step {last_step}; the other ranks were stopped"
     r = next(iter(errors)) if errors else failed[0]  # the first to report is the cause
     what = errors[r]["error"] if r in errors else f"exit code {procs[r].exitcode}"
+    silent = errors.get(r, {}).get("silent") or []
+    if silent:  # it timed out waiting on a peer that stopped responding: that peer is the cause
+        stopped = all(states[s] == "T" for s in silent)
+        return _silent_message(silent, r, last_step, _first_line(what), stopped)
     if os.environ.get("THINWIRE_DEBUG") and r in errors:
         sys.stderr.write(errors[r]["traceback"])
     return f"rank {r} failed after step {last_step}: {what}"
+
+
+def _process_state(pid: int | None) -> str | None:
+    """A process's state letter from /proc (``T``: stopped by a signal), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, TypeError):
+        return None
+
+
+def _first_line(e: BaseException | str) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else (type(e).__name__ if isinstance(e, BaseException) else "")
 
 
 def _terminate(procs) -> None:

@@ -1,10 +1,39 @@
-"""Run outputs: ``metrics.jsonl`` (one object per logged step) and ``summary.json``."""
+"""Run outputs: ``metrics.jsonl`` (one object per logged step) and ``summary.json``.
+
+Both are strict JSON: a figure that is NaN or infinite is written as ``null``, and the
+record says why under ``non_finite`` (``{"final_loss": "nan"}``; nested figures by their
+dotted path), so any JSON reader takes the files and no figure silently reads as a number.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
+
+NON_FINITE = "non_finite"  # the key naming a record's figures that were NaN or infinite
+
+
+def finite(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with every non-finite float replaced by None and, when there was one,
+    ``non_finite``: {dotted path: "nan" | "inf" | "-inf"}."""
+    found: dict[str, str] = {}
+
+    def walk(v: Any, path: str) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            found[path] = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+            return None
+        if isinstance(v, dict):
+            return {k: walk(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, f"{path}.{i}") for i, x in enumerate(v)]
+        return v
+
+    out = walk(record, "")
+    if found:
+        out[NON_FINITE] = {**(record.get(NON_FINITE) or {}), **found}
+    return out
 
 
 class MetricsWriter:
@@ -18,7 +47,7 @@ class MetricsWriter:
         path = os.path.join(out, "metrics.jsonl")
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:  # the history replaces the file in one step
-            f.writelines(json.dumps(record) + "\n" for record in history or [])
+            f.writelines(json.dumps(finite(record), allow_nan=False) + "\n" for record in history or [])
         os.replace(tmp, path)
         self._jsonl = open(path, "a", encoding="utf-8")
         stale = os.path.join(out, "summary.json")  # an earlier run's (or the resumed one's): not this run's
@@ -26,7 +55,7 @@ class MetricsWriter:
             os.remove(stale)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps(record, sort_keys=False) + "\n")
+        self._jsonl.write(json.dumps(finite(record), sort_keys=False, allow_nan=False) + "\n")
         self._jsonl.flush()
 
     def write_summary(self, summary: dict[str, Any]) -> None:
@@ -39,7 +68,7 @@ class MetricsWriter:
 def write_json_atomic(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
+        json.dump(finite(obj) if isinstance(obj, dict) else obj, f, indent=2, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 

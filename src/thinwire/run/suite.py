@@ -5,7 +5,8 @@ One race per seed method (a ``thinwire compare`` of its own in ``OUT/<group>/``:
 CSV, plots), all on the same task, workers, steps and seed. A method that several races
 share (``identity``) runs once and its run is copied. ``OUT/report.md`` then sets each
 paper's headline figure beside what this machine measured; ``OUT/claims.csv`` holds the
-same rows.
+same rows. An ``OUT`` holding any of these, or any file a race writes in ``OUT/<group>/``,
+is refused unless ``--overwrite``.
 
 The papers measured wall-clock time on real clusters (AlexNet on 8 GPUs over InfiniBand,
 VGG/ResNet on GPU clusters); here the times are the modeled times at each ``--link``
@@ -101,16 +102,33 @@ SEEDS: tuple[Group, ...] = (
 )
 
 SUITES = {"seeds": SEEDS}
+OUTPUTS = ("report.md", "claims.csv")  # what a suite writes at the top of --out, besides its races
 
 
 def prepare(base: TrainConfig, out: str, overwrite: bool = False,
             groups: tuple[Group, ...] = SEEDS) -> list[compare.Race]:
     """One validated race per group, in ``out/<key>/``; raises ``ValueError`` (bad method for
-    the task, an --out already holding a suite, ...)."""
+    the task, an --out already holding a suite, ...). Unless ``overwrite``, an ``out`` holding
+    any file a suite writes (:func:`earlier_output`) is refused before any race directory is made."""
     path = Path(out)
-    if (path / "claims.csv").exists() and not overwrite:
-        raise ValueError(f"--out {out} already holds a suite (claims.csv); pass --overwrite or choose another")
+    found = None if overwrite else earlier_output(path, groups)
+    if found is not None:
+        raise ValueError(f"--out {out} already holds a suite ({found.relative_to(path).as_posix()}); "
+                         "pass --overwrite or choose another --out")
     return [compare.prepare(base, g.specs, str(path / g.key), overwrite=overwrite) for g in groups]
+
+
+def earlier_output(path: Path, groups: tuple[Group, ...] = SEEDS) -> Path | None:
+    """The first file in ``path`` that a suite writes: its own (:data:`OUTPUTS`), then any a
+    race writes in its ``<key>/`` (:func:`compare.earlier_output`); None when there is none."""
+    for name in OUTPUTS:
+        if (path / name).exists():
+            return path / name
+    for g in groups:
+        found = compare.earlier_output(path / g.key)
+        if found is not None:
+            return found
+    return None
 
 
 def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch: Callable[..., Any] | None = None,
@@ -281,5 +299,5 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ = ["Claim", "Group", "SEEDS", "SUITES", "SUITE_WORKERS", "finish", "format_value", "measure", "prepare",
-           "run", "summary_lines"]
+__all__ = ["Claim", "Group", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "earlier_output", "finish", "format_value",
+           "measure", "prepare", "run", "summary_lines"]

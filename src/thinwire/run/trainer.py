@@ -8,8 +8,9 @@ and the same evaluation schedule, so their collectives stay in lockstep.
 from __future__ import annotations
 
 import math
+import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,7 @@ from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import sent_bytes
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
-from thinwire.run.metrics import MetricsWriter
+from thinwire.run.metrics import MetricsWriter, finite
 
 Report = Callable[..., None]  # report(kind, **fields): progress to the launcher (rank 0 only)
 STOP_POLL_SECONDS = 1.0  # how often (in training time) the ranks agree on a stop request
@@ -38,6 +39,10 @@ class Clock:
     checkpoint_seconds: float = 0.0  # spent writing them (outside the training-step clocks)
     codec_before: float = 0.0  # a resumed run's codec and communication seconds before its checkpoint
     comm_before: float = 0.0
+    first_nonfinite: dict[str, Any] = field(default_factory=dict)  # the first skipped step's step, rank, parameter
+
+
+SKIPPED_SHARE_DEAD = 0.5  # a run that skipped more than this share of its steps did not train: it ends non-zero
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
@@ -48,7 +53,7 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
 
 def train_rank(
     cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu",
-    stop_requested: Callable[[], bool] | None = None,
+    stop_requested: Callable[[], int | bool] | None = None,
 ) -> dict[str, Any] | None:
     """Train on this rank's ``device``; rank 0 writes metrics and returns the summary (others
     return None).
@@ -62,7 +67,13 @@ def train_rank(
     metered) per step lets every rank agree and drop the step alike. A stop request
     (``stop_requested()``, e.g. a signal) is agreed on the same way, about once a second
     (:data:`STOP_POLL_SECONDS`): the step is finished, a checkpoint written when there is
-    an ``--out``, and the run ends early with ``stopped_at`` in its summary."""
+    an ``--out``, and the run ends early with ``stopped_at`` in its summary (and ``signal``,
+    the signal any rank got: ``stop_requested()`` returns its number, or True for a request
+    without one).
+
+    The summary's ``status`` is ``ok``, ``stopped``, or ``diverged`` (with ``failure`` saying
+    why) for a run that skipped most of its steps for non-finite gradients or whose final
+    loss is not finite; nothing non-finite is written to JSON (see :mod:`thinwire.run.metrics`)."""
     from thinwire import __version__
     from thinwire.tasks import get as get_task
 
@@ -88,13 +99,15 @@ def train_rank(
     start, history = 0, []
     if cfg.resume:
         start, last_eval, history = _resume(cfg, comm, model, optimizer, method, clock, device)
+        with comm.meter.paused():
+            comm.barrier()  # every rank loaded its file before rank 0 touches the run's outputs
     batches = task.train_batches(rank, n, cfg.batch_size, start=start)  # batch b is the same for any start
     writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
     continuing = bool(cfg.resume) and checkpoint.in_place(checkpoint.locate(cfg.resume), cfg.out)
     if rank == 0 and cfg.out and not continuing:
         checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
     net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
-    stopped_at, poll_every, step_seconds = None, 1, 0.0
+    stopped_at, stop_signal, poll_every, step_seconds = None, 0, 1, 0.0
     t_start = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -114,7 +127,9 @@ def train_rank(
                                      "(--on-nonfinite skip drops such steps on every rank instead)")
         polling = stop_requested is not None and (step <= start + 2 or (step - start) % poll_every == 0)
         if cfg.on_nonfinite == "skip" or polling:
-            who, idx, stop, seconds = _agree(comm, idx, polling and stop_requested(), step_seconds, device)
+            who, idx, stop_signal, seconds = _agree(comm, idx, _signum(stop_requested()) if polling else 0,
+                                                    step_seconds, device)
+            stop = stop_signal != 0
             bad = None if who is None else (who, params[idx][0])
             if polling and step == start + 2:  # from the first whole step: ask about once a second
                 poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
@@ -128,6 +143,8 @@ def train_rank(
         else:  # skipped on every rank alike, before anything is encoded or stepped
             optimizer.zero_grad(set_to_none=False)
             clock.skipped += 1
+            if not clock.first_nonfinite:
+                clock.first_nonfinite = {"step": step, "rank": bad[0], "parameter": bad[1]}
             t2 = t3 = time.perf_counter()
         last = step == cfg.steps  # a stopped run is not over: its checkpoint holds the method mid-schedule
         if last and hasattr(method, "finish"):
@@ -150,14 +167,18 @@ def train_rank(
                 report("eval", **last_eval)
         if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
             t5 = time.perf_counter()
-            _save(cfg, comm, step, model, optimizer, method, clock, last_eval)
+            _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device)
             clock.checkpoints += 1
             clock.checkpoint_seconds += time.perf_counter() - t5
         if stop:
             stopped_at = step
             break
-    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device, model_bytes, model)
+    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device, model_bytes, model,
+                       done=stopped_at or cfg.steps)
     summary.update(resumed_from=start or None, stopped_at=stopped_at)
+    if stopped_at is not None:
+        summary.update(status="stopped", signal=_signal_name(stop_signal))
+    summary = finite(summary)  # strict JSON: a NaN loss is null, and non_finite says so
     if writer:
         if stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
             writer.write_summary(summary)
@@ -178,27 +199,48 @@ def _nonfinite(params) -> int | None:
     return held[int((~finite).nonzero()[0].item())]  # a norm overflowing fp32 counts too
 
 
-def _agree(comm: Communicator, bad: int | None, stop: bool, seconds: float,
-           device: torch.device | str = "cpu") -> tuple[int | None, int, bool, float]:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # named in this order of precedence when ranks got different ones
+
+
+def _signum(asked: int | bool) -> int:
+    """A ``stop_requested()`` answer as a signal number (-1: a request without a signal)."""
+    if isinstance(asked, bool) or asked is None:
+        return -1 if asked else 0
+    return int(asked)
+
+
+def _signal_name(signum: int) -> str:
+    return signal.Signals(signum).name if signum > 0 else "a stop request"
+
+
+def _agree(comm: Communicator, bad: int | None, stop: int, seconds: float,
+           device: torch.device | str = "cpu") -> tuple[int | None, int, int, float]:
     """One all_reduce (not metered) of every rank's findings: (the highest rank holding a
-    non-finite gradient and the index of its first such parameter, or None and -1; whether
-    any rank asked to stop; the mean of ``seconds``). Each rank fills its own slot, so every
+    non-finite gradient and the index of its first such parameter, or None and -1; the stop
+    any rank asked for, as a signal number (SIGTERM before SIGINT; -1 for a request without
+    a signal; 0 for none); the mean of ``seconds``). Each rank fills its own slot, so every
     rank names the same parameter."""
     n = comm.world_size
-    values = [0.0] * (n + 2)
+    kinds = len(STOP_SIGNALS)
+    values = [0.0] * (n + kinds + 2)
     if bad is not None:
         values[comm.rank] = bad + 1.0
-    values[n], values[n + 1] = float(stop), seconds
+    if stop:  # a count per kind of stop: the sum of the ranks' own
+        slot = STOP_SIGNALS.index(stop) if stop in STOP_SIGNALS else kinds
+        values[n + slot] = 1.0
+    values[-1] = seconds
     flags = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces on the rank's GPU
     with comm.meter.paused():
         comm.all_reduce(flags)
     got = flags.tolist()
     offenders = [(r, int(got[r]) - 1) for r in range(n) if got[r] > 0]
     who, idx = offenders[-1] if offenders else (None, -1)
-    return who, idx, got[n] > 0, got[n + 1] / n
+    asked = [int(sig) for sig, count in zip(STOP_SIGNALS, got[n:n + kinds]) if count > 0]
+    agreed = asked[0] if asked else (-1 if got[n + kinds] > 0 else 0)
+    return who, idx, agreed, got[-1] / n
 
 
-def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
+def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="cpu") -> None:
     """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
     t = method.timing
     with comm.meter.paused():
@@ -209,17 +251,30 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval) -> None:
             "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
             "seconds": {"compute": clock.compute, "train_wall": clock.train_wall, "skipped": clock.skipped,
                         "codec": t.codec_seconds + clock.codec_before, "comm": t.comm_seconds + clock.comm_before},
+            "first_nonfinite": dict(clock.first_nonfinite),
         }
         if comm.rank == 0:
             checkpoint.prepare(cfg.out, step)  # an earlier run's directory of this step goes first
         comm.barrier()
-        checkpoint.write_rank(cfg.out, step, comm.rank, state)
-        comm.barrier()
+        record = checkpoint.write_rank(cfg.out, step, comm.rank, state)
+        files = _gather_records(comm, record, device)  # also the barrier: every rank's file is on disk
         if comm.rank == 0:
             checkpoint.commit(cfg.out, step, {"world_size": comm.world_size, "task": cfg.task, "method": cfg.method,
                                               "seed": cfg.seed, "task_options": cfg.task_options,
-                                              "config": cfg.to_dict()})
+                                              "config": cfg.to_dict()}, files)
         comm.barrier()  # nobody resumes from, or removes, a checkpoint still being committed
+
+
+def _gather_records(comm, record: dict[str, Any], device) -> dict[str, dict[str, Any]]:
+    """Every rank's checkpoint file record (:func:`checkpoint.write_rank`), on every rank: one
+    all_reduce (the caller pauses the meter) of a row per rank, its SHA-256 bytes and size."""
+    n = comm.world_size
+    rows = torch.zeros(n, 33, dtype=torch.float64, device=device)
+    rows[comm.rank, :32] = torch.tensor(list(bytes.fromhex(record["sha256"])), dtype=torch.float64)
+    rows[comm.rank, 32] = float(record["bytes"])  # exact below 2**53 bytes
+    comm.all_reduce(rows)
+    return {f"rank-{r}.pt": {"sha256": bytes(int(v) for v in row[:32]).hex(), "bytes": int(row[32])}
+            for r, row in enumerate(rows.tolist())}
 
 
 def _resume(cfg, comm, model, optimizer, method, clock, device):
@@ -232,7 +287,7 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     checkpoint.check_matches(meta, workers=comm.world_size, task=cfg.task, method=cfg.method, steps=cfg.steps,
                              task_options=cfg.task_options, seed=cfg.seed, batch_size=cfg.batch_size,
                              optimizer=cfg.optimizer, lr=cfg.lr)
-    state = checkpoint.load_rank(d, comm.rank, map_location=device)
+    state = checkpoint.load_rank(d, comm.rank, map_location=device, meta=meta)
     model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
     optimizer.load_state_dict(state["optimizer"])
     if hasattr(method, "load_state_dict"):
@@ -241,6 +296,7 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     checkpoint.set_rng_state(state["rng"])
     sec = state["seconds"]
     clock.compute, clock.train_wall, clock.skipped = sec["compute"], sec["train_wall"], int(sec["skipped"])
+    clock.first_nonfinite = dict(state.get("first_nonfinite") or {})
     t = method.timing
     clock.codec_before, clock.comm_before = sec["codec"] - t.codec_seconds, sec["comm"] - t.comm_seconds
     step = int(state["step"])
@@ -315,7 +371,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
     record.update(
         bytes_sent=comm.meter.bytes_sent,
         messages=comm.meter.messages,
-        fp32_bytes=fp32_per_step * step,
+        fp32_bytes=fp32_per_step * (step - clock.skipped),  # skipped steps send nothing either way
         elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
         wall_seconds=clock.train_wall,  # training steps only, as in summary.json
         compute_seconds=clock.compute,
@@ -388,12 +444,15 @@ def _tensor_bytes(obj: Any) -> int:
     return walk(obj)
 
 
-def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None) -> dict[str, Any]:
+def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None,
+             done: int | None = None) -> dict[str, Any]:
+    """Rank 0's summary of a run that ended after step ``done`` (default: ``cfg.steps``)."""
+    done = cfg.steps if done is None else done
     with comm.meter.paused():
         sent = torch.tensor([comm.meter.bytes_sent], dtype=torch.float64, device=device)
         comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
     per_worker = sent.item() / comm.world_size
-    fp32 = fp32_per_step * cfg.steps
+    fp32 = fp32_per_step * (done - clock.skipped)  # what fp32 would have sent for the steps that communicated
     t = _timing(method, clock)
     modeled = {link: _modeled(Link.parse(link), comm, clock, t, method) for link in cfg.links}
     return {
@@ -419,6 +478,8 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method) for link in cfg.links},
         "messages_per_worker": comm.meter.messages,
         "skipped_steps": clock.skipped,
+        "first_nonfinite": dict(clock.first_nonfinite) or None,
+        **_verdict(clock, done, last_eval),
         "checkpoints_written": clock.checkpoints,
         "checkpoint_seconds": clock.checkpoint_seconds,
         "steps_run": clock.steps_run,
@@ -434,6 +495,26 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         "version": version,
     }
+
+
+def _verdict(clock: Clock, done: int, last_eval: dict[str, Any]) -> dict[str, Any]:
+    """``status`` ``ok``, or ``diverged`` with ``failure`` naming why: more than
+    :data:`SKIPPED_SHARE_DEAD` of the ``done`` steps skipped for non-finite gradients, or a
+    final loss that is not finite (a run that did not train must not look like one that did)."""
+    why = []
+    if clock.skipped > SKIPPED_SHARE_DEAD * done:
+        why.append(f"{clock.skipped} of {done} steps were skipped for non-finite gradients")
+    for key in ("test_loss", "train_loss"):
+        value = last_eval.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            why.append(f"the final {key.replace('_', ' ')} is {value}")
+    if not why:
+        return {"status": "ok"}
+    first = clock.first_nonfinite
+    if first:
+        why.append(f"the first non-finite gradient was in {first['parameter']} on rank {first['rank']} at step "
+                   f"{first['step']}")
+    return {"status": "diverged", "failure": "; ".join(why)}
 
 
 def _per_parameter(method, steps: int, n: int) -> list[dict[str, Any]]:
