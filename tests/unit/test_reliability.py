@@ -172,8 +172,10 @@ def test_a_run_without_checkpoints_over_a_foreign_checkpoints_folder_deletes_not
     mine = out / "checkpoints" / "resnet50" / "epoch90.pth"
     mine.parent.mkdir(parents=True)
     mine.write_bytes(b"weights")
-    _train(_cfg(out, steps=K, checkpoint_every=0, overwrite=True))
+    _train(_cfg(out, steps=K, checkpoint_every=0))  # no --overwrite needed: that folder is not a run's
     assert mine.read_bytes() == b"weights"
+    with pytest.raises(ValueError, match="already holds a run"):  # the run it just wrote is one
+        _cfg(out, steps=K)
 
 
 def test_pruning_old_checkpoints_keeps_a_foreign_file_in_them(tmp_path):

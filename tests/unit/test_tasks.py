@@ -325,3 +325,34 @@ def test_a_few_steps_reduce_the_training_loss(name, steps, factor):
         opt.step()
     after = probe_loss()
     assert after < factor * before, f"{name}: loss {before:.3f} -> {after:.3f}, wanted < {factor} x"
+
+
+def test_mnist1d_keeps_a_generated_set_on_disk_and_regenerates_a_damaged_one(tmp_path, monkeypatch):
+    from thinwire.tasks import mnist1d
+
+    monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(mnist1d, "_cache", {})  # this process's own cache starts empty, and is restored after
+    made, real_make, sets = [], mnist1d._make, []
+
+    def make(n, seed):  # generates once for real, then hands out that set (each generation takes seconds)
+        made.append((n, seed))
+        if not sets:
+            sets.append(real_make(n, seed))
+        return sets[0]
+
+    monkeypatch.setattr(mnist1d, "_make", make)
+    first = mnist1d.generate(*mnist1d.SIZES["default"])
+    path = mnist1d.cache_path(*mnist1d.SIZES["default"])
+    assert made == [mnist1d.SIZES["default"]] and path.is_file() and path.parent == tmp_path / "cache"
+    mnist1d._cache.clear()
+    again = mnist1d.generate(*mnist1d.SIZES["default"])  # read from disk: not generated again, the same tensors
+    assert len(made) == 1 and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(first, again))
+    for damage in (b"not an npz", path.read_bytes()[:1000]):  # garbage, truncated: generated again
+        path.write_bytes(damage)
+        mnist1d._cache.clear()
+        assert all(torch.equal(a, b) for a, b in zip(first, mnist1d.generate(*mnist1d.SIZES["default"])))
+    assert len(made) == 3
+    monkeypatch.setenv("THINWIRE_CACHE", str(path))  # a file where the directory should be: no cache, no error
+    mnist1d._cache.clear()
+    monkeypatch.setattr(mnist1d, "_make", lambda n, seed: first)
+    assert mnist1d.generate(*mnist1d.SIZES["default"]) is first

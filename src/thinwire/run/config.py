@@ -105,7 +105,7 @@ class TrainConfig:
         if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
             require(
                 self.overwrite or not _holds_run(out),
-                f"--out {out} already holds a run (summary.json, metrics.jsonl or checkpoints); "
+                f"--out {out} already holds a run (summary.json, metrics.jsonl or thinwire's checkpoints); "
                 "pass --overwrite to replace it or choose another directory",
             )
         method, rules = self.method, self.policy_rules
@@ -310,4 +310,13 @@ def check_out(out: str) -> None:
 
 
 def _holds_run(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "metrics.jsonl", "checkpoints"))
+    """Whether ``path`` holds a run's files: its summary, its metrics, or checkpoints of
+    thinwire's (``checkpoints/latest.json`` or a ``checkpoints/step-NNNNNNNN``; a
+    ``checkpoints/`` folder of someone else's does not count)."""
+    from thinwire.run import checkpoint
+
+    if any(os.path.exists(os.path.join(path, f)) for f in ("summary.json", "metrics.jsonl")):
+        return True
+    root = checkpoint.root(path)
+    return (root / checkpoint.LATEST).exists() or (root.is_dir() and any(
+        checkpoint.STEP_NAME.fullmatch(p.name) for p in root.iterdir()))

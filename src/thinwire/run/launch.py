@@ -115,6 +115,15 @@ def silent_ranks(rank: int, world: int, wait: float = SILENT_AFTER_S) -> list[in
     return [r for r in range(world) if r != rank and after[r] == before[r]]
 
 
+def collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed (a timeout, a peer's connection gone): the
+    errors worth checking the heartbeats for before reporting."""
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
+
+
 def _silent_message(silent: list[int], rank: int, step: int | None, error: str, stopped: bool = False) -> str:
     who = ", ".join(map(str, silent))
     after = "" if step is None else f" after step {step}"
@@ -153,7 +162,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
             summary = train_rank(cfg, comm, report if view else None, device,
                                  stop_requested=lambda: int(signal.Signals[received[0]]) if received else 0)
         except RuntimeError as e:  # a collective that failed: name the peer that went silent, if one did
-            silent = silent_ranks(comm.rank, comm.world_size)
+            silent = silent_ranks(comm.rank, comm.world_size) if collective_failure(e) else []
             if silent:
                 raise RunFailed(_silent_message(silent, comm.rank, step[0], _first_line(e))) from e
             raise
@@ -233,7 +242,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         q.join_thread()  # the summary reaches the launcher before the rank leaves
         leave_rank()
     except BaseException as e:  # report, then exit non-zero; the launcher names this rank (or the one it waited on)
-        silent = silent_ranks(rank, cfg.workers) if isinstance(e, RuntimeError) else []
+        silent = silent_ranks(rank, cfg.workers) if collective_failure(e) else []
         q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
                                "silent": silent}))
         q.close()
@@ -271,7 +280,9 @@ def _exit_with_parent(parent: int) -> None:
 def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    stop = ctx.Value("i", 0)  # the signal number, by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end
+    # the signal number, set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end (no lock: a
+    # rank killed while holding one would block the signal handler that sets it)
+    stop = ctx.Value("i", 0, lock=False)
     tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
     rendezvous = os.path.join(tmp.name, "rendezvous")
     procs = [

@@ -4,12 +4,20 @@ The data are generated offline by the ``mnist1d`` package (``make_dataset``), ne
 downloaded. ``size=default`` is the package's default set (seed 42: 4,000 train /
 1,000 test); ``size=large`` generates 40,000 samples with seed 1234 (32,000 / 8,000),
 which raises the accuracy ceiling from ~96% to ~99% for long runs (~8 s to generate).
+
+Generating the default set takes ~5 s of CPU, in the launcher and again in every rank, so
+a generated set is kept on disk (:func:`cache_dir`: ``$THINWIRE_CACHE``, else
+``$XDG_CACHE_HOME/thinwire``, else ``~/.cache/thinwire``), keyed by its size, seed and the
+``mnist1d`` version, written atomically and checked when read; a cache that cannot be read
+or written is regenerated or skipped, never an error.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Literal
@@ -102,8 +110,70 @@ def generate(num_samples: int, data_seed: int) -> tuple[Tensor, Tensor, Tensor, 
     key = (num_samples, data_seed)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _make(num_samples, data_seed)
+            _cache[key] = _load(num_samples, data_seed)
+            if _cache[key] is None:
+                _cache[key] = _make(num_samples, data_seed)
+                _store(num_samples, data_seed, _cache[key])
         return _cache[key]
+
+
+def cache_dir() -> Path:
+    """Where generated data sets are kept: ``$THINWIRE_CACHE``, else ``$XDG_CACHE_HOME/thinwire``,
+    else ``~/.cache/thinwire``."""
+    if os.environ.get("THINWIRE_CACHE"):
+        return Path(os.environ["THINWIRE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "thinwire"
+
+
+def cache_path(num_samples: int, data_seed: int) -> Path:
+    try:
+        from importlib.metadata import version
+
+        made_by = version("mnist1d")
+    except Exception:  # noqa: BLE001  (not installed as a distribution: a version of its own)
+        made_by = "unknown"
+    return cache_dir() / f"mnist1d-{num_samples}-{data_seed}-{made_by}.npz"
+
+
+ARRAYS = ("x", "y", "x_test", "y_test")
+
+
+def _load(num_samples: int, data_seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """The set from the disk cache, or None when it is missing or not what it should be."""
+    import numpy as np
+
+    try:
+        with np.load(cache_path(num_samples, data_seed), allow_pickle=False) as f:
+            x, y, xt, yt = (f[name] for name in ARRAYS)
+    except Exception:  # noqa: BLE001  (missing, truncated, not an npz, a key missing: regenerate)
+        return None
+    test = num_samples // 5
+    shapes_ok = (x.shape == (num_samples - test, 1, 40) and xt.shape == (test, 1, 40)
+                 and y.shape == (num_samples - test,) and yt.shape == (test,))
+    if not (shapes_ok and x.dtype == xt.dtype == np.float32 and y.dtype == yt.dtype == np.int64
+            and np.isfinite(x).all() and np.isfinite(xt).all() and y.min() >= 0 and y.max() < 10
+            and yt.min() >= 0 and yt.max() < 10):
+        return None
+    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt), torch.from_numpy(yt)
+
+
+def _store(num_samples: int, data_seed: int, arrays: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    """Keep the set in the disk cache (temporary file, then rename); skipped when it cannot be written."""
+    import numpy as np
+
+    path = cache_path(num_samples, data_seed)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, **{name: a.numpy() for name, a in zip(ARRAYS, arrays)})
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
 
 
 def _make(num_samples: int, data_seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
