@@ -220,6 +220,9 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None and summary.get("stopped_at") is not None:
         where = (f"; checkpoint in {cfg.out}/checkpoints: continue with --resume {cfg.out}" if cfg.out
                  else " (no --out, so no checkpoint)")
+        if summary.get("unfinished"):  # a rank ended by the signal itself, before it could checkpoint
+            where = ("; a rank ended before it could write a checkpoint (the signal reached it while it was "
+                     "starting up), so nothing after the last one was kept")
         print(f"thinwire: stopped by {summary.get('signal', 'a signal')} after step {summary['stopped_at']}{where}",
               file=sys.stderr)
         return 143 if summary.get("signal") == "SIGTERM" else 130

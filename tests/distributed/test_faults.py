@@ -29,19 +29,6 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(TESTS), **extra)  # usercodec.signalself is found by its name
 
 
-def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 90) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.communicate()}")
-        try:
-            return json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
-        except (OSError, ValueError):
-            time.sleep(0.2)
-    raise AssertionError("no checkpoint appeared")
-
-
-@pytest.mark.timeout(180)
 def test_a_group_sigterm_through_a_wrapper_still_checkpoints_and_exits_143(tmp_path):
     # `setsid timeout 600 thinwire train ...`: timeout, signalled, passes the signal to its
     # child and then to its whole process group, so the launcher gets it twice at once (batch
@@ -68,12 +55,13 @@ def test_a_group_sigterm_through_a_wrapper_still_checkpoints_and_exits_143(tmp_p
 @pytest.mark.timeout(180)
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_exits_143(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run(_cmd(out, "--steps", "1000", "--import", "usercodec.signalself", "--method", "signalself"),
+    r = subprocess.run(_cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--import", "usercodec.signalself",
+                            "--method", "signalself"),
                        capture_output=True, text=True, timeout=150,
                        env=_env(SIGNALSELF_RANK="1", SIGNALSELF_AT="5", SIGNALSELF_SIGNAL="TERM"))
     assert r.returncode == 143, r.stderr
     stopped = int(r.stderr.split("stopped by SIGTERM after step ")[1].split(";")[0])
-    assert 5 <= stopped < 1000 and checkpoint.locate(out) == checkpoint.step_dir(out, stopped)
+    assert 5 <= stopped < 1000000 and checkpoint.locate(out) == checkpoint.step_dir(out, stopped)
     assert not (out / "summary.json").exists()
 
 
@@ -87,7 +75,7 @@ def test_a_rank_stopped_by_sigstop_is_the_one_named_and_a_resumed_run_counts_fro
     r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--resume", str(out), "--steps", "1000", "--quiet"],
                        capture_output=True, text=True, timeout=150,
                        env=_env(SIGNALSELF_RANK="1", SIGNALSELF_AT="3", SIGNALSELF_SIGNAL="STOP",
-                                THINWIRE_COLLECTIVE_TIMEOUT="4"))
+                                THINWIRE_COLLECTIVE_TIMEOUT="10"))
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     # rank 1 stopped in its 3rd step after the checkpoint at 6 (8 completed on rank 0 at most)

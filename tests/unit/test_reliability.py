@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,30 @@ def test_pruning_old_checkpoints_keeps_a_foreign_file_in_them(tmp_path):
     assert sorted(p.name for p in note.iterdir()) == ["keep.txt"]
 
 
+def test_a_folder_of_someone_elses_among_the_newest_does_not_cost_a_kept_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path / "a", steps=6, checkpoint_every=2)
+    foreign = checkpoint.step_dir(cfg.out, 5)  # named like a checkpoint, never one
+    foreign.mkdir(parents=True)
+    (foreign / "keep.txt").write_text("mine")
+    _train(cfg)  # checkpoints at 2, 4, 6: the newest two complete ones are 4 and 6
+    for step in (4, 6):
+        assert (checkpoint.step_dir(cfg.out, step) / "meta.json").is_file(), step
+    assert not checkpoint.step_dir(cfg.out, 2).exists() and (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_directory_that_is_a_link_is_never_written_through(tmp_path):
+    cfg = _cfg(tmp_path / "a", steps=K, checkpoint_every=K)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "rank-0.pt").write_bytes(b"a user's file that happens to have this name")
+    checkpoint.root(cfg.out).mkdir(parents=True)
+    checkpoint.step_dir(cfg.out, K).symlink_to(mine, target_is_directory=True)
+    _train(cfg)
+    assert sorted(p.name for p in mine.iterdir()) == ["rank-0.pt"]
+    assert (mine / "rank-0.pt").read_bytes() == b"a user's file that happens to have this name"
+    assert not checkpoint.step_dir(cfg.out, K).is_symlink() and checkpoint.load_rank(checkpoint.step_dir(cfg.out, K), 0)
+
+
 # -- 2: a run that did not train ends non-zero, in strict JSON -------------------------------------
 def _strict(text: str):
     def refuse(token):
@@ -232,7 +257,8 @@ def test_finite_replaces_every_non_finite_figure_and_says_which():
 
 
 # -- 7: local workers are bounded by the machine ------------------------------------------------
-def test_more_workers_than_the_machine_holds_are_refused_and_max_workers_overrides(capsys):
+def test_more_workers_than_the_machine_holds_are_refused_and_max_workers_overrides(capsys, monkeypatch):
+    monkeypatch.setattr(config, "_available_memory", lambda: 64e9)  # fixed: the limit must not move between reads
     limit, why = config.worker_limit()
     assert 1 <= limit <= config.WORKERS_PER_CORE * (os.cpu_count() or 1) and why
     _refused(capsys, ["train", "--workers", "100000"], "--workers 100000 is more local ranks than this machine can hold",
@@ -312,3 +338,36 @@ def test_local_ranks_listen_on_the_loopback_interface_only(monkeypatch):
         for sig, h in handlers.items():
             signal.signal(sig, h)
     assert calls[-1] == "eth7"
+
+
+# -- 6: one signal counts once per delivery --------------------------------------------------
+def test_a_repeated_signal_is_one_delivery_within_a_second_and_stops_at_once_after(monkeypatch, capsys):
+    from thinwire.run import launch
+
+    now = [100.0]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: now[0])
+    asked, received = [], []
+    restore = launch._on_stop_signals(asked.append, received)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # a wrapper: to the launcher, then to its whole group
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert asked == [signal.SIGTERM] and received == ["SIGTERM"]
+        now[0] += 0.9
+        os.kill(os.getpid(), signal.SIGINT)  # still the same delivery's moment: ignored
+        assert asked == [signal.SIGTERM]
+        now[0] += 0.2
+        with pytest.raises(KeyboardInterrupt):  # a second signal, a second later: stop at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs at the next bytecode; this gives it one
+    finally:
+        restore()
+    assert "stopping after the current step" in capsys.readouterr().err
+    asked.clear()
+    restore = launch._on_stop_signals(asked.append, [], escalate=False)  # under torchrun: repeats are ignored
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += 5
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert asked == [signal.SIGTERM]
+    finally:
+        restore()

@@ -50,7 +50,7 @@ import torch
 FORMAT = 2  # 2: meta.json records every rank file's checksum
 KEEP = 2  # checkpoints kept on disk: the newest and the one before it
 LATEST = "latest.json"
-STEP_NAME = re.compile(r"step-\d{8}")  # a checkpoint directory's name
+STEP_NAME = re.compile(r"step-\d{8,}")  # a checkpoint directory's name (step_dir: at least 8 digits)
 OWN_FILE = re.compile(r"\.?(meta\.json|rank-\d+\.pt)(\.tmp)?")  # the files thinwire writes into one
 CHUNK = 1 << 20
 
@@ -105,11 +105,12 @@ def commit(out: str | os.PathLike, step: int, meta: dict[str, Any],
         files = {f"rank-{r}.pt": file_record(d / f"rank-{r}.pt") for r in range(int(meta["world_size"]))}
     _write_json(d / "meta.json", dict(meta, format=FORMAT, step=step, files=files))
     _write_json(root(out) / LATEST, {"step": step, "dir": d.name})
-    # keep the newest KEEP at or below this step; any above it belong to an earlier, longer run
+    # keep the newest KEEP complete ones at or below this step; any above it belong to an
+    # earlier, longer run (a directory left holding only someone else's file is no checkpoint)
     steps = _step_dirs(out)
-    older = [p for p in steps if p.name <= d.name]
-    stale = [p for p in steps if p.name > d.name]
-    for old in older[:-KEEP] + stale:
+    older = [p for p in steps if _step_of(p) <= step]
+    kept = [p for p in older if (p / "meta.json").is_file()][-KEEP:]
+    for old in [p for p in older if p not in kept] + [p for p in steps if _step_of(p) > step]:
         remove_step(old)
 
 
@@ -117,7 +118,9 @@ def prepare(out: str | os.PathLike, step: int) -> None:
     """Rank 0, before any rank writes the checkpoint at ``step``: an existing directory of
     that step (an earlier run's) is emptied of thinwire's files, so none can mix with this one."""
     d = step_dir(out, step)
-    if d.is_dir():
+    if d.is_symlink():  # never write through a link into someone else's directory
+        d.unlink()
+    elif d.is_dir():
         remove_step(d)
 
 
@@ -154,7 +157,12 @@ def _step_dirs(out: str | os.PathLike) -> list[Path]:
     r = root(out)
     if not r.is_dir():
         return []
-    return sorted(p for p in r.iterdir() if STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    return sorted((p for p in r.iterdir() if STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+                  key=_step_of)
+
+
+def _step_of(d: Path) -> int:
+    return int(d.name[5:])
 
 
 def _rmdir_if_empty(d: Path) -> None:
@@ -192,7 +200,8 @@ def locate(path: str | os.PathLike) -> Path:
         name, step = latest["dir"], latest["step"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged ({_reason(e)})") from None
-    if not (isinstance(name, str) and STEP_NAME.fullmatch(name) and _is_int(step) and name == f"step-{step:08d}"):
+    if not (isinstance(name, str) and STEP_NAME.fullmatch(name) and _is_int(step) and step >= 0
+            and name == f"step-{step:08d}"):
         raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged: it must name one of this run's "
                               f"checkpoints as step-NNNNNNNN with its step, got dir={name!r:.80}, step={step!r:.20}")
     d = root(p) / name
@@ -230,8 +239,8 @@ def read_meta(d: Path) -> dict[str, Any]:
                                   f"got {value!r:.40}")
     if meta["step"] < 0 or meta["world_size"] < 1:
         raise CheckpointError(f"{where} is damaged: step {meta['step']}, world size {meta['world_size']}")
-    expected = {f"rank-{r}.pt" for r in range(meta["world_size"])}
-    if set(meta["files"]) != expected:
+    n = meta["world_size"]
+    if len(meta["files"]) != n or set(meta["files"]) != {f"rank-{r}.pt" for r in range(n)}:
         raise CheckpointError(f"{where} is damaged: its files are {sorted(meta['files'])[:4]}, expected a record for "
                               f"each of rank-0.pt .. rank-{meta['world_size'] - 1}.pt")
     for name, record in meta["files"].items():
@@ -242,11 +251,15 @@ def read_meta(d: Path) -> dict[str, Any]:
     return meta
 
 
-def verify(d: Path, meta: dict[str, Any]) -> None:
-    """Every rank file of checkpoint ``d`` against its record in ``meta`` (size, then
-    SHA-256): raises :class:`CheckpointError` naming the first file that differs. The
-    launcher runs it before any rank starts."""
-    for name, record in sorted(meta["files"].items(), key=lambda kv: int(kv[0][5:-3])):
+def verify(d: Path, meta: dict[str, Any], ranks: list[int] | None = None) -> None:
+    """The rank files of checkpoint ``d`` (``ranks``, default all) against their records in
+    ``meta`` (size, then SHA-256): raises :class:`CheckpointError` naming the first file that
+    differs. The launcher runs it before any rank starts (under torchrun, each rank for its
+    own file)."""
+    ranks = range(meta["world_size"]) if ranks is None else ranks
+    for name, record in ((f"rank-{r}.pt", meta["files"].get(f"rank-{r}.pt")) for r in ranks):
+        if record is None:
+            raise CheckpointError(f"checkpoint {d}: meta.json records no {name} (a {meta['world_size']}-rank run)")
         path = d / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {d}: {name} is missing")

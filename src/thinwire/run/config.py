@@ -87,7 +87,6 @@ class TrainConfig:
 
             resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
             meta = checkpoint.read_meta(resume_dir)  # its schema
-            checkpoint.verify(resume_dir, meta)  # every rank's file against its checksum, before any rank starts
             own = checkpoint.run_dir(resume_dir)
             if out is None:
                 require(own is not None, f"--resume {self.resume} is not inside a run's checkpoints/ directory: "
@@ -137,6 +136,8 @@ class TrainConfig:
                 raise RunFinished(f"{own} already finished its {steps} steps (summary.json): nothing to do; "
                                   "raise --steps to train longer")
             checkpoint.check_steps(meta, steps)
+            # the files against their checksums, before any rank starts (under torchrun, each its own)
+            checkpoint.verify(resume_dir, meta, [int(os.environ["RANK"])] if "RANK" in os.environ else None)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=out, imports=imports,

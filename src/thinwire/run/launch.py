@@ -1,16 +1,18 @@
-"""Start the ranks of a run: spawn N local ranks (gloo on 127.0.0.1), or join a torchrun world.
+"""Start the ranks of a run: spawn N local ranks (gloo on the loopback interface), or join a torchrun world.
 
 Local spawn: the launcher process shows progress and watches the ranks. When one rank
 fails (raises, or dies from a signal), every other rank is terminated at once and the run
 ends with :class:`RunFailed` naming the rank; collectives also carry a timeout, and each
 rank exits by itself if the launcher disappears, so nothing is left behind.
 
-Every rank beats a heartbeat into the process group's store (a counter, once a second, from
-a thread: it stops only when the whole process stops). A rank whose collective fails looks
-at the counters before it reports: a peer whose counter stood still is the one that stopped
-responding (SIGSTOP, a frozen machine), and the run names that peer, not the rank that
+Every rank beats a heartbeat counter once a second, from a thread (it stops only when the
+whole process stops): spawned ranks in an array shared with the launcher, torchrun ranks in
+the process group's store. A rank whose collective fails under gloo looks at the counters
+before it reports: a peer whose counter stood still is the one that stopped responding
+(SIGSTOP, a frozen machine, a process gone), and the run names that peer, not the rank that
 timed out waiting for it. Counters rather than clock readings: ranks on different machines
-need not agree on the time.
+need not agree on the time. (NCCL's own watchdog aborts a rank whose collective times out,
+before any of this can run.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
 HEARTBEAT_S = 1.0  # each rank's heartbeat period
 SILENT_AFTER_S = 3.0  # a peer whose heartbeat stands still this long stopped responding
 REPEAT_S = 1.0  # a signal repeated within this long of the first is the same delivery (see _on_stop_signals)
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class RunFailed(RuntimeError):
@@ -82,37 +83,60 @@ def _store():
         return None
 
 
-def start_heartbeat(rank: int) -> None:
-    """Beat this rank's counter in the default group's store every :data:`HEARTBEAT_S`,
-    from a daemon thread, until the store goes away."""
-    store = _store()
-    if store is None:
-        return
+def start_heartbeat(rank: int, beats: Any = None) -> threading.Event:
+    """Beat this rank's counter every :data:`HEARTBEAT_S` from a daemon thread: slot ``rank``
+    of ``beats`` (a shared array, spawned ranks), else a key in the default group's store
+    (torchrun: its store lives in memory; a FileStore would grow with every beat). Returns
+    the event that ends the thread (it also ends when the store goes away)."""
+    done = threading.Event()
+    store = None if beats is not None else _store()
+    if beats is None and store is None:
+        return done
 
     def beat() -> None:
-        while True:
+        while not done.is_set():
             try:
-                store.add(_beat_key(rank), 1)
+                if beats is not None:
+                    beats[rank] += 1  # only this rank writes its slot
+                else:
+                    store.add(_beat_key(rank), 1)
             except Exception:  # noqa: BLE001  (the group was torn down: the rank is leaving)
                 return
-            time.sleep(HEARTBEAT_S)
+            done.wait(HEARTBEAT_S)
 
     threading.Thread(target=beat, name="thinwire-heartbeat", daemon=True).start()
+    return done
 
 
-def silent_ranks(rank: int, world: int, wait: float = SILENT_AFTER_S) -> list[int]:
-    """The peers whose heartbeat did not move during ``wait`` seconds (empty when there is no
-    store or it cannot be read): the ranks that stopped responding."""
-    store = _store()
-    if store is None or world < 2:
+def silent_ranks(rank: int, world: int, beats: Any = None, wait: float = SILENT_AFTER_S) -> list[int]:
+    """The peers whose heartbeat did not move during ``wait`` seconds: the ranks that
+    stopped responding. Empty when there is nothing to read, or when reading does not finish
+    in time (a store whose host is itself stopped must not hang the report)."""
+    if world < 2:
         return []
-    try:
-        before = [store.add(_beat_key(r), 0) for r in range(world)]
-        time.sleep(wait)
-        after = [store.add(_beat_key(r), 0) for r in range(world)]
-    except Exception:  # noqa: BLE001
+    store = None if beats is not None else _store()
+    if beats is None and store is None:
         return []
-    return [r for r in range(world) if r != rank and after[r] == before[r]]
+
+    def counts() -> list[int]:
+        return [int(beats[r]) for r in range(world)] if beats is not None else \
+            [store.add(_beat_key(r), 0) for r in range(world)]
+
+    found: list[int] = []
+
+    def watch() -> None:
+        try:
+            before = counts()
+            time.sleep(wait)
+            after = counts()
+        except Exception:  # noqa: BLE001
+            return
+        found.extend(r for r in range(world) if r != rank and after[r] == before[r])
+
+    reader = threading.Thread(target=watch, name="thinwire-heartbeat-check", daemon=True)
+    reader.start()
+    reader.join(wait + 2.0)
+    return list(found) if not reader.is_alive() else []
 
 
 def collective_failure(e: BaseException) -> bool:
@@ -127,7 +151,8 @@ def collective_failure(e: BaseException) -> bool:
 def _silent_message(silent: list[int], rank: int, step: int | None, error: str, stopped: bool = False) -> str:
     who = ", ".join(map(str, silent))
     after = "" if step is None else f" after step {step}"
-    how = "its process is stopped (state T: SIGSTOP or SIGTSTP)" if stopped else "stopped, e.g. by SIGSTOP, or frozen"
+    how = ("its process is stopped (state T: SIGSTOP or SIGTSTP)" if stopped
+           else "stopped, e.g. by SIGSTOP, frozen, or gone")
     return (f"rank{'s' if len(silent) > 1 else ''} {who} stopped responding{after} (no heartbeat for "
             f"{SILENT_AFTER_S:g} s: {how}); rank {rank} timed out waiting: {error}")
 
@@ -139,7 +164,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
 
     import_modules(cfg.imports)  # the CLI's resolve() did already; a script's launch() may not have
     comm = _maybe_emulate(init_from_env(timeout_s=collective_timeout()), cfg)
-    start_heartbeat(comm.rank)
+    beating = start_heartbeat(comm.rank)
     cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
     device = _device()
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
@@ -172,6 +197,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
         torch.distributed.barrier()
         return summary
     finally:
+        beating.set()
         restore()
         if view:
             view.stop()
@@ -198,14 +224,14 @@ def _threads(cfg: TrainConfig) -> int:
     return cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
 
 
-def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None) -> None:
+def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None,
+               beats: Any = None) -> None:
     """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
     (no TCP port to pick, so concurrent runs cannot collide). ``stop`` is the launcher's
     shared signal number (0 until it is asked to stop)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (Ctrl-C reaches the whole group)
     asked: list[int] = []  # SIGTERM to the whole process group or to this rank: stop like the launcher
     signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the launcher started us: now handled
     step = [0]
     _exit_with_parent(parent)
     torch.set_num_threads(_threads(cfg))
@@ -222,7 +248,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
             "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.workers,
             timeout=datetime.timedelta(seconds=collective_timeout()),
         )
-        start_heartbeat(rank)
+        start_heartbeat(rank, beats)
         comm = _maybe_emulate(TorchComm(), cfg)
 
         def report(kind: str, **fields: Any) -> None:
@@ -242,7 +268,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
         q.join_thread()  # the summary reaches the launcher before the rank leaves
         leave_rank()
     except BaseException as e:  # report, then exit non-zero; the launcher names this rank (or the one it waited on)
-        silent = silent_ranks(rank, cfg.workers) if collective_failure(e) else []
+        silent = silent_ranks(rank, cfg.workers, beats) if collective_failure(e) else []
         q.put(("error", rank, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
                                "silent": silent}))
         q.close()
@@ -283,10 +309,11 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
     # the signal number, set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end (no lock: a
     # rank killed while holding one would block the signal handler that sets it)
     stop = ctx.Value("i", 0, lock=False)
+    beats = ctx.Array("q", cfg.workers, lock=False)  # each rank's heartbeat counter
     tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
     rendezvous = os.path.join(tmp.name, "rendezvous")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid(), stop), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid(), stop, beats), daemon=True)
         for r in range(cfg.workers)
     ]
     received: list[str] = []
@@ -301,14 +328,8 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
     errors: dict[int, dict] = {}
     last_step = _start_step(cfg)
     try:
-        # a rank takes SIGINT / SIGTERM only once its handlers are in place: it starts with them
-        # blocked (a signal meanwhile waits), so a group signal during start-up cannot kill it
-        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        for p in procs:
+            p.start()
         if view:
             view.start()
         while len(done) < cfg.workers:
@@ -326,6 +347,11 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
             elif kind == "error":
                 errors.setdefault(rank, fields)
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+            if (errors or failed) and received:
+                # asked to stop, and a rank ended: a signal to the whole group that reached a rank
+                # still starting up, before its handlers were in place, ends it; that is the stop asked for
+                _terminate(procs)
+                return {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
             if errors or failed:
                 raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
         for p in procs:
@@ -350,7 +376,7 @@ def _start_step(cfg: TrainConfig) -> int:
 
     try:
         return int(checkpoint.read_meta(checkpoint.locate(cfg.resume))["step"])
-    except ValueError:
+    except (ValueError, OSError):
         return 0
 
 

@@ -176,7 +176,8 @@ def train_rank(
     summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device, model_bytes, model,
                        done=stopped_at or cfg.steps)
     summary.update(resumed_from=start or None, stopped_at=stopped_at)
-    if stopped_at is not None:
+    if stopped_at is not None:  # not over: no verdict on a run that may yet train
+        summary.pop("failure", None)
         summary.update(status="stopped", signal=_signal_name(stop_signal))
     summary = finite(summary)  # strict JSON: a NaN loss is null, and non_finite says so
     if writer:
@@ -484,7 +485,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "checkpoint_seconds": clock.checkpoint_seconds,
         "steps_run": clock.steps_run,
         "method_report": method.report() if hasattr(method, "report") else {},
-        "per_parameter": _per_parameter(method, cfg.steps, comm.world_size),
+        "per_parameter": _per_parameter(method, done - clock.skipped, comm.world_size),
         "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,
         **(method.summary_fields() if hasattr(method, "summary_fields") else {}),
         "config": cfg.to_dict(),
@@ -519,8 +520,8 @@ def _verdict(clock: Clock, done: int, last_eval: dict[str, Any]) -> dict[str, An
 
 def _per_parameter(method, steps: int, n: int) -> list[dict[str, Any]]:
     """Per parameter: name, shape, codec and the bytes this rank sent for it over the run,
-    next to what an fp32 all_reduce would have sent (rank 0's figures: every rank of a
-    synchronous method sends the same)."""
+    next to what an fp32 all_reduce would have sent in the ``steps`` that communicated (rank
+    0's figures: every rank of a synchronous method sends the same)."""
     if not hasattr(method, "per_parameter"):
         return []
     rows = []

@@ -8,8 +8,10 @@ which raises the accuracy ceiling from ~96% to ~99% for long runs (~8 s to gener
 Generating the default set takes ~5 s of CPU, in the launcher and again in every rank, so
 a generated set is kept on disk (:func:`cache_dir`: ``$THINWIRE_CACHE``, else
 ``$XDG_CACHE_HOME/thinwire``, else ``~/.cache/thinwire``), keyed by its size, seed and the
-``mnist1d`` version, written atomically and checked when read; a cache that cannot be read
-or written is regenerated or skipped, never an error.
+``mnist1d`` version and :data:`CACHE_FORMAT`, written atomically; when read, its shapes,
+dtypes, finiteness and labels are checked (a damaged file is regenerated; it is no defence
+against someone who can write the cache directory). A cache that cannot be read or written
+is regenerated or skipped, never an error.
 """
 
 from __future__ import annotations
@@ -133,10 +135,11 @@ def cache_path(num_samples: int, data_seed: int) -> Path:
         made_by = version("mnist1d")
     except Exception:  # noqa: BLE001  (not installed as a distribution: a version of its own)
         made_by = "unknown"
-    return cache_dir() / f"mnist1d-{num_samples}-{data_seed}-{made_by}.npz"
+    return cache_dir() / f"mnist1d-v{CACHE_FORMAT}-{num_samples}-{data_seed}-{made_by}.npz"
 
 
 ARRAYS = ("x", "y", "x_test", "y_test")
+CACHE_FORMAT = 1  # raised whenever _make changes what it returns: older cached sets are then not read
 
 
 def _load(num_samples: int, data_seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
