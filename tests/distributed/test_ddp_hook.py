@@ -73,3 +73,86 @@ def test_ddp_hook_matches_ddp_default_and_torch_compress_hooks():
         # and bf16 is a real compression: off from fp32 by about bf16's 2^-8 relative precision
         assert 0 < r["bf16_vs_fp32"] <= 2 * 2**-8 * r["scale"]
         assert r["powersgd_finite"]
+
+
+def _grads_cap(rank, setup, cap_mb=None) -> list[torch.Tensor]:
+    """_grads with DDP buckets of ``cap_mb`` (None: DDP's default)."""
+    model = DDP(_net(), **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
+    setup(model)
+    g = torch.Generator().manual_seed(7 + rank)
+    x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
+    for _ in range(3):  # the second and third iterations run on DDP's rebuilt buckets, with codec state
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    del model
+    gc.collect()
+    return grads
+
+
+def _overlap_equals_in_hook(rank, world):
+    import thinwire.integrations.ddp as tw_ddp
+    from thinwire.codecs.registry import available
+
+    differs = []
+    for spec in [*available(), "powersgd:rank=2", "topk:ratio=0.05", "hylo"]:
+        for cap in (None, 0.002):  # one bucket; a bucket per tensor or two
+            a = _grads_cap(rank, lambda m: tw_ddp.register(m, spec, overlap=True), cap)
+            b = _grads_cap(rank, lambda m: tw_ddp.register(m, spec, overlap=False), cap)
+            if not all(torch.equal(x, y) for x, y in zip(a, b)):
+                differs.append((spec, cap))
+    return differs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_overlapping_hook_averages_bit_identically_to_averaging_in_the_hook(world):
+    for r in run_ranks(_overlap_equals_in_hook, world):
+        assert r == []
+
+
+def _collective_after_backward_went_on(rank, world):
+    import threading
+
+    import thinwire.integrations.ddp as tw_ddp
+    from thinwire.comm.torch_dist import TorchComm
+
+    reached = threading.Event()  # the backward pass reached the first layer: its last gradient
+
+    class Watching(TorchComm):
+        """Each collective first waits (up to 5 s) for the backward pass to reach the first
+        layer; records whether it had. A hook that averages inside itself blocks the backward
+        pass, so its first bucket's collective waits in vain."""
+
+        seen: list = []
+
+        def _all_reduce(self, t, async_op):
+            self.seen.append(reached.wait(5.0))
+            return super()._all_reduce(t, async_op)
+
+        def _all_gather(self, t, out, async_op):
+            self.seen.append(reached.wait(5.0))
+            return super()._all_gather(t, out, async_op)
+
+    model = DDP(_net(), bucket_cap_mb=0.002)  # the last layer's bucket is ready long before the first layer's
+    first = next(model.module.parameters())
+    first.register_post_accumulate_grad_hook(lambda p: reached.set())
+    comm = Watching()
+    tw_ddp.register(model, "identity", comm)
+    g = torch.Generator().manual_seed(7 + rank)
+    x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # DDP's first buckets: one, capped at 1 MB
+    reached.clear()
+    Watching.seen.clear()
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # rebuilt: a bucket per 0.002 MB
+    seen = list(Watching.seen)
+    del model
+    gc.collect()
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_the_hook_returns_before_its_collective_so_backward_goes_on():
+    for seen in run_ranks(_collective_after_backward_went_on, 2):
+        assert len(seen) >= 2 and all(seen), seen  # every collective ran while the backward pass went on

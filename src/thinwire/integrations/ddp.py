@@ -4,11 +4,18 @@
     thinwire.ddp.register(model, "powersgd:rank=2")   # the one line
 
 Every DDP bucket is averaged through the same aggregation path as :class:`SyncReducer`
-(codec choice, error feedback keyed by parameter name, SUM or GATHER collective). The hook
-runs its collectives synchronously and returns a completed future: with compressing codecs
-the encode/decode work dominates on the CPU, and a synchronous hook keeps every rank's
-collective order trivially identical. It therefore does not overlap communication with the
-rest of the backward pass the way DDP's own asynchronous all_reduce does.
+(codec choice, error feedback keyed by parameter name, SUM or GATHER collective).
+
+**Overlap.** The hook returns at once with a future; the bucket is encoded, communicated
+(every round of a multi-round codec such as PowerSGD) and decoded by one worker thread of
+the hook's, while the backward pass goes on computing the next buckets, as DDP's own
+asynchronous all_reduce does. The worker takes buckets in the order DDP hands them over
+(bucket order, the same on every rank), one at a time, so every rank issues the same
+collectives in the same order, and the averages are bit-identical to the synchronous path
+(``register(..., overlap=False)``: each bucket averaged inside the hook, for debugging).
+DDP waits for every bucket's future at the end of the backward pass, so gradients are
+final when ``backward()`` returns. On the CPU the overlap hides waiting on the network, and
+codec work runs beside the backward pass's kernels where cores allow.
 
 Gradient semantics are DDP's own: DDP decides which parameters are reduced (frozen ones,
 and with ``find_unused_parameters=True`` unused ones, are handled by DDP itself). With
@@ -21,8 +28,10 @@ back, or, when any rank holds an inf or NaN, all returned as NaN on every rank w
 residual, codec state or step changed, so every rank's ``scaler.step`` skips the step.
 """
 
+import queue
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +64,8 @@ class HookState:
     scaler: Any = None  # a torch.amp.GradScaler: buckets averaged in unscaled units, overflows agreed
     skipped: int = 0  # steps dropped on every rank for a non-finite gradient (under a scaler)
     pending: list = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
+    overlap: bool = True  # average buckets on the worker thread while backward goes on (False: in the hook)
+    worker: "_Worker | None" = None
 
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
         return self.codec if self.assignment is None else self.assignment.codec_for(name)
@@ -101,6 +112,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         named = list(zip(names, grads))
         agg = state.aggregators[names] = Aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    last, buffer = bucket.is_last(), bucket.buffer()
     if state.scaler is not None and state.scaler.is_enabled():
         # DDP waits for every bucket's future only once the whole backward has run, so each
         # bucket waits here until the last one is ready; the step is then decided at once
@@ -108,12 +120,43 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         if bucket.is_last():
             _land_scaled(state)
         return fut
-    agg.step = state.step
-    agg.reduce_(dict(zip(names, grads)))
-    if bucket.is_last():
-        state.step += 1
-    fut.set_result(bucket.buffer())
+
+    def average() -> torch.Tensor:
+        agg.step = state.step  # the worker runs buckets in order: the step advances after the last
+        agg.reduce_(dict(zip(names, grads)))
+        if last:
+            state.step += 1
+        return buffer
+
+    if not state.overlap:
+        fut.set_result(average())
+        return fut
+    if state.worker is None:
+        state.worker = _Worker()
+    state.worker.submit(average, fut)
     return fut
+
+
+class _Worker:
+    """One daemon thread that runs submitted work in submission order and completes each
+    work's future with its result (or its exception)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="thinwire-ddp-hook", daemon=True).start()
+
+    def submit(self, work: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
+        self._queue.put((work, fut))
+
+    def _run(self) -> None:
+        while True:
+            work, fut = self._queue.get()
+            try:
+                result = work()
+            except BaseException as e:  # noqa: BLE001  (DDP's wait() raises it in the training thread)
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
 
 def _land_scaled(state: HookState) -> None:
@@ -155,7 +198,7 @@ def _refuse_loss_window(codecs: "list[Codec]") -> None:
 
 def register(
     model: DistributedDataParallel, method: "str | Codec | Policy" = "identity", comm: "Communicator | None" = None,
-    *, scaler: Any = None,
+    *, scaler: Any = None, overlap: bool = True,
 ) -> HookState:
     """Register thinwire's hook on a DDP model and return its state: keep it, it holds what a
     checkpoint needs (``state_dict()``/``load_state_dict()``: residuals and codec state by
@@ -167,6 +210,10 @@ def register(
     their own (``dasgd``, ``ab``...) attach to a plain model with ``thinwire.attach``.
     ``comm`` defaults to the DDP model's process group. ``scaler``: the
     ``torch.amp.GradScaler`` of a mixed-precision loop (see the module's docstring).
+    ``overlap`` (default True): average each bucket on the hook's worker thread while the
+    backward pass goes on; False averages it inside the hook (the same result, no overlap).
+    Under a scaler the step's buckets are decided together at the last one, as described
+    above, whatever ``overlap`` says.
     """
     if isinstance(method, str):
         refuse_schedule(method, "a DDP communication hook")
@@ -187,6 +234,6 @@ def register(
 
         comm = TorchComm(model.process_group)
     names = {id(p): n for n, p in model.module.named_parameters()}
-    state = HookState(codec, comm, names, assignment, scaler=scaler)
+    state = HookState(codec, comm, names, assignment, scaler=scaler, overlap=overlap)
     model.register_comm_hook(state, hook)
     return state
