@@ -156,3 +156,38 @@ def _collective_after_backward_went_on(rank, world):
 def test_the_hook_returns_before_its_collective_so_backward_goes_on():
     for seen in run_ranks(_collective_after_backward_went_on, 2):
         assert len(seen) >= 2 and all(seen), seen  # every collective ran while the backward pass went on
+
+
+def _unused_run(rank, world, spec):
+    import torch.nn.functional as F
+
+    import thinwire.integrations.ddp as tw_ddp
+    from branchy import branchy
+
+    model = branchy()
+    net = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.01)  # several buckets, and DDP's used-map all_reduce
+    if spec is not None:
+        tw_ddp.register(net, spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        opt.zero_grad()
+        x = torch.randn(32, 32, generator=g)
+        F.cross_entropy(net(x, use_branch=rank == 1), x[:, :4].argmax(1)).backward()
+        opt.step()
+    out = [p.detach().clone() for p in model.parameters()]
+    del net
+    gc.collect()
+    return out
+
+
+def _unused_versus_ddp(rank, world):
+    return _unused_run(rank, world, None), _unused_run(rank, world, "identity")
+
+
+@pytest.mark.timeout(120)
+def test_the_overlapping_hook_keeps_ddps_own_collectives_in_order_with_unused_parameters():
+    # DDP all_reduces its map of used parameters right after the last bucket's hook returns: the
+    # hook's buckets must all be on the wire before, on every rank, or the collectives cross
+    for ddp, ours in run_ranks(_unused_versus_ddp, 2):
+        assert all(torch.equal(a, b) for a, b in zip(ddp, ours))

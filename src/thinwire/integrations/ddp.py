@@ -14,7 +14,10 @@ asynchronous all_reduce does. The worker takes buckets in the order DDP hands th
 collectives in the same order, and the averages are bit-identical to the synchronous path
 (``register(..., overlap=False)``: each bucket averaged inside the hook, for debugging).
 DDP waits for every bucket's future at the end of the backward pass, so gradients are
-final when ``backward()`` returns. On the CPU the overlap hides waiting on the network, and
+final when ``backward()`` returns. The last bucket's hook waits for the worker to finish
+before it returns (every gradient is computed by then, so this costs no overlap): DDP issues
+collectives of its own right after it (with ``find_unused_parameters=True``, the map of used
+parameters), and they must follow the buckets' on every rank. On the CPU the overlap hides waiting on the network, and
 codec work runs beside the backward pass's kernels where cores allow.
 
 Gradient semantics are DDP's own: DDP decides which parameters are reduced (frozen ones,
@@ -134,6 +137,11 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.worker is None:
         state.worker = _Worker()
     state.worker.submit(average, fut)
+    if last:
+        # the backward pass has computed every gradient by now; DDP issues collectives of its own
+        # right after this returns (the used-parameter map's all_reduce), which must follow every
+        # bucket's on every rank: drain the worker first (it runs in order, so this is the last)
+        fut.wait()
     return fut
 
 
