@@ -20,12 +20,14 @@ def _net() -> torch.nn.Module:
     return m
 
 
-def _grads(rank, setup) -> list[torch.Tensor]:
-    model = DDP(_net())
+def _grads(rank, setup, cap_mb=None, iterations=2) -> list[torch.Tensor]:
+    """Gradients after ``iterations`` steps of DDP (buckets of ``cap_mb``; None: DDP's
+    default) with ``setup(model)`` applied: from the second on, DDP's rebuilt buckets."""
+    model = DDP(_net(), **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
     setup(model)
     g = torch.Generator().manual_seed(7 + rank)
     x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
-    for _ in range(2):  # the second iteration runs on DDP's rebuilt buckets
+    for _ in range(iterations):
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -75,21 +77,6 @@ def test_ddp_hook_matches_ddp_default_and_torch_compress_hooks():
         assert r["powersgd_finite"]
 
 
-def _grads_cap(rank, setup, cap_mb=None) -> list[torch.Tensor]:
-    """_grads with DDP buckets of ``cap_mb`` (None: DDP's default)."""
-    model = DDP(_net(), **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
-    setup(model)
-    g = torch.Generator().manual_seed(7 + rank)
-    x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
-    for _ in range(3):  # the second and third iterations run on DDP's rebuilt buckets, with codec state
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    del model
-    gc.collect()
-    return grads
-
-
 def _overlap_equals_in_hook(rank, world):
     import thinwire.integrations.ddp as tw_ddp
     from thinwire.codecs.registry import available
@@ -97,8 +84,9 @@ def _overlap_equals_in_hook(rank, world):
     differs = []
     for spec in [*available(), "powersgd:rank=2", "topk:ratio=0.05", "hylo"]:
         for cap in (None, 0.002):  # one bucket; a bucket per tensor or two
-            a = _grads_cap(rank, lambda m: tw_ddp.register(m, spec, overlap=True), cap)
-            b = _grads_cap(rank, lambda m: tw_ddp.register(m, spec, overlap=False), cap)
+            # three iterations: the last two on rebuilt buckets, with codec state carried over
+            a = _grads(rank, lambda m: tw_ddp.register(m, spec, overlap=True), cap, iterations=3)
+            b = _grads(rank, lambda m: tw_ddp.register(m, spec, overlap=False), cap, iterations=3)
             if not all(torch.equal(x, y) for x, y in zip(a, b)):
                 differs.append((spec, cap))
     return differs
