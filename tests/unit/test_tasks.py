@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from thinwire import tasks
+from thinwire import cli, tasks
 from thinwire.tasks import TaskError
 from thinwire.tasks.cifar10 import MEAN, RECORD, STD, augment, normalize
 
@@ -218,6 +218,41 @@ class Uniform(torch.nn.Module):
 
     def forward(self, ids):
         return torch.zeros(*ids.shape, self.vocab) + 0 * self.dummy
+
+
+def test_charlm_default_model_is_the_tiny_preset_with_unchanged_weights():
+    plain, tiny = tasks.get("charlm")(seed=0), tasks.get("charlm")(seed=0, model="tiny")
+    assert plain.options == tiny.options
+    assert (plain.options.layers, plain.options.d_model, plain.options.heads, plain.options.context) == (2, 128, 4, 64)
+    a, b = plain.build_model(), tiny.build_model()
+    assert sum(p.numel() for p in a.parameters()) == 431360
+    assert torch.equal(flat_params(a), flat_params(b))
+    small = make("charlm").build_model()  # explicit size knobs still build the model they name
+    assert sum(p.numel() for p in small.parameters()) == 19872
+
+
+def test_charlm_gpt_small_preset_size_shape_and_overrides():
+    options = cli._options(["model=gpt-small"])  # `thinwire train --task charlm --option model=gpt-small`
+    task = tasks.get("charlm")(seed=0, **options)
+    o = task.options
+    assert (o.model, o.layers, o.d_model, o.heads, o.context) == ("gpt-small", 8, 512, 8, 64)
+    model = task.build_model()
+    assert sum(p.numel() for p in model.parameters()) == 25_358_336 >= 20_000_000
+    assert sum(p.numel() for p in model.blocks.parameters()) == 8 * (12 * 512**2 + 13 * 512)
+    x, _ = next(task.train_batches(0, 1, 2))
+    with torch.no_grad():
+        assert model(x[:, :8]).shape == (2, 8, len(task.vocab))
+    # an explicit size knob (a CLI string) overrides the preset's value; the rest keep theirs
+    shallow = tasks.get("charlm")(seed=0, **cli._options(["model=gpt-small", "layers=1", "context=8"])).options
+    assert (shallow.layers, shallow.d_model, shallow.heads, shallow.context) == (1, 512, 8, 8)
+
+
+def test_charlm_bad_model_name_lists_the_valid_ones():
+    with pytest.raises(TaskError) as e:
+        tasks.get("charlm")(model="gpt-huge")
+    assert str(e.value) == "charlm: model must be one of tiny, gpt-small, got 'gpt-huge'"
+    with pytest.raises(TaskError, match="d_model must be a multiple of heads, got 512 and 7"):
+        tasks.get("charlm")(model="gpt-small", heads=7)
 
 
 def test_charlm_vocab_split_and_uniform_bpc():
