@@ -2,8 +2,10 @@
 
 For every method, ``thinwire cost``'s probe (``thinwire.run.cost.probe``: warm-up steps,
 then timed steps, on this machine with no link) predicts the step time on a link as
-compute + codec + max(wait, messages x latency + bytes / bandwidth), wait being the
-probe's own communication time with no link. That prediction is then checked
+compute + G - min(window, early x G), G = codec + max(wait, messages x latency + bytes /
+bandwidth), wait being the probe's own communication time with no link, window the
+backward time per step after the first bucket was launched and early the share of the
+average launched during backward (see thinwire.run.cost). That prediction is then checked
 against training runs that really cross the link:
 
 1. ``--emulate-link`` runs (4 workers; every collective held until the link's modeled time
@@ -106,9 +108,11 @@ def section(report: Report, title: str, costs: dict[str, cost.StepCost], link: L
 
 
 def probe_table(costs: dict[str, cost.StepCost]) -> str:
-    return table(["method", "compute ms", "codec ms", "wait ms", "KB sent / step", "messages / step"],
+    return table(["method", "compute ms", "codec ms", "wait ms", "KB sent / step", "messages / step",
+                  "overlap window ms", "early share"],
                  [[s, f"{1e3 * c.compute_s:.2f}", f"{1e3 * c.codec_s:.2f}", f"{1e3 * c.wait_s:.2f}",
-                   f"{c.bytes / 1e3:.1f}", f"{c.messages:.0f}"] for s, c in costs.items()])
+                   f"{c.bytes / 1e3:.1f}", f"{c.messages:.0f}", f"{1e3 * c.window_s:.2f}", f"{c.early_share:.2f}"]
+                  for s, c in costs.items()])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,9 +180,11 @@ class Aggregator:
         return rows
 
     # -- work ------------------------------------------------------------------------------
-    def reduce_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def reduce_(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None) -> None:
         """Overwrite every tensor with its mean over all ranks (through its codec). Mutates
         the given tensors and the error-feedback residuals; advances the step counter.
+        ``buckets``: indices into :attr:`buckets` to average (default: all; ``tensors`` then
+        needs only their names).
 
         Every bucket's round-0 collective is launched before any is waited on, so encoding a
         bucket overlaps with the previous bucket's transfer; later rounds follow in bucket
@@ -190,14 +192,28 @@ class Aggregator:
         """
         for codec in self.codecs:
             codec.step = self.step  # identical on all ranks: every rank calls reduce_ once per step
-        flights = [self._launch(b, tensors) for b in self.buckets]
-        for r in range(1, max(b.codec.rounds for b in self.buckets)):
-            for b, f in zip(self.buckets, flights):
+        chosen = self.buckets if buckets is None else [self.buckets[i] for i in buckets]
+        flights = [self._launch(b, tensors) for b in chosen]
+        for r in range(1, max((b.codec.rounds for b in chosen), default=1)):
+            for b, f in zip(chosen, flights):
                 if b.codec.rounds > r:
                     self._next_round(b, f, r)
-        for b, f in zip(self.buckets, flights):
+        for b, f in zip(chosen, flights):
             self._land(b, f, tensors)
         self.step += 1
+
+    def reduce_bucket(self, i: int, tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
+        """Average bucket ``i`` alone, every round of it, reading its tensors from ``tensors``
+        (left as they are) and writing their means into ``out`` (same names and shapes).
+        The step counter is not advanced: the caller owns it (``step`` is read). The same
+        means, bit for bit, as :meth:`reduce_` gives: a bucket's result depends only on its
+        own inputs, the codec's state and the step."""
+        b = self.buckets[i]
+        b.codec.step = self.step
+        f = self._launch(b, tensors)
+        for r in range(1, b.codec.rounds):
+            self._next_round(b, f, r)
+        self._land(b, f, out)
 
     def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> "_Flight":
         """Encode round 0 (with error feedback) and start its collective."""
@@ -272,7 +288,8 @@ class Aggregator:
         self.timing.codec_seconds += time.perf_counter() - t0 - in_comm
 
     def _land(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
-        """Wait for the last round, decode and write the means into ``tensors``."""
+        """Wait for the last round, decode and write the means into ``tensors`` (the bucket's
+        names; the inputs themselves, or tensors of their shapes)."""
         self._wait(f)
         t0 = time.perf_counter()
         codec = b.codec

@@ -338,15 +338,17 @@ def _cost(args: argparse.Namespace) -> int:
     links = [Link.parse(text) for text in base.links]
     table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
                   f"{args.probe_steps} timed steps each, after {args.probe_steps} warm-up)",
-                  caption=f"step = compute + codec + max(wait, messages x latency + bytes / bandwidth); wait = the "
-                  f"collectives' time here, with no link. beats bf16: the bandwidths at which the method's step is "
+                  caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
+                  f"bytes / bandwidth); wait = the collectives' time here, with no link; window = the backward time "
+                  f"after the first bucket went, early = the share of it sent during backward. beats bf16: the bandwidths at which the method's step is "
                   f"faster than bf16's, at the latency of {base.links[0]}")
-    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", "wait ms", *[f"ms @ {l}" for l in base.links],
-                "beats bf16"]:
+    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", "wait ms", "window ms",
+                *[f"ms @ {l}" for l in base.links], "beats bf16"]:
         table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
     for spec, c in costs.items():
         table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
-                      f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", *[f"{1e3 * c.seconds(link):.1f}" for link in links],
+                      f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", f"{1e3 * c.window_s:.1f}",
+                      *[f"{1e3 * c.seconds(link):.1f}" for link in links],
                       cost.verdict(c, ref, links[0].latency_s))
     Console(width=160).print(table)
     return 0

@@ -29,11 +29,13 @@ def _vs_allreduce(rank, world, spec):
     model = _model()
     x, y = _batch(rank, 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    dist.all_reduce(flat)  # the plain reference: one all_reduce of everything, then the mean
+    # the plain reference: one all_reduce of everything, laid out as the reducer buckets it
+    # (last parameter first, as DDP does; gloo's sum order follows the position in the buffer)
+    flat = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.parameters()))])
+    dist.all_reduce(flat)
     flat /= world
     SyncReducer(model, spec, TorchComm()).reduce()
-    ours = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    ours = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.parameters()))])
     return (ours - flat).abs().max().item()
 
 

@@ -1,9 +1,14 @@
-"""thinwire cost's model on hand-computed cases: step time, crossover bandwidth, verdicts."""
+"""thinwire cost's model on hand-computed cases: step time, crossover bandwidth, verdicts,
+the overlap with the backward pass, and the crossing solver against a dense scan."""
+
+import math
+import random
 
 import pytest
 
 from thinwire.comm.link import Link
-from thinwire.run.cost import StepCost, crossings_Bps, crossover_Bps, from_summary, verdict
+from thinwire.run.cost import (StepCost, crossings_Bps, crossover_Bps, from_rows, from_summary,
+                               overlap_hidden_seconds, verdict)
 
 # bf16: 10 ms compute, 1 ms codec, 1 MB and 6 messages per step; a compressor: 10 ms compute,
 # 5 ms codec, 0.1 MB and 6 messages
@@ -64,9 +69,182 @@ def test_per_step_figures_from_a_summary():
     c = from_summary("m", {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5,
                            "comm_seconds": 0.4, "bytes_sent_per_worker": 4e6, "messages_per_worker": 120})
     assert (c.compute_s, c.codec_s, c.bytes, c.messages, c.wait_s) == (0.1, 0.025, 2e5, 6, 0.02)
+    assert (c.window_s, c.early_share) == (0.0, 0.0)  # a run from before overlap: none
 
 
-def _probe_launch(fail: str = ""):
+def test_overlap_figures_from_a_summary():
+    base = {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5, "comm_seconds": 0.4,
+            "bytes_sent_per_worker": 4e6, "messages_per_worker": 120}
+    c = from_summary("m", {**base, "backward_seconds": 1.2,
+                           "overlap": {"enabled": True, "steps": 19, "window_seconds": 0.38, "blocked_seconds": 0.1,
+                                       "early_share": 0.57}})
+    assert c.window_s == pytest.approx(0.019, rel=1e-12) and c.early_share == 0.57
+    off = from_summary("m", {**base, "overlap": {"enabled": False, "steps": 0, "window_seconds": 0.0,
+                                                 "blocked_seconds": 0.0, "early_share": 0.0}})
+    assert (off.window_s, off.early_share) == (0.0, 0.0)
+
+
+# -- overlap with the backward pass ------------------------------------------------------------
+
+def test_overlap_hides_the_early_share_of_codec_and_communication_up_to_the_window():
+    # G = codec + max(wait, link) per step; the step = compute + G - min(window, early * G)
+    c = StepCost("m", 0.010, 0.002, 1_000_000, 6, wait_s=0.005, window_s=0.003, early_share=0.5)
+    fast = Link.parse("1gbit,50us")  # link 0.3 ms + 8 ms = 8.3 ms > wait: G = 10.3 ms, half of it 5.15 ms > 3 ms
+    assert c.hidden_s(fast) == pytest.approx(0.003, rel=1e-12)
+    assert c.seconds(fast) == pytest.approx(0.010 + 0.0103 - 0.003, rel=1e-12)
+    slow = Link.parse("100mbit,1ms")  # 6 ms + 80 ms: G = 88 ms, the window is all it hides
+    assert c.seconds(slow) == pytest.approx(0.010 + 0.088 - 0.003, rel=1e-12)
+    lan = Link(latency_s=0.0, bandwidth_Bps=12.5e9)  # 0.08 ms < wait: G = 2 + 5 ms, half of it 3.5 ms > 3 ms
+    assert c.seconds(lan) == pytest.approx(0.010 + 0.007 - 0.003, rel=1e-12)
+    wide = StepCost("m", 0.010, 0.002, 1_000_000, 6, wait_s=0.005, window_s=0.010, early_share=0.5)
+    assert wide.hidden_s(lan) == pytest.approx(0.0035, rel=1e-12)  # the window outlasts the early half
+    assert wide.seconds(lan) == pytest.approx(0.010 + 0.007 - 0.0035, rel=1e-12)
+    # no window or no early share: the model without overlap
+    for none in (StepCost("m", 0.010, 0.002, 1_000_000, 6, wait_s=0.005, window_s=0.003),
+                 StepCost("m", 0.010, 0.002, 1_000_000, 6, wait_s=0.005, early_share=0.5)):
+        assert none.hidden_s(fast) == 0.0 and none.seconds(fast) == pytest.approx(0.010 + 0.0103, rel=1e-12)
+
+
+def test_overlap_hidden_seconds_for_run_totals_and_per_step_alike():
+    link = Link.parse("100mbit,1ms")  # 12.5e6 bytes/s
+    # trainer call: run totals of 50 steps, no wait floor: link = 300 * 1 ms + 5e6 / 12.5e6 = 0.7 s
+    total = overlap_hidden_seconds(link, bytes=5e6, messages=300, codec_s=0.1, window_s=0.25, early_share=0.4)
+    assert total == pytest.approx(min(0.25, 0.4 * (0.1 + 0.7)), rel=1e-12)  # 0.25: the window
+    per_step = overlap_hidden_seconds(link, bytes=1e5, messages=6, codec_s=0.002, window_s=0.005, early_share=0.4)
+    assert 50 * per_step == pytest.approx(total, rel=1e-12)
+    short = overlap_hidden_seconds(link, bytes=5e6, messages=300, codec_s=0.1, window_s=2.0, early_share=0.4)
+    assert short == pytest.approx(0.32, rel=1e-12)  # the early share's 0.4 * 0.8 s, all of it
+    assert overlap_hidden_seconds(link, bytes=5e6, messages=300, codec_s=0.1, window_s=0.0, early_share=0.4) == 0.0
+    assert overlap_hidden_seconds(link, bytes=5e6, messages=300, codec_s=0.1, window_s=0.3, early_share=0.0) == 0.0
+    # the probe's wait is a floor on the communication, here as in the step time
+    floor = overlap_hidden_seconds(link, bytes=0.0, messages=0, codec_s=0.0, window_s=1.0, early_share=0.5, wait_s=0.2)
+    assert floor == pytest.approx(0.1, rel=1e-12)
+
+
+def test_the_references_overlap_moves_the_crossover():
+    # bf16 hides min(2 ms, half of its 1 ms codec + 0.3 ms latency + 1e6 x): the whole 2 ms once
+    # 1e6 x >= 2.7 ms. Beyond that kink topk - bf16 = 6 ms - 9e5 x: zero at x = 6.67e-9 s/B,
+    # 150 MB/s = 1.2 Gbit/s (1.8 Gbit/s without the overlap); before it 4.65 ms - 4e5 x > 0
+    ref = StepCost("bf16", 0.010, 0.001, 1_000_000, 6, window_s=0.002, early_share=0.5)
+    assert crossings_Bps(SMALL, ref, 50e-6) == pytest.approx([1.5e8], rel=1e-12)
+    assert verdict(SMALL, ref, 50e-6) == "below 1.2 Gbit/s" and verdict(ref, SMALL, 50e-6) == "above 1.2 Gbit/s"
+    at = Link(latency_s=50e-6, bandwidth_Bps=1.5e8)
+    assert SMALL.seconds(at) == pytest.approx(ref.seconds(at), rel=1e-12)
+
+
+def test_the_windows_kink_gives_two_crossings():
+    # ref: 10 ms + max(1e6 x - 2 ms, 0.5e6 x) (kink at x = 4e-9); m: 9.5 ms + 7e5 x, no overlap.
+    # m - ref = -0.5 ms + 2e5 x before the kink (zero at 2.5e-9), 1.5 ms - 3e5 x after (zero at 5e-9)
+    ref = StepCost("bf16", 0.010, 0.0, 1_000_000, 0, window_s=0.002, early_share=0.5)
+    m = StepCost("m", 0.0095, 0.0, 700_000, 0)
+    assert crossings_Bps(m, ref, 0.0) == pytest.approx([2e8, 4e8], rel=1e-12)
+    assert verdict(m, ref, 0.0) == "below 1.6 Gbit/s or above 3.2 Gbit/s"
+    assert verdict(ref, m, 0.0) == "between 1.6 Gbit/s and 3.2 Gbit/s"
+
+
+def test_a_crossing_at_a_kink_is_found_once():
+    # m: 10 ms + max(0, 2e6 x - 4 ms) (every element early, a 4 ms window): kink at x = 2e-9.
+    # ref: 4 ms + 3e6 x. m - ref = 6 ms - 3e6 x, then 2 ms - 1e6 x: zero at the kink from both sides
+    m = StepCost("m", 0.010, 0.0, 2_000_000, 0, window_s=0.004, early_share=1.0)
+    ref = StepCost("bf16", 0.004, 0.0, 3_000_000, 0)
+    assert crossings_Bps(m, ref, 0.0) == pytest.approx([5e8], rel=1e-12)
+    assert verdict(m, ref, 0.0) == "below 4 Gbit/s"
+    # ref: 8 ms + 1e6 x only touches m at the kink (m - ref >= 0 on both sides): m never wins
+    touch = StepCost("bf16", 0.008, 0.0, 1_000_000, 0)
+    assert crossings_Bps(m, touch, 0.0) == pytest.approx([5e8], rel=1e-12)
+    assert verdict(m, touch, 0.0) == "never" and verdict(touch, m, 0.0) == "always"
+
+
+def _random_cost(rng: random.Random, name: str) -> StepCost:
+    return StepCost(name, rng.uniform(0.008, 0.012), rng.uniform(0.0, 0.005), 10 ** rng.uniform(4, 7),
+                    rng.choice([0, 2, 6, 20]), wait_s=rng.choice([0.0, rng.uniform(0.0, 0.02)]),
+                    window_s=rng.choice([0.0, rng.uniform(0.0, 0.01)]), early_share=rng.uniform(0.0, 1.0))
+
+
+def test_the_step_time_is_the_largest_of_its_lines():
+    rng = random.Random(1)
+    for _ in range(200):
+        c, lat = _random_cost(rng, "m"), rng.choice([0.0, 50e-6, 1e-3])
+        for k in range(60):
+            x = 10 ** (-13 + 8 * k / 59)
+            assert max(a + s * x for a, s in c._lines(lat)) == pytest.approx(c._at(lat, x), rel=1e-12, abs=1e-15)
+
+
+def test_crossings_match_a_dense_scan_over_bandwidth():
+    rng = random.Random(7)
+    grid = [10 ** (4 + 9 * k / 3999) for k in range(4000)]  # 10 kB/s to 10 TB/s
+    found = {0: 0, 1: 0, 2: 0}
+    for _ in range(300):
+        m, ref, lat = _random_cost(rng, "m"), _random_cost(rng, "bf16"), rng.choice([0.0, 50e-6, 1e-3])
+
+        def d(beta: float) -> float:
+            return m._at(lat, 1.0 / beta) - ref._at(lat, 1.0 / beta)
+
+        roots = crossings_Bps(m, ref, lat)
+        assert roots == sorted(roots) and len(set(roots)) == len(roots)
+        for beta in roots:  # every crossing is one: the two times agree there
+            assert abs(d(beta)) <= 1e-9 * ref._at(lat, 1.0 / beta)
+        values = [d(beta) for beta in grid]
+        for (b1, v1), (b2, v2) in zip(zip(grid, values), zip(grid[1:], values[1:])):
+            if v1 * v2 < 0:  # the scan sees a change of sign: the solver has a crossing there
+                assert any(b1 * (1 - 1e-9) <= r <= b2 * (1 + 1e-9) for r in roots), (m, ref, lat, b1, b2)
+        inside = [r for r in roots if grid[0] < r < grid[-1]]
+        found[min(len(inside), 2)] += 1
+        # the verdict agrees with the scan wherever the scan is clear of a crossing (by more
+        # than the verdict's rounding to 3 digits)
+        v = verdict(m, ref, lat)
+        for beta, value in zip(grid[::25], values[::25]):
+            if value != 0 and all(abs(math.log(beta / r)) > 1e-2 for r in roots):
+                assert _wins(v, beta) == (value < 0), (v, beta, m, ref, lat)
+    assert found[1] >= 20 and found[2] >= 3  # the scan did test crossings, two of them too
+
+
+def _wins(text: str, beta: float) -> bool:
+    """Whether the verdict ``text`` says the method is faster at ``beta`` bytes/s."""
+    def rate(words: str) -> float:
+        value, unit = words.split()
+        return float(value) * (1e9 if unit == "Gbit/s" else 1e6) / 8
+
+    if text in ("always", "never"):
+        return text == "always"
+    for span in text.split(" or "):
+        kind, rest = span.split(" ", 1)
+        if kind == "below" and beta < rate(rest):
+            return True
+        if kind == "above" and beta > rate(rest):
+            return True
+        if kind == "between":
+            lo, hi = rest.split(" and ")
+            if rate(lo) < beta < rate(hi):
+                return True
+    return False
+
+
+def test_per_step_figures_between_two_records():
+    first = {"step": 4, "compute_seconds": 1.0, "codec_seconds": 0.5, "comm_seconds": 2.0, "bytes_sent": 40.0,
+             "messages": 8}
+    last = {"step": 8, "compute_seconds": 1.4, "codec_seconds": 0.6, "comm_seconds": 2.2, "bytes_sent": 80.0,
+            "messages": 16}
+    old = from_rows("m", first, last)  # records from before overlap
+    assert (old.compute_s, old.codec_s, old.bytes, old.messages, old.wait_s, old.window_s, old.early_share) == \
+        pytest.approx((0.1, 0.025, 10.0, 2.0, 0.05, 0.0, 0.0), rel=1e-12)
+    # every step but the first launched 60% of its elements in backward, 0.1 s before reduce():
+    # cumulative shares 0.6 * 3/4 at step 4 and 0.6 * 7/8 at step 8; the span's own share is 0.6
+    o1 = dict(first, backward_seconds=0.5, overlap_steps=3, overlap_window_seconds=0.3, overlap_blocked_seconds=0.05,
+              overlap_early_share=0.45)
+    o2 = dict(last, backward_seconds=0.7, overlap_steps=7, overlap_window_seconds=0.7, overlap_blocked_seconds=0.09,
+              overlap_early_share=0.525)
+    c = from_rows("m", o1, o2)
+    assert (c.window_s, c.early_share) == pytest.approx((0.1, 0.6), rel=1e-12)
+    # a skipped step averages nothing: shares are of the steps that reduced (3 of 4, then 6 of 8)
+    s1 = dict(o1, skipped_steps=1, overlap_early_share=0.6 * 2 / 3)
+    s2 = dict(o2, skipped_steps=2, overlap_early_share=0.6 * 5 / 6)
+    assert from_rows("m", s1, s2).early_share == pytest.approx(0.6, rel=1e-12)
+    with pytest.raises(ValueError, match="span no steps"):
+        from_rows("m", o2, o2)
+
+
+def _probe_launch(fail: str = "", overlap: bool = False):
     """Writes what a run writes: cumulative counters at the end of the warm-up and at the end,
     the warm-up's start-up cost in the first record only."""
     import json
@@ -83,6 +261,11 @@ def _probe_launch(fail: str = ""):
                  "messages": 8},
                 {"step": cfg.steps, "compute_seconds": 1.4, "codec_seconds": 0.6, "comm_seconds": 2.2,
                  "bytes_sent": 80.0, "messages": 16}]
+        if overlap:  # the first step launches nothing in backward, every later one 80% of its elements
+            rows[0].update(overlap_steps=half - 1, overlap_window_seconds=0.02 * (half - 1),
+                           overlap_early_share=0.8 * (half - 1) / half)
+            rows[1].update(overlap_steps=cfg.steps - 1, overlap_window_seconds=0.02 * (cfg.steps - 1),
+                           overlap_early_share=0.8 * (cfg.steps - 1) / cfg.steps)
         Path(cfg.out, "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {"steps": cfg.steps, "compute_seconds": 1.4, "codec_seconds": 0.6, "bytes_sent_per_worker": 80.0,
                 "messages_per_worker": 16}
@@ -100,6 +283,17 @@ def test_probe_times_only_the_steps_after_its_warm_up():
     assert not failed
     assert (c.compute_s, c.codec_s, c.bytes, c.messages, c.wait_s) == pytest.approx((0.1, 0.025, 10.0, 2.0, 0.05),
                                                                                      rel=1e-12)
+    assert (c.window_s, c.early_share) == (0.0, 0.0)
+
+
+def test_probe_reads_the_overlap_of_the_timed_steps():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe
+
+    costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16"], 4, launch=_probe_launch(overlap=True),
+                          say=lambda line: None)
+    c = costs["bf16"]
+    assert not failed and (c.window_s, c.early_share) == pytest.approx((0.02, 0.8), rel=1e-12)
 
 
 def test_a_failed_probe_is_reported_and_the_others_run():

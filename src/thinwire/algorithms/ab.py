@@ -137,7 +137,7 @@ class ABTraining:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: ABConfig | None = None, *,
-                 bucket_mb: float = 25.0, **knobs) -> None:
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
         self.config = cfg = config if config is not None else ABConfig(**knobs)
         if optimizer is None:
             raise ValueError("ab needs the optimizer (it adds the factors and slices their state)")
@@ -163,7 +163,9 @@ class ABTraining:
         self.others = [(n, p) for n, p in self.full_named if id(p) not in weights]  # never factored
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.full_params = sum(p.numel() for _, p in self.full_named)
-        self._full_mean = GradientMean(self.full_named, comm, bucket_mb)
+        # the warm-up's gradient mean overlaps backward; later phases drop gradients after
+        # backward (frozen factors), so they average at after_backward, synchronously
+        self._full_mean = GradientMean(self.full_named, comm, bucket_mb, overlap=overlap, armed=cfg.warmup > 0)
         self._group_mean: GradientMean | None = None
         self.step = 0
         self.exported = False  # finish() gave the original layers back: nothing steps any more
@@ -334,7 +336,7 @@ class ABTraining:
         if len(self.groups[0]) == 1:
             return None
         named = [(f"{n}.{self.role}", layer.trained()[0]) for n, layer in self.layers.items()] + self.others
-        return GradientMean(named, self.group_comm, self.bucket_mb)
+        return GradientMean(named, self.group_comm, self.bucket_mb, overlap=False)
 
     def _refit_state(self, layer: Factorized, old: tuple[torch.Size, torch.Size]) -> None:
         """The optimizer state of ``A`` and ``B`` at the new rank: sliced (zero-padded if it
@@ -421,6 +423,7 @@ class ABTraining:
     def _enter(self, phase: str) -> None:
         self.phase = phase
         self.phase_started = self.step
+        self._full_mean.armed = False  # only the warm-up overlaps, and it never comes back
 
     def _ramp_lr(self) -> None:
         """Scale the step's learning rate: 1e-5 at a phase change, linear back over ``rebound``."""
@@ -488,6 +491,7 @@ class ABTraining:
         phase). Raises ``ValueError`` for a group-phase state loaded before the model's."""
         self._require_live("load_state_dict()")
         self.step, self.phase = int(state["step"]), str(state["phase"])
+        self._full_mean.armed = self.phase == "warmup"
         self.phase_started = int(state["phase_started"])
         self.ranks = {k: int(v) for k, v in state["ranks"].items()}
         self.factorisations, self.syncs = int(state["factorisations"]), int(state["syncs"])

@@ -112,6 +112,7 @@ def attach(
     *,
     bucket_mb: float = 25.0,
     find_unused_parameters: bool = False,
+    overlap: bool = True,
 ) -> Attached:
     """Attach any method (a spec ``thinwire methods`` lists, a built codec or a
     :class:`~thinwire.policy.Policy`) to ``model`` and ``optimizer``.
@@ -122,13 +123,16 @@ def attach(
     :class:`~thinwire.algorithms.sync.SyncReducer`); an invalid spec raises ``ValueError``
     naming the problem. Methods with a schedule (``localsgd``, ``dasgd``, ``ab``, ...) need
     the ``optimizer``; AB-training and the ``torch-*`` methods change or wrap ``model``
-    (forward through :attr:`Attached.model`).
+    (forward through :attr:`Attached.model`). ``overlap`` (default True): gradients are
+    averaged while the backward pass goes on (see :class:`~thinwire.algorithms.sync.SyncReducer`
+    for what a loop must then not do); False averages them in ``after_backward``.
     """
     from thinwire.algorithms.sync import SyncReducer
 
     comm = comm_or_world(comm)
     if not isinstance(method, str):  # a built codec or a Policy
-        reducer = SyncReducer(model, method, comm, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters)
+        reducer = SyncReducer(model, method, comm, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
+                              overlap=overlap)
         return Attached(reducer, model, reducer.method, comm)
     spec = resolve_method(method)
     if find_unused_parameters and not _is_gradient_codec(spec):
@@ -137,7 +141,7 @@ def attach(
     if optimizer is None and not _is_gradient_codec(spec):
         raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
                          f"thinwire.attach(model, optimizer, {method!r})")
-    built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb,
+    built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb, overlap=overlap,
                          **({"find_unused_parameters": find_unused_parameters} if _is_gradient_codec(spec) else {}))
     return Attached(built, model, spec, comm)
 

@@ -32,12 +32,26 @@ def comm_or_world(comm: Communicator | None) -> Communicator:
 class GradientMean:
     """Synchronous fp32 gradient averaging (the warm-up steps of local SGD and DaSGD, and
     AB-training's phases), with DDP's gradient semantics (a ``None`` gradient stays
-    ``None``; see :class:`~thinwire.algorithms.gradients.GradientReducer`)."""
+    ``None``; see :class:`~thinwire.algorithms.gradients.GradientReducer`). With ``overlap``,
+    buckets are averaged while the backward pass goes on, in steps where :attr:`armed` is
+    True: a method arms it for exactly the steps whose ``after_backward`` calls
+    :meth:`reduce` (the warm-up), since a launched bucket must be reduced."""
 
-    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], comm: Communicator, bucket_mb: float) -> None:
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], comm: Communicator, bucket_mb: float,
+                 overlap: bool = True, armed: bool = True) -> None:
         self.named = list(named)
         fp32 = Identity(IdentityConfig())  # one per object: the aggregator sets its rank
-        self.reducer = GradientReducer(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb)
+        self.reducer = GradientReducer(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb, overlap=overlap)
+        self.armed = armed
+
+    @property
+    def armed(self) -> bool:
+        """Whether the next backward pass launches buckets (only steps that reduce() may)."""
+        return self.reducer.armed
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        self.reducer.armed = bool(value)
 
     @property
     def timing(self) -> Timing:

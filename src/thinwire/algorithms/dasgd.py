@@ -101,11 +101,12 @@ class DaSGD:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: DaSGDConfig | None = None, *,
-                 bucket_mb: float = 25.0, **knobs) -> None:
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
         self.config = config if config is not None else DaSGDConfig(**knobs)
         self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
-        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
+        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb,
+                                    overlap=overlap, armed=self.config.warmup > 0)
         self._sync = self._warmup
         self.codec = build_codec(self.config.codec.replace(";", ","))
         self.codec.rank = comm.rank
@@ -155,6 +156,7 @@ class DaSGD:
     def after_step(self) -> None:
         """Count the step, merge an average that is due, launch the next one when it is time."""
         self.step += 1
+        self._warmup.armed = self.step < self.config.warmup  # the warm-up's gradients overlap backward
         if self.step <= self.config.warmup:
             if self._backward_end is not None and self._warm["n"]:
                 self._warm["step"] += time.perf_counter() - self._backward_end  # the optimizer step
@@ -305,6 +307,7 @@ class DaSGD:
         self._handle = Done() if self._merge_at is not None else None
         self.feedback.load_state_dict(state["feedback"])
         self._sync.load_state_dict(state["sync"])
+        self._warmup.armed = self.step < self.config.warmup
         self._warm = dict(state["warm"])
 
 

@@ -39,18 +39,36 @@ set around it changes.
 
 from __future__ import annotations
 
+import time
+import weakref
 import zlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from thinwire.aggregate import Aggregator, CodecChooser, Timing
 from thinwire.comm.base import Communicator
+from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 
 
 MAX_SETS = 8  # distinct sets of parameters whose aggregators (and buffers) are kept
+
+
+@dataclass
+class _Window:
+    """One step's averaging in the backward pass: what was launched, and when."""
+
+    agg: Aggregator | None = None  # the aggregator of the expected set, whose buckets launch
+    fired: dict[str, int] = field(default_factory=dict)  # name -> gradients accumulated since reduce()
+    next: int = 0  # the next bucket (index into agg.buckets) to launch
+    launched: list[int] = field(default_factory=list)
+    sent: set[str] = field(default_factory=set)  # names of launched buckets
+    futures: list = field(default_factory=list)
+    late: str | None = None  # a name whose gradient grew after its bucket was launched
+    t_first: float | None = None  # when the first bucket was launched
 
 
 class GradientReducer:
@@ -69,6 +87,7 @@ class GradientReducer:
         *,
         bucket_mb: float = 25.0,
         find_unused_parameters: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.named = list(named)
         live = tuple(n for n, p in self.named if p.requires_grad)
@@ -86,6 +105,27 @@ class GradientReducer:
         self._retired_sent: dict[str, float] = {}  # and their bytes, by name
         self._plain: dict[str, bool] = {}  # name -> sent as a plain cast (stays in the scaler's units)
         self.aggregator = self._aggregator_for(live)  # the set at construction: plans and codecs
+        # overlap: buckets of the expected set launched from the backward pass
+        self.overlap = overlap
+        self.armed = True  # launches happen only while armed (a method whose warm-up ended disarms)
+        self._expected = live  # the names averaged at the last reduce(): their buckets launch in backward
+        self._passes = 0  # the most backward passes seen before one reduce(); 0: none yet (step 0 waits)
+        self._scaled = False  # the last reduce() had a scaler: such steps are decided whole, at reduce()
+        self._window = _Window()
+        self._worker: Worker | None = None
+        self._out: dict[str, torch.Tensor] = {}  # name -> the buffer a launched bucket's mean lands in
+        self._names = {id(p): n for n, p in self.named}
+        self.overlap_figures = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
+                                "early_elements": 0, "elements": 0}
+        if overlap:
+            ref = weakref.ref(self)  # a dropped reducer's hooks do nothing (the parameters outlive it)
+
+            def on_grad(p: torch.Tensor) -> None:
+                reducer = ref()
+                if reducer is not None:
+                    reducer._on_grad(p)
+
+            self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in self.named]
 
     @property
     def codecs(self):
@@ -105,8 +145,10 @@ class GradientReducer:
         return out
 
     def plan(self) -> list[dict]:
-        """Per parameter of the construction-time set: name, shape, codec, wire bytes."""
-        return self.aggregator.plan()
+        """Per parameter of the construction-time set, in parameter order: name, shape,
+        codec, wire bytes."""
+        order = {n: i for i, (n, _) in enumerate(self.named)}
+        return sorted(self.aggregator.plan(), key=lambda row: order[row["name"]])
 
     def _aggregator_for(self, names: tuple[str, ...]) -> Aggregator:
         """The aggregator of this set of names (built on first use; at most
@@ -115,7 +157,9 @@ class GradientReducer:
         agg = self._aggregators.get(names)
         if agg is None:
             params = dict(self.named)
-            agg = Aggregator([(n, params[n]) for n in names], self.codec_for, self.comm,
+            # buckets filled from the last parameter: backward computes gradients roughly in
+            # reverse order, so the first buckets are ready first (DDP's order too)
+            agg = Aggregator([(n, params[n]) for n in reversed(names)], self.codec_for, self.comm,
                              bucket_mb=self.bucket_mb, feedback=self.feedback)
             self._aggregators[names] = agg
             while len(self._aggregators) > MAX_SETS:
@@ -146,7 +190,21 @@ class GradientReducer:
         ``ValueError`` on every rank alike when a scaler's agreement shows that the ranks hold
         gradients for different parameters without ``find_unused_parameters``.
         """
+        window, self._window = self._window, _Window()
+        t_reduce = time.perf_counter()
+        self._drain(window)  # the buckets launched in backward have landed in their buffers
+        if window.fired:
+            self._passes = max(self._passes, max(window.fired.values()))
         scale = loss_scale(scaler)
+        if window.late is not None:
+            raise RuntimeError(f"the gradient of {window.late!r} grew after its bucket was sent during backward "
+                               f"(more backward passes before this reduce() than the {self._passes - 1} seen "
+                               "before): this step's average would be wrong; keep the number of backward passes "
+                               "per reduce() at most the largest so far, or build the reducer with overlap=False")
+        if window.launched and scale is not None:
+            raise RuntimeError("reduce(scaler=...) got a GradScaler after steps without one, so buckets were sent "
+                               "during backward in the scaler's units: pass the scaler from the first step on")
+        self._scaled = scale is not None
         local = [p.requires_grad and p.grad is not None for _, p in self.named]
         for (name, p), has in zip(self.named, local):
             if has and p.grad.is_sparse:
@@ -177,14 +235,108 @@ class GradientReducer:
             tensors[name] = p.grad if p.requires_grad else torch.zeros_like(p)  # frozen here: sent, not kept
             if scale is not None and p.requires_grad and not self._is_plain(name, p):
                 back.append(p.grad)  # averaged unscaled on every rank, this one's zeros included
-        if tensors:
-            agg = self._aggregator_for(tuple(tensors))
-            agg.step = self.step  # the step of the whole reducer, whichever set is averaged
-            agg.reduce_(tensors)
+        self._average(tensors, window, t_reduce)
         if back and scale != 1.0:
             torch._foreach_mul_(back, scale)  # back to the scaler's units: scaler.step unscales
         self.step += 1
         return True
+
+    def _average(self, tensors: dict[str, torch.Tensor], window: _Window, t_reduce: float) -> None:
+        """Average ``tensors`` in place as the expected set's buckets (those launched in
+        backward land from their buffers; the others whose names are all here go now) plus
+        one set of whatever is left. Overlap or not, the same buckets: the same bits."""
+        if not tensors:
+            return
+        agg = self._aggregator_for(self._expected)
+        agg.step = self.step  # the step of the whole reducer, whichever set is averaged
+        covered: set[str] = set(window.sent)
+        for i in window.launched:
+            for slot in agg.buckets[i].slots:
+                if slot.name in tensors:  # a gradient dropped after backward stays dropped
+                    tensors[slot.name].copy_(self._out[slot.name])
+        launched = set(window.launched)
+        rest = [i for i, b in enumerate(agg.buckets)
+                if i not in launched and all(slot.name in tensors for slot in b.slots)]
+        for i in rest:
+            covered.update(slot.name for slot in agg.buckets[i].slots)
+        if rest:
+            agg.reduce_(tensors, rest)
+        left = tuple(n for n in tensors if n not in covered)
+        if left:
+            extra = self._aggregator_for(left)
+            extra.step = self.step
+            extra.reduce_(tensors)
+        self._aggregator_for(self._expected)  # most recently used: kept for the next step
+        if tuple(tensors) != self._expected:
+            self._expected = tuple(tensors)
+        figures = self.overlap_figures
+        figures["elements"] += sum(t.numel() for t in tensors.values())
+        if window.launched:
+            figures["steps"] += 1
+            figures["window_seconds"] += t_reduce - window.t_first
+            figures["early_elements"] += sum(s.numel for i in window.launched for s in agg.buckets[i].slots
+                                             if s.name in tensors)
+
+    # -- overlap: buckets launched from the backward pass ------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A gradient is final for this backward pass: count it, and launch every bucket of
+        the expected set, in bucket order, whose gradients have all arrived as often as the
+        most backward passes seen per step (the order is the same on every rank)."""
+        if not (self.overlap and self.armed):
+            return
+        w = self._window
+        name = self._names[id(p)]
+        w.fired[name] = w.fired.get(name, 0) + 1
+        if name in w.sent:
+            w.late = w.late or name
+            return
+        if not self._passes or self._scaled or self.find_unused_parameters:
+            return  # decided whole at reduce(): the first step, a scaler's, or the used map's
+        if w.agg is None:
+            w.agg = self._aggregator_for(self._expected)
+            w.agg.step = self.step
+        buckets = w.agg.buckets
+        while w.next < len(buckets):
+            slots = buckets[w.next].slots
+            if any(w.fired.get(s.name, 0) < self._passes for s in slots):
+                break
+            self._launch(w, w.next)
+            w.next += 1
+
+    def _launch(self, w: _Window, i: int) -> None:
+        params = dict(self.named)
+        slots = w.agg.buckets[i].slots
+        grads = {s.name: params[s.name].grad for s in slots}
+        outs = {}
+        for s in slots:
+            out = self._out.get(s.name)
+            if out is None or out.shape != grads[s.name].shape or out.dtype != grads[s.name].dtype \
+                    or out.device != grads[s.name].device:
+                out = self._out[s.name] = torch.empty_like(grads[s.name])
+            outs[s.name] = out
+        if self._worker is None:
+            self._worker = Worker("thinwire-gradients")
+        if w.t_first is None:
+            w.t_first = time.perf_counter()
+        w.launched.append(i)
+        w.sent.update(grads)
+        agg = w.agg
+        w.futures.append(self._worker.submit(lambda: agg.reduce_bucket(i, grads, outs)))
+
+    def _drain(self, w: _Window) -> None:
+        """Wait for every bucket launched in backward; re-raise the first failure."""
+        if not w.futures:
+            return
+        t0 = time.perf_counter()
+        failure = None
+        for fut in w.futures:
+            try:
+                fut.wait()
+            except BaseException as e:  # noqa: BLE001  (every bucket waited for, then the first raised)
+                failure = failure or e
+        self.overlap_figures["blocked_seconds"] += time.perf_counter() - t0
+        if failure is not None:
+            raise failure
 
     def _agree(self, found: torch.Tensor | None, local: list[bool]) -> tuple[bool, list[bool]]:
         """One all_reduce (metered, float64) of [non-finite flag, h, h^2, used map]: the same
@@ -208,9 +360,12 @@ class GradientReducer:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Step, bytes per name, residuals by name and every codec's state."""
+        """Step, bytes per name, residuals by name, every codec's state, and what overlap
+        learned (the expected set, the backward passes per step, whether a scaler is used)."""
         state = self.aggregator.state_dict()
-        state.update(step=self.step, skipped=self.skipped, sent_bytes=self.sent_bytes)
+        state.update(step=self.step, skipped=self.skipped, sent_bytes=self.sent_bytes,
+                     expected=list(self._expected), passes=self._passes, scaled=self._scaled,
+                     overlap=dict(self.overlap_figures))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -220,6 +375,13 @@ class GradientReducer:
         self._retired_sent = {}
         self.step = int(state["step"])
         self.skipped = int(state.get("skipped", 0))
+        known = {n for n, _ in self.named}
+        expected = tuple(n for n in state.get("expected", ()) if n in known)
+        self._expected = expected or self._expected
+        self._passes = int(state.get("passes", 0))
+        self._scaled = bool(state.get("scaled", False))
+        self._window = _Window()
+        self.overlap_figures.update(state.get("overlap", {}))
 
 
 def loss_scale(scaler: Any) -> float | None:

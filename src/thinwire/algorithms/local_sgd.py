@@ -51,11 +51,12 @@ class LocalSGD:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: LocalSGDConfig | None = None, *,
-                 bucket_mb: float = 25.0, **knobs) -> None:
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
         self.config = config if config is not None else LocalSGDConfig(**knobs)
         self.comm = comm = comm_or_world(comm)
         self.state = ModelState(model, optimizer, self.config.average_momentum)
-        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb)
+        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb,
+                                    overlap=overlap, armed=self.config.warmup > 0)
         self._sync = self._warmup
         self._flat: torch.Tensor | None = None
         self.step = 0  # optimizer steps completed; identical on every rank
@@ -76,6 +77,7 @@ class LocalSGD:
     def after_step(self) -> None:
         """Count the step; at every ``period``-th step after the warm-up, average the models."""
         self.step += 1
+        self._warmup.armed = self.step < self.config.warmup  # the warm-up's gradients overlap backward
         local = self.step - self.config.warmup
         if local > 0 and local % self.config.period == 0:
             self.average()
@@ -106,3 +108,4 @@ class LocalSGD:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.averages = int(state["step"]), int(state["averages"])
         self._sync.load_state_dict(state["sync"])
+        self._warmup.armed = self.step < self.config.warmup

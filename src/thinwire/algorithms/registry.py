@@ -97,19 +97,22 @@ def resolve_method(spec: str) -> str:
     return build_codec(spec).describe()
 
 
-def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, **kw: Any):
+def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, *,
+                 overlap: bool = True, **kw: Any):
     """The object the trainer drives: ``after_backward(loss=...)`` (this rank's loss of the
     step), ``after_step()``, ``timing``,
-    ``state_dict()``; see :class:`thinwire.algorithms.sync.SyncReducer`."""
+    ``state_dict()``; see :class:`thinwire.algorithms.sync.SyncReducer`. ``overlap``: built-in
+    methods that average gradients do so while the backward pass goes on (False: at
+    ``after_backward``)."""
     name, _ = parse_spec(spec)
     if name in _ALGORITHMS:
         return _ALGORITHMS[name][1](spec, model, optimizer, comm, **kw)
     if name in algorithms():
         cls, config = _config_of(spec)
-        return cls(model, optimizer, comm, config, **kw)
+        return cls(model, optimizer, comm, config, overlap=overlap, **kw)
     from thinwire.algorithms.sync import SyncReducer
 
-    return SyncReducer(model, spec, comm, **kw)
+    return SyncReducer(model, spec, comm, overlap=overlap, **kw)
 
 
 

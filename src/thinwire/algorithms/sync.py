@@ -1,9 +1,9 @@
-"""Synchronous compressed gradient averaging: attach to any training loop.
+"""Compressed gradient averaging for any training loop, overlapped with the backward pass.
 
     reducer = thinwire.SyncReducer(model, "topk:ratio=0.01")
     for x, y in loader:
         loss = loss_fn(model(x), y)
-        loss.backward()
+        loss.backward()           # buckets are averaged while backward goes on
         reducer.reduce(loss)      # every rank's .grad now holds the compressed mean
         optimizer.step(); optimizer.zero_grad()
 """
@@ -40,6 +40,31 @@ class SyncReducer:
     step, ``find_unused_parameters=True`` is needed when ranks may disagree about which
     parameters got a gradient, sparse gradients are refused, and ``reduce(scaler=...)``
     works in unscaled units and skips a scaler's overflow step on every rank.
+
+    **Overlap** (``overlap=True``, the default). The parameters are bucketed from the last
+    one backwards (the order in which backward computes gradients, as DDP buckets them). A
+    hook on every parameter (``register_post_accumulate_grad_hook``) counts its gradient;
+    once every gradient of the next bucket has arrived, that bucket is averaged (encoded,
+    communicated in every round, decoded) on a background thread while the backward pass
+    goes on, buckets strictly in bucket order on every rank. ``reduce()`` waits for them,
+    writes their means into ``.grad`` and averages the rest (buckets not complete: a
+    parameter that got no gradient, one frozen since the last step). The result is the
+    same, bit for bit, as ``overlap=False``, which averages everything in ``reduce()``: both
+    split the step into the same buckets. The local gradients stay untouched until
+    ``reduce()`` (a check for non-finite values after ``backward()`` sees this rank's own).
+
+    The reducer learns from the steps before: the first step averages everything in
+    ``reduce()``; with gradient accumulation (several backward passes per ``reduce()``) a
+    bucket goes when its gradients have arrived as often as the most backward passes seen
+    per step so far, so shorter windows simply go later. Steps with a ``GradScaler`` and
+    ``find_unused_parameters=True`` are decided whole at ``reduce()`` (no overlap). What a
+    user must not do with overlap on: change a gradient between ``backward()`` and
+    ``reduce()`` (the value at the end of backward is what is sent; DDP has the same
+    rule), run more backward passes before one ``reduce()`` than ever before (raises
+    ``RuntimeError`` naming the parameter: the step's average would be wrong), skip
+    ``reduce()`` after a backward pass (a launched bucket's collective is already out),
+    start passing a scaler after steps without one, or keep two overlapping reducers on
+    one model. ``overlap=False`` lifts all of these.
     """
 
     def __init__(
@@ -50,6 +75,7 @@ class SyncReducer:
         *,
         bucket_mb: float = 25.0,
         find_unused_parameters: bool = False,
+        overlap: bool = True,
     ) -> None:
         if isinstance(model, torch.nn.Module):
             refuse_sparse(model)
@@ -72,7 +98,7 @@ class SyncReducer:
             self.method = codec.describe()
         self.comm = comm = comm_or_world(comm)
         self.reducer = GradientReducer(named, chooser, comm, bucket_mb=bucket_mb,
-                                       find_unused_parameters=find_unused_parameters)
+                                       find_unused_parameters=find_unused_parameters, overlap=overlap)
         self.params = [(n, p) for n, p in named if p.requires_grad]  # trainable when built
         self.aggregator = self.reducer.aggregator
         self.codecs = self.aggregator.codecs  # the codecs in use, the fp32 fallback included
@@ -153,6 +179,20 @@ class SyncReducer:
             for k, v in s.items():
                 out[k if seen[k] == 1 else f"{k}@{c.name}"] = v
         return out
+
+    def overlap_report(self) -> dict:
+        """How much of the averaging ran beside the backward pass, over the run so far:
+        ``steps`` that launched buckets in backward, ``window_seconds`` (from the first
+        launch to ``reduce()``: the backward time communication could hide behind),
+        ``blocked_seconds`` (``reduce()`` waiting for launched buckets), ``early_share``
+        (the share of averaged elements launched in backward)."""
+        f = self.reducer.overlap_figures
+        return {"enabled": self.reducer.overlap, "steps": f["steps"], "window_seconds": f["window_seconds"],
+                "blocked_seconds": f["blocked_seconds"],
+                "early_share": f["early_elements"] / f["elements"] if f["elements"] else 0.0}
+
+    def summary_fields(self) -> dict:
+        return {"overlap": self.overlap_report()}
 
     def report(self) -> dict:
         """Extra figures for summary.json: the method, each tensor's codec and per-step wire

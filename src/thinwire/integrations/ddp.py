@@ -31,10 +31,8 @@ back, or, when any rank holds an inf or NaN, all returned as NaN on every rank w
 residual, codec state or step changed, so every rank's ``scaler.step`` skips the step.
 """
 
-import queue
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +44,7 @@ from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
+from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.policy import Assignment, Policy, as_policy
 
@@ -68,7 +67,7 @@ class HookState:
     skipped: int = 0  # steps dropped on every rank for a non-finite gradient (under a scaler)
     pending: list = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
     overlap: bool = True  # average buckets on the worker thread while backward goes on (False: in the hook)
-    worker: "_Worker | None" = None
+    worker: Worker | None = None
 
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
         return self.codec if self.assignment is None else self.assignment.codec_for(name)
@@ -135,7 +134,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         fut.set_result(average())
         return fut
     if state.worker is None:
-        state.worker = _Worker()
+        state.worker = Worker("thinwire-ddp-hook")
     state.worker.submit(average, fut)
     if last:
         # the backward pass has computed every gradient by now; DDP issues collectives of its own
@@ -143,28 +142,6 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         # bucket's on every rank: drain the worker first (it runs in order, so this is the last)
         fut.wait()
     return fut
-
-
-class _Worker:
-    """One daemon thread that runs submitted work in submission order and completes each
-    work's future with its result (or its exception)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="thinwire-ddp-hook", daemon=True).start()
-
-    def submit(self, work: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
-        self._queue.put((work, fut))
-
-    def _run(self) -> None:
-        while True:
-            work, fut = self._queue.get()
-            try:
-                result = work()
-            except BaseException as e:  # noqa: BLE001  (DDP's wait() raises it in the training thread)
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
 
 
 def _land_scaled(state: HookState) -> None:

@@ -4,11 +4,15 @@ where compression pays off.
 Each method runs a short probe on this machine (real training steps on the task with
 ``--workers`` spawned ranks, as ``thinwire train`` would): ``--probe-steps`` warm-up steps,
 then as many timed ones, which give per step: compute seconds, codec seconds, bytes and
-messages each worker sends, and the seconds its collectives took here with no link in the
-way (rank 0's figures; the warm-up's start-up costs are left out). The alpha-beta model
-(METHODS.md §0.4) then predicts the step time on a link of latency α and bandwidth β::
+messages each worker sends, the seconds its collectives took here with no link in the
+way, and, for methods that average gradients during the backward pass, the overlap window
+and the share of the average launched in it (rank 0's figures, between the metrics records
+at the end of the warm-up and at the end: the warm-up's start-up costs, and its first step,
+which launches nothing in backward, are left out). The alpha-beta model (METHODS.md §0.4)
+then predicts the step time on a link of latency α and bandwidth β::
 
-    T(α, β) = compute + codec + max(wait, messages · α + bytes / β)
+    G(α, β) = codec + max(wait, messages · α + bytes / β)        codec and communication
+    T(α, β) = compute + G − min(window, early · G)               the step
 
 ``messages · α + bytes / β`` is the link's time for the step's collectives (every model time
 is linear in messages and bytes, so per-step totals suffice; ``--emulate-link`` delays by
@@ -17,12 +21,39 @@ another (a rank that computes or encodes longer holds the others up) and the tra
 own work. No link makes a collective faster than that, and a slow link hides it, hence the
 ``max`` (ours; it is also how ``--emulate-link`` combines the real and the modeled time).
 
-The verdict compares a method with ``bf16`` (a 2-byte cast all_reduce, the bar a user has
-today) at the first link's α: both times are piecewise linear in 1/β, so the bandwidths
-where they are equal are found exactly, and the verdict names the bandwidths where the
-method is faster ("below X", "above X", "between X and Y", "always", "never"). Overlap
-that DaSGD gets by hiding averages behind computation is not credited: its prediction is
-an upper bound.
+**Overlap with the backward pass** (``SyncReducer``'s methods; METHODS.md has no term for
+it, this one is ours). ``compute`` holds the whole backward pass. During it, a bucket whose
+gradients have all arrived is averaged on a background thread (encode, collectives,
+decode, one bucket after another), and ``reduce()`` waits for those buckets before it
+averages the rest. On a step that launched in backward, with ``W`` the seconds from the
+first launch to the call of ``reduce()`` (``overlap_window_seconds``) and ``s`` the share of
+the step's elements in the launched buckets, the launched buckets' work is ``s · G`` (their
+codec time, bytes and messages taken in proportion to their elements: the only split the
+run records), it starts ``W`` before ``reduce()``, and ``reduce()`` blocks for whatever of it
+is left, then does the remaining ``(1 − s) · G``. So the step costs ``compute + G −
+min(W, s · G)``: a link slow enough that the launched buckets outlast the window hides
+exactly ``W``, a fast one hides all of ``s · G``. Steps that launch nothing (the first step,
+steps with a GradScaler or ``find_unused_parameters``, methods without overlap) hide
+nothing. Over a span of steps with equal figures, ``Σ min(W_i, s_i · G) = min(Σ W_i, s̄ ·
+Σ G)``, ``s̄`` being the share of all averaged elements launched in backward: so ``window``
+is the overlap window *per step of the span* (``overlap_window_seconds`` / steps, steps
+without overlap counting 0) and ``early`` = ``s̄`` (``overlap_early_share``, measured over
+the span), and the formula holds for per-step figures and run totals alike.
+:func:`overlap_hidden_seconds` is this hidden term, for the trainer's modeled time too. The
+window is the backward pass's own time, measured here with no link: a link changes how
+much of it the communication fills, not its length (CPU contention between the
+background thread and backward is in the measured ``compute``). Where the runs record no
+overlap (older runs, methods without ``overlap_report()``), ``window`` = ``early`` = 0 and
+``T`` is the model without overlap.
+
+``T`` is ``compute + max(G − window, (1 − early) · G)``: with ``G`` the larger of two lines in
+x = 1/β, ``T`` is the largest of four lines in x, a convex piecewise linear function. The
+verdict compares a method with ``bf16`` (a 2-byte cast all_reduce, the bar a user has
+today) at the first link's α: the bandwidths where the two times are equal are found
+exactly, piece by piece between every point where two of either method's lines meet, and
+the verdict names the bandwidths where the method is faster ("below X", "above X",
+"between X and Y", "always", "never"). Overlap that DaSGD gets by hiding averages behind
+whole steps is not credited: its prediction is an upper bound.
 """
 
 from __future__ import annotations
@@ -40,6 +71,33 @@ from thinwire.run.config import TrainConfig
 
 DEFAULT_METHODS = "identity,bf16,topk:ratio=0.01,powersgd:rank=2,fft,hylo"
 REFERENCE = "bf16"
+_SAME = 1e-9  # relative distance under which two crossings (in x = 1/β) are one
+
+
+def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s: float, window_s: float,
+                           early_share: float, wait_s: float = 0.0) -> float:
+    """Modeled seconds of codec and communication work hidden behind the backward pass on
+    ``link``: ``min(window_s, early_share · (codec_s + max(wait_s, messages · α + bytes / β)))``.
+
+    Pass run totals (bytes and messages sent by this rank, codec seconds, the summed overlap
+    window ``overlap_report()["window_seconds"]``) for the run's hidden seconds, or the same
+    figures per step for a step's: the formula is the same for both (every term scales with
+    the number of steps). ``early_share`` is ``overlap_report()["early_share"]``, the share of
+    averaged elements launched during backward, taken as the share of the codec time, bytes
+    and messages too. ``wait_s`` (default 0: the trainer's modeled time has no such floor) is
+    the collectives' own time with no link, as ``thinwire cost`` measures it. 0 when nothing
+    was launched in backward (``window_s`` 0 or ``early_share`` 0).
+    """
+    busy = codec_s + max(wait_s, messages * link.latency_s + bytes / link.bandwidth_Bps)
+    return _hidden(busy, window_s, early_share)
+
+
+def _hidden(busy: float, window_s: float, early_share: float) -> float:
+    return min(max(window_s, 0.0), _share(early_share) * busy)
+
+
+def _share(early_share: float) -> float:
+    return min(max(early_share, 0.0), 1.0)
 
 
 @dataclass(frozen=True)
@@ -52,40 +110,70 @@ class StepCost:
     bytes: float  # sent by one worker
     messages: float
     wait_s: float = 0.0  # its collectives' time here, with no link
+    window_s: float = 0.0  # overlap window per step: backward time after the first bucket launched (0: none)
+    early_share: float = 0.0  # share of the averaged elements launched during backward
 
     def seconds(self, link: Link) -> float:
         return self._at(link.latency_s, 1.0 / link.bandwidth_Bps)
 
+    def hidden_s(self, link: Link) -> float:
+        """Seconds per step of codec and communication work hidden behind the backward pass."""
+        return overlap_hidden_seconds(link, bytes=self.bytes, messages=self.messages, codec_s=self.codec_s,
+                                      window_s=self.window_s, early_share=self.early_share, wait_s=self.wait_s)
+
     def _at(self, latency_s: float, x: float) -> float:
         """Step time at latency ``latency_s`` and ``x`` = 1 / bandwidth (seconds per byte)."""
-        return self.compute_s + self.codec_s + max(self.wait_s, self.messages * latency_s + self.bytes * x)
+        busy = self.codec_s + max(self.wait_s, self.messages * latency_s + self.bytes * x)
+        return self.compute_s + busy - _hidden(busy, self.window_s, self.early_share)
 
-    def _kink(self, latency_s: float) -> float | None:
-        """The ``x`` where the link's time overtakes ``wait`` (None: it always has, or never will)."""
-        fixed = self.messages * latency_s
-        return (self.wait_s - fixed) / self.bytes if self.bytes > 0 and self.wait_s > fixed else None
+    def _lines(self, latency_s: float) -> list[tuple[float, float]]:
+        """The step time at this latency as the largest of these lines in ``x``, each
+        (value at x = 0, slope): ``compute + max(G − window, (1 − early) · G)`` with ``G`` =
+        ``codec + max(wait, messages · α + bytes · x)``."""
+        keep, window = 1.0 - _share(self.early_share), max(self.window_s, 0.0)
+        out = []
+        for at0, slope in ((self.codec_s + self.wait_s, 0.0), (self.codec_s + self.messages * latency_s, self.bytes)):
+            out.append((self.compute_s + at0 - window, slope))
+            out.append((self.compute_s + keep * at0, keep * slope))
+        return out
 
-    def _slope(self, latency_s: float, x: float) -> float:
-        return self.bytes if self.messages * latency_s + self.bytes * x >= self.wait_s else 0.0
+    def _kinks(self, latency_s: float) -> list[float]:
+        """Every ``x`` > 0 where two of the lines meet: the step time is linear between them."""
+        lines = self._lines(latency_s)
+        out = set()
+        for i, (a1, c1) in enumerate(lines):
+            for a2, c2 in lines[i + 1:]:
+                if c1 != c2:
+                    x = (a2 - a1) / (c1 - c2)
+                    if 0 < x < math.inf:
+                        out.add(x)
+        return sorted(out)
+
+    def _active(self, latency_s: float, x: float) -> tuple[float, float]:
+        """The line that is the step time at ``x`` (inside a piece: any of the largest)."""
+        return max(self._lines(latency_s), key=lambda line: (line[0] + line[1] * x, line[1]))
 
 
 def crossings_Bps(m: StepCost, ref: StepCost, latency_s: float) -> list[float]:
     """The bandwidths (bytes/s, ascending) at which ``m`` and ``ref`` take equally long per step
-    at this latency. Both step times are piecewise linear in x = 1/β with at most one kink
-    each, so the difference is solved exactly piece by piece."""
-    kinks = sorted({k for k in (m._kink(latency_s), ref._kink(latency_s)) if k is not None and k > 0})
-    bounds = [0.0, *kinks, math.inf]
-    roots: set[float] = set()
+    at this latency. Both step times are convex piecewise linear in x = 1/β (the largest of
+    a few lines each), so the difference is linear between the points where two lines of
+    either meet, and it is solved exactly there, piece by piece. A stretch where the two are
+    equal throughout has no single crossing and gives none."""
+    bounds = [0.0, *sorted({*m._kinks(latency_s), *ref._kinks(latency_s)}), math.inf]
+    found: list[float] = []
     for lo, hi in zip(bounds, bounds[1:]):
         inside = (lo + hi) / 2 if hi < math.inf else 2 * lo + 1.0
-        slope = m._slope(latency_s, inside) - ref._slope(latency_s, inside)
-        d_lo = m._at(latency_s, lo) - ref._at(latency_s, lo)
-        if slope == 0:
+        (a_m, c_m), (a_r, c_r) = m._active(latency_s, inside), ref._active(latency_s, inside)
+        if c_m == c_r:
             continue  # parallel on this piece: equal everywhere (no single crossing) or nowhere
-        x = lo - d_lo / slope
-        if lo < x < hi or (x == hi and hi < math.inf):
-            roots.add(1.0 / x)
-    return sorted(roots)
+        x = (a_r - a_m) / (c_m - c_r)
+        slack = _SAME * abs(x)  # a crossing at a kink may land a rounding error outside either piece
+        if x > 0 and lo - slack <= x <= hi + slack and x < math.inf:
+            found.append(x)
+    found.sort()
+    xs = [x for i, x in enumerate(found) if i == 0 or x - found[i - 1] > _SAME * x]
+    return sorted(1.0 / x for x in xs)
 
 
 def crossover_Bps(m: StepCost, ref: StepCost, latency_s: float) -> float | None:
@@ -98,7 +186,8 @@ def crossover_Bps(m: StepCost, ref: StepCost, latency_s: float) -> float | None:
 def verdict(m: StepCost, ref: StepCost, latency_s: float) -> str:
     """Where ``m`` beats ``ref`` at this latency, in words: ``below X`` (links slower than
     X), ``above X``, ``between X and Y``, ``below X or above Y``, ``always``, ``never``
-    (bandwidths in Gbit/s or Mbit/s)."""
+    (bandwidths in Gbit/s or Mbit/s). A bandwidth where the two only touch (``m`` faster, or
+    slower, on both sides) divides nothing."""
     if m.method == ref.method:
         return "(the reference)"
     roots = crossings_Bps(m, ref, latency_s)
@@ -110,16 +199,25 @@ def verdict(m: StepCost, ref: StepCost, latency_s: float) -> str:
         return "always" if faster(1e9) else "never"
     edges = [roots[0] / 2, *[math.sqrt(a * b) for a, b in zip(roots, roots[1:])], roots[-1] * 2]
     wins = [faster(beta) for beta in edges]  # one probe per stretch between crossings
+    # stretches: (lower bound or None, upper bound or None, faster there), touching points merged
+    stretches: list[list[Any]] = [[None, roots[0], wins[0]]]
+    for i, win in enumerate(wins[1:]):
+        if win == stretches[-1][2]:
+            stretches[-1][1] = roots[i + 1] if i + 1 < len(roots) else None
+        else:
+            stretches.append([roots[i], roots[i + 1] if i + 1 < len(roots) else None, win])
     spans = []
-    for i, win in enumerate(wins):
+    for lo, hi, win in stretches:
         if not win:
             continue
-        if i == 0:
-            spans.append(f"below {_rate(roots[0])}")
-        elif i == len(roots):
-            spans.append(f"above {_rate(roots[-1])}")
+        if lo is None and hi is None:
+            return "always"
+        if lo is None:
+            spans.append(f"below {_rate(hi)}")
+        elif hi is None:
+            spans.append(f"above {_rate(lo)}")
         else:
-            spans.append(f"between {_rate(roots[i - 1])} and {_rate(roots[i])}")
+            spans.append(f"between {_rate(lo)} and {_rate(hi)}")
     return " or ".join(spans) if spans else "never"
 
 
@@ -129,24 +227,44 @@ def _rate(bytes_per_s: float) -> str:
 
 
 def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
+    """Per-step figures of a whole run from its summary.json (runs without ``overlap``: none)."""
     steps = summary["steps"]
+    overlap = summary.get("overlap") or {}
     return StepCost(method=method, compute_s=summary["compute_seconds"] / steps,
                     codec_s=summary["codec_seconds"] / steps,
                     bytes=summary["bytes_sent_per_worker"] / steps,
                     messages=summary["messages_per_worker"] / steps,
-                    wait_s=summary.get("comm_seconds", 0.0) / steps)
+                    wait_s=summary.get("comm_seconds", 0.0) / steps,
+                    window_s=(overlap.get("window_seconds") or 0.0) / steps,
+                    early_share=overlap.get("early_share") or 0.0)
 
 
 def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepCost:
-    """Per-step figures between two metrics.jsonl records (cumulative counters)."""
+    """Per-step figures between two metrics.jsonl records (cumulative counters; records
+    without the overlap counters: no overlap).
+
+    ``overlap_early_share`` is a cumulative share, of the elements averaged by every
+    ``reduce()`` so far (one per step that was not skipped); the span's own share is
+    recovered with equal elements per step: ``(s_last · n_last − s_first · n_first) /
+    (n_last − n_first)``, ``n`` = step − skipped steps."""
     steps = last["step"] - first["step"]
     if steps <= 0:
         raise ValueError(f"records at steps {first['step']} and {last['step']} span no steps")
+
+    def delta(key: str) -> float:
+        return (last.get(key) or 0.0) - (first.get(key) or 0.0)
+
+    n_first = first["step"] - (first.get("skipped_steps") or 0)
+    n_last = last["step"] - (last.get("skipped_steps") or 0)
+    s_first, s_last = first.get("overlap_early_share") or 0.0, last.get("overlap_early_share") or 0.0
+    share = _share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
     return StepCost(method=method, compute_s=(last["compute_seconds"] - first["compute_seconds"]) / steps,
                     codec_s=(last["codec_seconds"] - first["codec_seconds"]) / steps,
                     bytes=(last["bytes_sent"] - first["bytes_sent"]) / steps,
                     messages=(last["messages"] - first["messages"]) / steps,
-                    wait_s=(last["comm_seconds"] - first["comm_seconds"]) / steps)
+                    wait_s=(last["comm_seconds"] - first["comm_seconds"]) / steps,
+                    window_s=max(delta("overlap_window_seconds"), 0.0) / steps,
+                    early_share=share)
 
 
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,

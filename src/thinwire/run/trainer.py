@@ -32,6 +32,7 @@ class Clock:
     """Seconds spent in the local part of training (forward, backward, optimizer)."""
 
     compute: float = 0.0
+    backward: float = 0.0  # seconds in loss.backward() (the window gradient averaging can overlap)
     train_wall: float = 0.0
     skipped: int = 0  # steps dropped on every rank for a non-finite gradient (--on-nonfinite skip)
     steps_run: int = 0  # training steps this process ran (a resumed run: those after its checkpoint)
@@ -85,14 +86,18 @@ def train_rank(
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
+    # gradients are averaged while backward goes on, except where a step must be agreed on
+    # before anything is encoded (--on-nonfinite skip)
+    skip_mode = cfg.on_nonfinite == "skip"
+    overlap = not skip_mode
     model_bytes = _tensor_bytes(model.state_dict())
     if cfg.policy_rules:  # a policy file: a codec per parameter
         from thinwire.algorithms.sync import SyncReducer
         from thinwire.policy import Policy
 
-        method = SyncReducer(model, Policy(cfg.policy_rules), comm, bucket_mb=cfg.bucket_mb)
+        method = SyncReducer(model, Policy(cfg.policy_rules), comm, bucket_mb=cfg.bucket_mb, overlap=overlap)
     else:
-        method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb)
+        method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb, overlap=overlap)
     fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
     clock = Clock()
     last_eval: dict[str, Any] = {}
@@ -116,26 +121,36 @@ def train_rank(
         before = _spent(method)
         loss = task.loss(net(x), y)
         optimizer.zero_grad(set_to_none=False)
+        tb = time.perf_counter()
         loss.backward()
         t1 = time.perf_counter()
-        in_backward = _spent(method) - before  # DDP hooks' codec and communication time
+        clock.backward += t1 - tb
+        # PyTorch's DDP peers average inside backward, blocking it: their codec and
+        # communication time is theirs, not compute (thinwire's overlapping buckets run beside it)
+        in_backward = _spent(method) - before if hasattr(method, "module") else 0.0
         params = list(model.named_parameters())  # each step: AB-training swaps weights for factors
-        idx, stop = _nonfinite(params), False
+        idx, stop = _nonfinite(params), False  # this rank's own gradients: means land at after_backward
         bad = None if idx is None else (rank, params[idx][0])
         if bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
             raise FloatingPointError(f"non-finite gradient in {bad[1]} on rank {rank} at step {step} "
                                      "(--on-nonfinite skip drops such steps on every rank instead)")
         polling = stop_requested is not None and (step <= start + 2 or (step - start) % poll_every == 0)
-        if cfg.on_nonfinite == "skip" or polling:
+
+        def agree() -> None:
+            nonlocal idx, stop, stop_signal, bad, poll_every
             who, idx, stop_signal, seconds = _agree(comm, idx, _signum(stop_requested()) if polling else 0,
                                                     step_seconds, device)
             stop = stop_signal != 0
             bad = None if who is None else (who, params[idx][0])
             if polling and step == start + 2:  # from the first whole step: ask about once a second
                 poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
-        stop = stop and step < cfg.steps  # a stop agreed on the last step: the run simply finishes
+
+        if skip_mode:
+            agree()  # before anything is encoded: every rank drops a bad step alike
         if bad is None:
             method.after_backward(loss=loss.detach())
+            if polling and not skip_mode:
+                agree()  # after the method's collectives, which may still be in flight until after_backward
             t2 = time.perf_counter()
             optimizer.step()
             t3 = time.perf_counter()
@@ -146,6 +161,7 @@ def train_rank(
             if not clock.first_nonfinite:
                 clock.first_nonfinite = {"step": step, "rank": bad[0], "parameter": bad[1]}
             t2 = t3 = time.perf_counter()
+        stop = stop and step < cfg.steps  # a stop agreed on the last step: the run simply finishes
         last = step == cfg.steps  # a stopped run is not over: its checkpoint holds the method mid-schedule
         if last and hasattr(method, "finish"):
             method.finish()  # e.g. AB-training's final sync: one model on every rank
@@ -250,7 +266,8 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="c
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "method": method.state_dict() if hasattr(method, "state_dict") else {},
             "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
-            "seconds": {"compute": clock.compute, "train_wall": clock.train_wall, "skipped": clock.skipped,
+            "seconds": {"compute": clock.compute, "backward": clock.backward, "train_wall": clock.train_wall,
+                        "skipped": clock.skipped,
                         "codec": t.codec_seconds + clock.codec_before, "comm": t.comm_seconds + clock.comm_before},
             "first_nonfinite": dict(clock.first_nonfinite),
         }
@@ -297,6 +314,7 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     checkpoint.set_rng_state(state["rng"])
     sec = state["seconds"]
     clock.compute, clock.train_wall, clock.skipped = sec["compute"], sec["train_wall"], int(sec["skipped"])
+    clock.backward = float(sec.get("backward", 0.0))
     clock.first_nonfinite = dict(state.get("first_nonfinite") or {})
     t = method.timing
     clock.codec_before, clock.comm_before = sec["codec"] - t.codec_seconds, sec["comm"] - t.comm_seconds
@@ -376,10 +394,15 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
         wall_seconds=clock.train_wall,  # training steps only, as in summary.json
         compute_seconds=clock.compute,
+        backward_seconds=clock.backward,
         codec_seconds=t.codec_seconds,
         comm_seconds=t.comm_seconds,
         skipped_steps=clock.skipped,
     )
+    if hasattr(method, "overlap_report"):  # cumulative, as the other clocks: the cost model reads them
+        o = method.overlap_report()
+        record.update(overlap_steps=o["steps"], overlap_window_seconds=o["window_seconds"],
+                      overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"])
     for link in cfg.links:
         record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
     return record
@@ -421,8 +444,19 @@ def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) 
 
 
 def _hidden(link: Link, comm: Communicator, method) -> float:
-    """Modeled communication seconds the method overlaps with computation on ``link``."""
-    return method.hidden_link_seconds(link, comm.world_size) if hasattr(method, "hidden_link_seconds") else 0.0
+    """Modeled codec and communication seconds the method overlaps with computation on
+    ``link``: DaSGD's averages behind whole steps, gradient buckets behind the backward pass
+    (:func:`thinwire.run.cost.overlap_hidden_seconds`)."""
+    if hasattr(method, "hidden_link_seconds"):
+        return method.hidden_link_seconds(link, comm.world_size)
+    if hasattr(method, "overlap_report"):
+        from thinwire.run.cost import overlap_hidden_seconds
+
+        o = method.overlap_report()
+        return overlap_hidden_seconds(link, bytes=comm.meter.bytes_sent, messages=comm.meter.messages,
+                                      codec_s=method.timing.codec_seconds, window_s=o["window_seconds"],
+                                      early_share=o["early_share"])
+    return 0.0
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -470,6 +504,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "compression_ratio": fp32 / per_worker if per_worker > 0 else None,
         "wall_seconds": clock.train_wall,
         "compute_seconds": clock.compute,
+        "backward_seconds": clock.backward,
         "codec_seconds": t.codec_seconds,
         "comm_seconds": t.comm_seconds,
         "modeled_seconds": modeled[cfg.links[0]] if cfg.links else None,
