@@ -1,22 +1,40 @@
-"""Real model, real link: ResNet-18 step time under DDP and thinwire's hook, two ranks over a shaped veth.
+"""Real models, real link: ResNet-18 and a 25M GPT under DDP, PyTorch's hooks and thinwire, two ranks over a shaped veth.
 
 Two ranks, each in its own network namespace, joined by a veth pair shaped with ``tc tbf``
 (``_shaped_link.py``; needs Linux, root and iproute2, and says so and skips otherwise). Each
-rank: 1 torch thread, ResNet-18 at CIFAR-10 shape (11.2M parameters, 3x32x32 inputs, batch
-32 of random data: the step's cost does not depend on the values), SGD, a plain DDP script as
-a user writes it. Arms, each its own model copy, run in alternating blocks (A B C ... A B C),
-one warm-up round first, then the median of the timed blocks:
+rank: 1 torch thread, random data (a step's cost does not depend on the values), SGD, a plain
+DDP script as a user writes it. ``--model resnet18`` (default): ResNet-18 at CIFAR-10 shape
+(11.2M parameters, 3x32x32 inputs, batch 32). ``--model gpt-small``: the ``charlm`` task's
+``model=gpt-small`` transformer (25.4M parameters, 8 layers of width 512, context 64, batch 8
+windows so that a step costs about what ResNet-18's does). Arms, each its own model copy,
+run in alternating blocks (A B C ... A B C), warm-up rounds first, then the median of the
+timed blocks:
 
 - ``compute``: DDP under ``no_sync()`` (no communication at all: the floor);
 - ``ddp``: DDP's default fp32 all_reduce; ``torch-fp16``: PyTorch's ``fp16_compress_hook``;
-  ``torch-psgd-r1``: PyTorch's ``powerSGD_hook`` at rank 1 (start_powerSGD_iter=2);
+  ``torch-psgd-rR``: PyTorch's ``powerSGD_hook`` at rank R (start_powerSGD_iter=2);
 - ``tw-SPEC``: ``thinwire.ddp.register(ddp, SPEC)`` (the hook overlaps the backward pass);
   ``tw-identity-inhook``: the same with ``overlap=False`` (every bucket averaged inside the
-  hook, the behaviour before overlap), to show what overlap buys.
+  hook), to show what overlap buys;
+- ``sr-SPEC``: ``thinwire.SyncReducer(model, SPEC)`` on the plain model, ``reduce()`` after
+  ``backward()`` (its buckets overlap the backward pass);
+- ``dasgd``: ``thinwire.attach(model, opt, "dasgd:warmup=2,period=4,delay=2")``: model
+  averages every 4 steps, hidden behind the next 2.
 
-Targets (issue: real models, real links; ResNet-18): thinwire identity hook / DDP <= 1.02 at
-1 Gbit/s; thinwire bf16 hook / torch fp16 hook <= 1.00 at both rates; thinwire powersgd r1
-hook / torch powerSGD r1 <= 0.95 at both rates. Each is printed with PASS or MISS.
+Per arm: median step time, its ratio to ``compute`` and to the PyTorch peer (medians of
+per-block ratios), MB each rank sends per step (thinwire's meter for thinwire's arms; for
+PyTorch's, counted on extra untimed steps from the tensors its hooks all_reduce, DDP's own
+fp32 bucket all_reduce taken as 4 bytes per parameter; all as the meter counts: 2(n-1)/n
+of a ring all_reduce's bytes), and ``hidden``: the share of thinwire's codec and
+communication seconds that did not add to the step, 1 - (step - compute) / (codec + comm),
+clamped to [0, 1].
+
+Targets (issue: real models, real links; ResNet-18): identity hook / DDP <= 1.02 at 1 Gbit/s;
+SyncReducer identity / DDP <= 1.02 at 1 Gbit/s; bf16 hook / torch fp16 hook <= 1.00 at both
+rates; powersgd hook / torch powerSGD <= 0.95 at rank 1 and rank 4, both rates, bytes equal
+within 1%; the best thinwire gradient codec at 100 Mbit/s / compute <= 1.05; fft at
+100 Mbit/s / compute <= 1.15; fft / topk <= 1.05. Each is printed with PASS or MISS; on the
+transformer the identity, bf16 and powersgd ratios are reported with the same targets.
 """
 
 from __future__ import annotations
@@ -32,17 +50,33 @@ from _common import Figure, Report, alternate_blocks, load_note, median, paired_
 
 HERE = Path(__file__).resolve().parent
 RATES_MBIT = (1000, 100)
-BATCH = 32
-ARMS = ("compute", "ddp", "torch-fp16", "torch-psgd-r1", "tw-identity", "tw-identity-inhook", "tw-bf16",
-        "tw-powersgd:rank=1", "tw-topk:ratio=0.01")
+BATCH = {"resnet18": 32, "gpt-small": 8}
+ARMS = {
+    "resnet18": ("compute", "ddp", "torch-fp16", "torch-psgd-r1", "torch-psgd-r4", "tw-identity", "tw-identity-inhook",
+                 "tw-bf16", "tw-powersgd:rank=1", "tw-powersgd:rank=4", "tw-topk:ratio=0.01", "tw-fft", "tw-hylo",
+                 "sr-identity", "sr-powersgd:rank=1", "dasgd"),
+    "gpt-small": ("compute", "ddp", "torch-fp16", "torch-psgd-r1", "tw-identity", "tw-bf16", "tw-powersgd:rank=1",
+                  "sr-identity"),
+}
+PEERS = {"tw-identity": "ddp", "tw-identity-inhook": "ddp", "sr-identity": "ddp", "tw-bf16": "torch-fp16",
+         "tw-powersgd:rank=1": "torch-psgd-r1", "sr-powersgd:rank=1": "torch-psgd-r1",
+         "tw-powersgd:rank=4": "torch-psgd-r4", "tw-fft": "tw-topk:ratio=0.01"}
 TARGETS = (  # (figure, arm, peer, target, rates)
     ("identity_hook_vs_ddp", "tw-identity", "ddp", 1.02, (1000,)),
+    ("sync_reducer_identity_vs_ddp", "sr-identity", "ddp", 1.02, (1000,)),
     ("bf16_hook_vs_torch_fp16", "tw-bf16", "torch-fp16", 1.00, RATES_MBIT),
     ("powersgd_r1_hook_vs_torch", "tw-powersgd:rank=1", "torch-psgd-r1", 0.95, RATES_MBIT),
+    ("powersgd_r4_hook_vs_torch", "tw-powersgd:rank=4", "torch-psgd-r4", 0.95, RATES_MBIT),
+    ("fft_vs_compute", "tw-fft", "compute", 1.15, (100,)),
+    ("fft_vs_topk", "tw-fft", "tw-topk:ratio=0.01", 1.05, RATES_MBIT),
 )
+BYTE_PAIRS = (("tw-powersgd:rank=1", "torch-psgd-r1"), ("tw-powersgd:rank=4", "torch-psgd-r4"))
+GRADIENT_CODECS = ("tw-bf16", "tw-powersgd:rank=1", "tw-powersgd:rank=4", "tw-topk:ratio=0.01", "tw-fft", "tw-hylo",
+                   "sr-powersgd:rank=1")
+DASGD = "dasgd:warmup=2,period=4,delay=2"
 
 
-# -- the model ------------------------------------------------------------------------------------
+# -- the models ------------------------------------------------------------------------------------
 def resnet18(classes: int = 10):
     """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool; 11.17M parameters)."""
     from torch import nn
@@ -69,37 +103,71 @@ def resnet18(classes: int = 10):
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
 
 
+def build(model: str):
+    """(model, loss_fn, batches of rank ``rank``) for ``--model``."""
+    import torch
+
+    if model == "resnet18":
+        return resnet18(), torch.nn.CrossEntropyLoss()
+    from thinwire.tasks.charlm import CharLM
+
+    task = CharLM(model="gpt-small")
+    ce = torch.nn.CrossEntropyLoss()
+    return task.build_model(), lambda logits, y: ce(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_batches(model: str, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    b = BATCH[model]
+    if model == "resnet18":
+        return [(torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,), generator=g)) for _ in range(2)]
+    return [(torch.randint(0, 100, (b, 64), generator=g), torch.randint(0, 100, (b, 64), generator=g))
+            for _ in range(2)]
+
+
 # -- one rank (inside its namespace) ---------------------------------------------------------------------
-def rank_main(steps: int, warmup: int, blocks: int, arms: list[str], out: str) -> None:
+def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[str], out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import thinwire
+    from thinwire.comm.meter import sent_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-               for _ in range(2)]
-    loss_fn = torch.nn.CrossEntropyLoss()
-    steppers, hooks = {}, {}
+    rank, n = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(model_name, rank)
+    steppers, meters, timings = {}, {}, {}
     for arm in arms:
         torch.manual_seed(0)
-        model = DDP(resnet18())
+        net, loss_fn = build(model_name)
+        model = net if arm.startswith("sr-") or arm == "dasgd" else DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        after_backward, after_step = None, None
         if arm == "torch-fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif arm == "torch-psgd-r1":
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        elif arm.startswith("torch-psgd-r"):
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(arm[12:]),
+                                       start_powerSGD_iter=2)
             model.register_comm_hook(state, psgd.powerSGD_hook)
         elif arm.startswith("tw-"):
-            spec = arm[3:].removesuffix("-inhook")
-            hooks[arm] = thinwire.ddp.register(model, spec, overlap=not arm.endswith("-inhook"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            h = thinwire.ddp.register(model, arm[3:].removesuffix("-inhook"), overlap=not arm.endswith("-inhook"))
+            meters[arm], timings[arm] = h.comm.meter, lambda h=h: h.timing
+        elif arm.startswith("sr-"):
+            r = thinwire.SyncReducer(model, arm[3:])
+            meters[arm], timings[arm] = r.comm.meter, lambda r=r: r.timing
+            after_backward = r.reduce
+        elif arm == "dasgd":
+            a = thinwire.attach(model, opt, DASGD)
+            meters[arm], timings[arm] = a.method.comm.meter, lambda a=a: a.method.timing
+            after_backward, after_step = a.after_backward, a.after_step
 
-        def step(i: int, model=model, opt=opt, quiet=arm == "compute") -> None:
+        def step(i: int, model=model, opt=opt, loss_fn=loss_fn, quiet=arm == "compute", after_backward=after_backward,
+                 after_step=after_step) -> None:
             x, y = batches[i % len(batches)]
             opt.zero_grad()
             if quiet:
@@ -107,25 +175,68 @@ def rank_main(steps: int, warmup: int, blocks: int, arms: list[str], out: str) -
                     loss_fn(model(x), y).backward()
             else:
                 loss_fn(model(x), y).backward()
+            if after_backward is not None:
+                after_backward()
             opt.step()
+            if after_step is not None:
+                after_step()
 
         steppers[arm] = step
-    seconds = alternate_blocks(steppers, steps, warmup, blocks)
-    sent = {arm: h.comm.meter.bytes_sent for arm, h in hooks.items()}
+    marks = {}
+
+    def mark() -> None:  # after the warm-up: count from here
+        for arm, m in meters.items():
+            t = timings[arm]()
+            marks[arm] = (m.bytes_sent, t.codec_seconds + t.comm_seconds)
+
+    seconds = alternate_blocks(steppers, steps, warmup, blocks, after_warmup=mark)
+    timed_steps = steps * blocks
+    sent, busy = {}, {}
+    for arm, m in meters.items():
+        t = timings[arm]()
+        sent[arm] = (m.bytes_sent - marks[arm][0]) / timed_steps
+        busy[arm] = (t.codec_seconds + t.comm_seconds - marks[arm][1]) / timed_steps
+    params = sum(p.numel() for p in build(model_name)[0].parameters())
+    for arm in arms:  # PyTorch's arms: the tensors their hooks all_reduce, on two more untimed steps
+        if arm in ("ddp", "compute"):
+            sent[arm] = sent_bytes("all_reduce", 4 * params, n) if arm == "ddp" else 0.0
+        elif arm.startswith("torch-"):
+            sent[arm] = _hook_bytes(steppers[arm], n, counter=timed_steps + warmup * steps)
     if rank == 0:
-        Path(out).write_text(json.dumps({"seconds": seconds, "bytes": sent, "steps_per_block": steps,
-                                         "params": sum(p.numel() for p in resnet18().parameters())}))
+        Path(out).write_text(json.dumps({"seconds": seconds, "bytes": sent, "busy": busy, "steps_per_block": steps,
+                                         "params": params}))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _hook_bytes(step, n: int, counter: int) -> float:
+    """Bytes per step a PyTorch hook's ``dist.all_reduce`` calls send (as the meter counts)."""
+    import torch.distributed as dist
+
+    from thinwire.comm.meter import sent_bytes
+
+    original, total = dist.all_reduce, [0.0]
+
+    def counting(tensor, *args, **kwargs):
+        total[0] += sent_bytes("all_reduce", tensor.numel() * tensor.element_size(), n)
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for i in range(2):
+            step(counter + i)
+    finally:
+        dist.all_reduce = original
+    return total[0] / 2
+
+
 # -- the launcher (root namespace) ---------------------------------------------------------------------
-def run_rate(rate: int, steps: int, warmup: int, blocks: int, arms: list[str]) -> dict:
+def run_rate(model: str, rate: int, steps: int, warmup: int, blocks: int, arms: list[str]) -> dict:
     from _shaped_link import ShapedPair
 
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"thinwire-real-{os.getpid()}-{rate}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--steps", str(steps), "--warmup",
-           str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms), "--result", str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--model", model, "--steps", str(steps),
+           "--warmup", str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms), "--result", str(out)]
     env = dict(os.environ, MASTER_PORT="29517", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     with ShapedPair(rate) as pair:
         procs = [pair.popen(r, cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
@@ -140,16 +251,16 @@ def run_rate(rate: int, steps: int, warmup: int, blocks: int, arms: list[str]) -
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--rank-worker", action="store_true", help=argparse_hidden())
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--blocks", type=int, default=5)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--model", choices=[*sorted(BATCH), "all"], default="all", help="default: both, ResNet-18 first")
+    p.add_argument("--steps", type=int, default=1, help="steps per block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--blocks", type=int, default=5, help="timed rounds")
+    p.add_argument("--arms", help="comma-separated (default: the model's list)")
     p.add_argument("--rates", default=",".join(map(str, RATES_MBIT)), help="link rates in Mbit/s, comma-separated")
     p.add_argument("--result")
     args = p.parse_args(argv)
-    arms = args.arms.split(",")
     if args.rank_worker:
-        rank_main(args.steps, args.warmup, args.blocks, arms, args.result)
+        rank_main(args.model, args.steps, args.warmup, args.blocks, args.arms.split(","), args.result)
         return 0
     from _shaped_link import unavailable
 
@@ -157,32 +268,55 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"bench_real_models: skipped: {why}")
         return 0
-    report = Report("Real model (ResNet-18) over a shaped link: thinwire's hook against DDP and PyTorch's hooks",
-                    "python benchmarks/bench_real_models.py")
+    models = ["resnet18", "gpt-small"] if args.model == "all" else [args.model]
+    report = Report("Real models over a shaped link: thinwire against DDP and PyTorch's hooks",
+                    f"python benchmarks/bench_real_models.py --model {args.model}")
+    for model in models:
+        measure(report, model, args.arms.split(",") if args.arms else list(ARMS[model]), args)
+    return report.finish(args.json)
+
+
+def measure(report: Report, model: str, arms: list[str], args) -> None:
+    """Every rate for one model: a table per rate, figures with their targets."""
+    label = {"resnet18": "ResNet-18 (11.2M), batch 32", "gpt-small": "GPT (charlm gpt-small, 25.4M), batch 8x64"}[model]
+    suffix = "" if model == "resnet18" else f"_{model.replace('-', '_')}"
     for rate in (int(x) for x in args.rates.split(",")):
         t0 = time.perf_counter()
-        r = run_rate(rate, args.steps, args.warmup, args.blocks, arms)
-        sec = r["seconds"]
+        r = run_rate(model, rate, args.steps, args.warmup, args.blocks, arms)
+        sec, sent, busy = r["seconds"], r["bytes"], r["busy"]
         floor = median(sec["compute"])
         rows = []
         for arm in arms:
-            peer = {"tw-identity": "ddp", "tw-identity-inhook": "ddp", "tw-bf16": "torch-fp16",
-                    "tw-powersgd:rank=1": "torch-psgd-r1"}.get(arm)
+            peer = PEERS.get(arm)
+            hidden = "-"
+            if busy.get(arm):
+                exposed = median(sec[arm]) - floor
+                hidden = f"{min(1.0, max(0.0, 1 - exposed / busy[arm])):.2f}"
             rows.append([arm, f"{1e3 * median(sec[arm]):.0f}", f"{1e3 * min(sec[arm]):.0f}-{1e3 * max(sec[arm]):.0f}",
                          f"{paired_ratio(sec[arm], sec['compute']):.3f}",
-                         f"{paired_ratio(sec[arm], sec[peer]):.3f} ({peer})" if peer else "-",
-                         f"{r['bytes'][arm] / (len(sec[arm]) + args.warmup) / args.steps / 1e6:.2f}"
-                         if arm in r["bytes"] else "-"])
-        report.add(f"### {rate} Mbit/s each way ({len(sec['compute'])} timed blocks of {args.steps} steps, "
-                         f"{time.perf_counter() - t0:.0f} s; {load_note()}); compute-only floor {1e3 * floor:.0f} ms\n\n"
-                   + table(["arm", "ms/step (median)", "range", "/ compute", "/ peer", "MB sent/step (rank 0)"], rows))
+                         f"{paired_ratio(sec[arm], sec[peer]):.3f} ({peer})" if peer in sec else "-",
+                         f"{sent[arm] / 1e6:.2f}" if arm in sent else "-", hidden])
+        report.add(f"### {label}, {rate} Mbit/s each way ({len(sec['compute'])} timed blocks of {args.steps} "
+                   f"step(s), {time.perf_counter() - t0:.0f} s; {load_note()}); compute-only floor {1e3 * floor:.0f} ms"
+                   "\n\n" + table(["arm", "ms/step (median)", "range", "/ compute", "/ peer", "MB sent/step/rank",
+                                    "hidden"], rows))
         for name, arm, peer, target, rates in TARGETS:
             if rate in rates and arm in sec and peer in sec:
                 ratio = paired_ratio(sec[arm], sec[peer])
-                report.figures.append(Figure(f"{name}_{rate}mbit", ratio, "<=", target, "x",
+                report.figures.append(Figure(f"{name}_{rate}mbit{suffix}", ratio, "<=", target, "x",
                                              f"{arm} {1e3 * median(sec[arm]):.0f} ms/step, "
                                              f"{peer} {1e3 * median(sec[peer]):.0f} ms/step"))
-    return report.finish(args.json)
+        for ours, theirs in BYTE_PAIRS:
+            if ours in sent and theirs in sent and sent[theirs] > 0:
+                tag = ours[3:].replace(":rank=", "_r")
+                report.figures.append(Figure(f"bytes_{tag}_vs_torch_{rate}mbit{suffix}", abs(sent[ours] / sent[theirs] - 1),
+                                             "<=", 0.01, "", f"{sent[ours] / 1e6:.3f} vs {sent[theirs] / 1e6:.3f} MB/step"))
+        codecs = [a for a in GRADIENT_CODECS if a in sec]
+        if rate == 100 and codecs:
+            best = min(codecs, key=lambda a: paired_ratio(sec[a], sec["compute"]))
+            report.figures.append(Figure(f"best_codec_vs_compute_100mbit{suffix}",
+                                         paired_ratio(sec[best], sec["compute"]), "<=", 1.05, "x",
+                                         f"{best} {1e3 * median(sec[best]):.0f} ms/step, compute {1e3 * floor:.0f} ms/step"))
 
 
 def argparse_hidden() -> str:
