@@ -115,6 +115,7 @@ class GradientReducer:
         self._worker: Worker | None = None
         self._out: dict[str, torch.Tensor] = {}  # name -> the buffer a launched bucket's mean lands in
         self._names = {id(p): n for n, p in self.named}
+        self._params = dict(self.named)
         self.overlap_figures = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
                                 "early_elements": 0, "elements": 0}
         if overlap:
@@ -304,7 +305,7 @@ class GradientReducer:
             w.next += 1
 
     def _launch(self, w: _Window, i: int) -> None:
-        params = dict(self.named)
+        params = self._params
         slots = w.agg.buckets[i].slots
         grads = {s.name: params[s.name].grad for s in slots}
         outs = {}
@@ -316,6 +317,7 @@ class GradientReducer:
             outs[s.name] = out
         if self._worker is None:
             self._worker = Worker("thinwire-gradients")
+            weakref.finalize(self, self._worker.close)  # the thread ends with the reducer
         if w.t_first is None:
             w.t_first = time.perf_counter()
         w.launched.append(i)

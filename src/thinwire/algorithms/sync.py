@@ -64,7 +64,8 @@ class SyncReducer:
     ``RuntimeError`` naming the parameter: the step's average would be wrong), skip
     ``reduce()`` after a backward pass (a launched bucket's collective is already out),
     start passing a scaler after steps without one, or keep two overlapping reducers on
-    one model. ``overlap=False`` lifts all of these.
+    one model. ``overlap=False`` lifts all of these. Overlap keeps one gradient-sized buffer
+    (the launched buckets' means wait there until ``reduce()``) and one thread per reducer.
     """
 
     def __init__(

@@ -30,9 +30,16 @@ class Worker:
         self._queue.put((work, fut))
         return fut
 
+    def close(self) -> None:
+        """Let the thread end once the work queued before this has run."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            work, fut = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            work, fut = item
             try:
                 result = work()
             except BaseException as e:  # noqa: BLE001  (the waiting thread raises it)

@@ -31,6 +31,7 @@ back, or, when any rank holds an inf or NaN, all returned as NaN on every rank w
 residual, codec state or step changed, so every rank's ``scaler.step`` skips the step.
 """
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         return fut
     if state.worker is None:
         state.worker = Worker("thinwire-ddp-hook")
+        weakref.finalize(state, state.worker.close)  # the thread ends with the hook's state
     state.worker.submit(average, fut)
     if last:
         # the backward pass has computed every gradient by now; DDP issues collectives of its own
