@@ -210,18 +210,19 @@ class Aggregator:
         own inputs, the codec's state and the step."""
         b = self.buckets[i]
         b.codec.step = self.step
-        f = self._launch(b, tensors)
+        f = self._launch(b, tensors, in_place=tensors is out)
         for r in range(1, b.codec.rounds):
             self._next_round(b, f, r)
         self._land(b, f, out)
 
-    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> "_Flight":
-        """Encode round 0 (with error feedback) and start its collective."""
+    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> "_Flight":
+        """Encode round 0 (with error feedback) and start its collective. ``in_place``: the
+        tensors are also where the means go, so a fused bucket may work on them directly."""
         t0 = time.perf_counter()
         missing = [s.name for s in b.slots if s.name not in tensors]
         if missing:
             raise KeyError(f"reduce_ got no tensor named {missing[0]!r}; it averages the names it was built with")
-        items = self._inputs(b, tensors)
+        items = self._inputs(b, tensors, in_place)
         ef = b.codec.config.ef
         us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
         flight = _Flight(us, [b.codec.encode(u, key=k) for k, u in us])
@@ -306,9 +307,12 @@ class Aggregator:
             self._gathered_means(b, f, tensors)
         self.timing.codec_seconds += time.perf_counter() - t0
 
-    def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool) -> list[tuple[str, torch.Tensor]]:
         if not b.fused:
             return [(s.name, tensors[s.name]) for s in b.slots]
+        flat = _adjacent(b, tensors) if in_place else None
+        if flat is not None:
+            return [(b.key, flat)]  # DDP's bucket gradients: already one flat buffer, no copy
         flat = _buffer(b, "flat", (b.numel,), torch.float32, tensors[b.slots[0].name].device)
         for s in b.slots:
             flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
@@ -361,6 +365,11 @@ class Aggregator:
     def _write(b: _Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:
         if b.fused:
             flat = results[0].reshape(-1)
+            out = _adjacent(b, tensors)
+            if out is not None:
+                if out.data_ptr() != flat.data_ptr():
+                    out.copy_(flat)  # one copy into the bucket's flat buffer
+                return
             for s in b.slots:
                 tensors[s.name].copy_(flat[s.offset : s.offset + s.numel].view(s.shape))
         else:
@@ -431,6 +440,19 @@ def _buffer(b: _Bucket, key: str, shape: tuple[int, ...], dtype: torch.dtype, de
     if store is None or store.numel() < numel or store.dtype != dtype or store.device != device:
         store = b.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return store[:numel].view(shape)
+
+
+def _adjacent(b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """A fused bucket's tensors as one flat fp32 view when they already lie back to back in
+    one storage, in slot order (the gradients of a DDP bucket do); else None."""
+    first = tensors[b.slots[0].name]
+    storage, base = first.untyped_storage().data_ptr(), first.storage_offset()
+    for s in b.slots:
+        t = tensors[s.name]
+        if (t.dtype != torch.float32 or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != base + s.offset):
+            return None
+    return torch.as_strided(first, (b.numel,), (1,), base)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
