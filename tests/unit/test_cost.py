@@ -1,6 +1,7 @@
 """thinwire cost's model on hand-computed cases: step time, crossover bandwidth, verdicts,
 the overlap with the backward pass, and the crossing solver against a dense scan."""
 
+import dataclasses
 import math
 import random
 
@@ -156,9 +157,30 @@ def test_a_crossing_at_a_kink_is_found_once():
 
 
 def _random_cost(rng: random.Random, name: str) -> StepCost:
-    return StepCost(name, rng.uniform(0.008, 0.012), rng.uniform(0.0, 0.005), 10 ** rng.uniform(4, 7),
-                    rng.choice([0, 2, 6, 20]), wait_s=rng.choice([0.0, rng.uniform(0.0, 0.02)]),
-                    window_s=rng.choice([0.0, rng.uniform(0.0, 0.01)]), early_share=rng.uniform(0.0, 1.0))
+    c = StepCost(name, rng.uniform(0.008, 0.012), rng.uniform(0.0, 0.005), 10 ** rng.uniform(4, 7),
+                 rng.choice([0, 2, 6, 20]), wait_s=rng.choice([0.0, rng.uniform(0.0, 0.02)]),
+                 window_s=rng.choice([0.0, rng.uniform(0.0, 0.01)]), early_share=rng.uniform(0.0, 1.0))
+    if rng.random() < 0.5:  # a queue of launched buckets instead of one window
+        k = rng.randint(1, 4)
+        shares = [rng.uniform(0.0, 1.0 / k) for _ in range(k)]
+        leads = sorted((rng.uniform(0.0, 0.01) for _ in range(k)), reverse=True)  # the first launched leads most
+        c = dataclasses.replace(c, leads=tuple(zip(leads, shares)))
+    return c
+
+
+def test_launched_buckets_queue_on_one_thread():
+    # G = 2.5 s of work per step; a bucket of 56% launched 3.1 s before reduce(), one of 44%
+    # launched 0.03 s before: the first is done in time, the second leaves 0.44 * 2.5 - 0.03 s
+    c = StepCost("bf16", compute_s=2.0, codec_s=0.5, bytes=2e6, messages=0, leads=((3.1, 0.56), (0.03, 0.44)))
+    link = Link.parse("8mbit,0us")  # 1e6 bytes/s: 2 s on the wire, G = 2.5 s
+    assert c.hidden_s(link) == pytest.approx(2.5 - (0.44 * 2.5 - 0.03), rel=1e-12)
+    assert c.seconds(link) == pytest.approx(2.0 + 0.44 * 2.5 - 0.03, rel=1e-12)
+    # one window over the same share would hide it all: the queue is the sharper model
+    flat = StepCost("bf16", compute_s=2.0, codec_s=0.5, bytes=2e6, messages=0, window_s=3.1, early_share=1.0)
+    assert flat.seconds(link) == pytest.approx(2.0, rel=1e-12)
+    # a slower link: the first bucket outlasts its lead too, and the queue carries it over
+    slow = Link.parse("4mbit,0us")  # G = 4.5 s
+    assert c.seconds(slow) == pytest.approx(2.0 + max(4.5 - 3.1, 0.44 * 4.5 - 0.03), rel=1e-12)
 
 
 def test_the_step_time_is_the_largest_of_its_lines():

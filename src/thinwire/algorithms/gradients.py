@@ -69,6 +69,7 @@ class _Window:
     futures: list = field(default_factory=list)
     late: str | None = None  # a name whose gradient grew after its bucket was launched
     t_first: float | None = None  # when the first bucket was launched
+    times: list[float] = field(default_factory=list)  # when each launched bucket was launched
 
 
 class GradientReducer:
@@ -116,8 +117,11 @@ class GradientReducer:
         self._out: dict[str, torch.Tensor] = {}  # name -> the buffer a launched bucket's mean lands in
         self._names = {id(p): n for n, p in self.named}
         self._params = dict(self.named)
+        # cumulative; per launch position k: seconds from launch to reduce(), elements, steps
+        # (summed): the cost model's queue of buckets (run/cost.py)
         self.overlap_figures = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
-                                "early_elements": 0, "elements": 0}
+                                "early_elements": 0, "elements": 0, "reduces": 0,
+                                "lead_seconds": [], "lead_elements": [], "lead_steps": []}
         if overlap:
             ref = weakref.ref(self)  # a dropped reducer's hooks do nothing (the parameters outlive it)
 
@@ -271,12 +275,21 @@ class GradientReducer:
         if tuple(tensors) != self._expected:
             self._expected = tuple(tensors)
         figures = self.overlap_figures
-        figures["elements"] += sum(t.numel() for t in tensors.values())
+        total = sum(t.numel() for t in tensors.values())
+        figures["elements"] += total
+        figures["reduces"] += 1
         if window.launched:
             figures["steps"] += 1
             figures["window_seconds"] += t_reduce - window.t_first
-            figures["early_elements"] += sum(s.numel for i in window.launched for s in agg.buckets[i].slots
-                                             if s.name in tensors)
+            seconds, counts, steps = figures["lead_seconds"], figures["lead_elements"], figures["lead_steps"]
+            for k, (i, t) in enumerate(zip(window.launched, window.times)):
+                elements = sum(s.numel for s in agg.buckets[i].slots if s.name in tensors)
+                figures["early_elements"] += elements
+                if k == len(seconds):
+                    seconds.append(0.0), counts.append(0), steps.append(0)
+                seconds[k] += t_reduce - t
+                counts[k] += elements
+                steps[k] += 1
 
     # -- overlap: buckets launched from the backward pass ------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -318,8 +331,10 @@ class GradientReducer:
         if self._worker is None:
             self._worker = Worker("thinwire-gradients")
             weakref.finalize(self, self._worker.close)  # the thread ends with the reducer
+        now = time.perf_counter()
         if w.t_first is None:
-            w.t_first = time.perf_counter()
+            w.t_first = now
+        w.times.append(now)
         w.launched.append(i)
         w.sent.update(grads)
         agg = w.agg
@@ -367,7 +382,7 @@ class GradientReducer:
         state = self.aggregator.state_dict()
         state.update(step=self.step, skipped=self.skipped, sent_bytes=self.sent_bytes,
                      expected=list(self._expected), passes=self._passes, scaled=self._scaled,
-                     overlap=dict(self.overlap_figures))
+                     overlap={k: list(v) if isinstance(v, list) else v for k, v in self.overlap_figures.items()})
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -383,7 +398,8 @@ class GradientReducer:
         self._passes = int(state.get("passes", 0))
         self._scaled = bool(state.get("scaled", False))
         self._window = _Window()
-        self.overlap_figures.update(state.get("overlap", {}))
+        for key, value in state.get("overlap", {}).items():
+            self.overlap_figures[key] = list(value) if isinstance(value, list) else value
 
 
 def loss_scale(scaler: Any) -> float | None:

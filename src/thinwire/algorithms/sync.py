@@ -186,11 +186,16 @@ class SyncReducer:
         ``steps`` that launched buckets in backward, ``window_seconds`` (from the first
         launch to ``reduce()``: the backward time communication could hide behind),
         ``blocked_seconds`` (``reduce()`` waiting for launched buckets), ``early_share``
-        (the share of averaged elements launched in backward)."""
+        (the share of averaged elements launched in backward), ``reduces`` (steps averaged) and
+        ``leads``: per launch position, in launch order, (mean seconds from the launch to
+        ``reduce()``, share of the averaged elements), the cost model's queue of buckets."""
         f = self.reducer.overlap_figures
+        elements = f["elements"]
         return {"enabled": self.reducer.overlap, "steps": f["steps"], "window_seconds": f["window_seconds"],
                 "blocked_seconds": f["blocked_seconds"],
-                "early_share": f["early_elements"] / f["elements"] if f["elements"] else 0.0}
+                "early_share": f["early_elements"] / elements if elements else 0.0, "reduces": f["reduces"],
+                "leads": [[seconds / max(n, 1), count / elements if elements else 0.0]
+                          for seconds, count, n in zip(f["lead_seconds"], f["lead_elements"], f["lead_steps"])]}
 
     def summary_fields(self) -> dict:
         return {"overlap": self.overlap_report()}

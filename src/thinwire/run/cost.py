@@ -12,7 +12,8 @@ which launches nothing in backward, are left out). The alpha-beta model (METHODS
 then predicts the step time on a link of latency α and bandwidth β::
 
     G(α, β) = codec + max(wait, messages · α + bytes / β)        codec and communication
-    T(α, β) = compute + G − min(window, early · G)               the step
+    T(α, β) = compute + G − min(window, early · G)               the step (one window)
+    T(α, β) = compute + (1 − early) · G + max(0, max_i(S_i · G − lead_i))   (the queue)
 
 ``messages · α + bytes / β`` is the link's time for the step's collectives (every model time
 is linear in messages and bytes, so per-step totals suffice; ``--emulate-link`` delays by
@@ -44,7 +45,11 @@ window is the backward pass's own time, measured here with no link: a link chang
 much of it the communication fills, not its length (CPU contention between the
 background thread and backward is in the measured ``compute``). Where the runs record no
 overlap (older runs, methods without ``overlap_report()``), ``window`` = ``early`` = 0 and
-``T`` is the model without overlap.
+``T`` is the model without overlap. The queue form refines the window one where the run
+recorded each launched bucket's lead (seconds from its launch to ``reduce()``) and share
+(``S_i``: the share of bucket ``i`` and of every bucket launched after it): the buckets run
+one after another on the background thread, and what is left of them at ``reduce()``
+adds to the step.
 
 ``T`` is ``compute + max(G − window, (1 − early) · G)``: with ``G`` the larger of two lines in
 x = 1/β, ``T`` is the largest of four lines in x, a convex piecewise linear function. The
@@ -75,7 +80,8 @@ _SAME = 1e-9  # relative distance under which two crossings (in x = 1/β) are on
 
 
 def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s: float, window_s: float,
-                           early_share: float, wait_s: float = 0.0) -> float:
+                           early_share: float, wait_s: float = 0.0,
+                           leads: tuple[tuple[float, float], ...] = ()) -> float:
     """Modeled seconds of codec and communication work hidden behind the backward pass on
     ``link``: ``min(window_s, early_share · (codec_s + max(wait_s, messages · α + bytes / β)))``.
 
@@ -87,13 +93,44 @@ def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s
     and messages too. ``wait_s`` (default 0: the trainer's modeled time has no such floor) is
     the collectives' own time with no link, as ``thinwire cost`` measures it. 0 when nothing
     was launched in backward (``window_s`` 0 or ``early_share`` 0).
+
+    ``leads``, when given (per-step figures only), refines this: per launched bucket, in
+    launch order, (seconds from its launch to ``reduce()``, its share of the elements); the
+    buckets queue on the one background thread, so the part left at ``reduce()`` is
+    ``max(0, max_i(S_i · G − lead_i))`` with ``S_i`` the share of bucket ``i`` and those after
+    it, and the hidden part is ``early · G`` minus that (``leads`` = ((W, s),) is the formula
+    above).
     """
     busy = codec_s + max(wait_s, messages * link.latency_s + bytes / link.bandwidth_Bps)
-    return _hidden(busy, window_s, early_share)
+    return _hidden(busy, _groups(leads, window_s, early_share))
 
 
-def _hidden(busy: float, window_s: float, early_share: float) -> float:
-    return min(max(window_s, 0.0), _share(early_share) * busy)
+def _groups(leads, window_s: float, early_share: float) -> tuple[tuple[float, float], ...]:
+    """The launched buckets as (lead seconds, share), in launch order: ``leads`` when known,
+    else one group (the window, the early share), else none."""
+    if leads:
+        return tuple((max(float(lead), 0.0), _share(share)) for lead, share in leads)
+    if window_s > 0 and early_share > 0:
+        return ((float(window_s), _share(early_share)),)
+    return ()
+
+
+def _tails(groups) -> list[tuple[float, float]]:
+    """(lead_i, S_i): each launched bucket's lead and the share of it and every bucket after it."""
+    out, after = [], 0.0
+    for lead, share in reversed(groups):
+        after += share
+        out.append((lead, after))
+    return out[::-1]
+
+
+def _hidden(busy: float, groups) -> float:
+    """Seconds of ``busy`` (a step's codec and communication work) hidden behind backward."""
+    if not groups:
+        return 0.0
+    early = min(sum(share for _, share in groups), 1.0)
+    left = max(0.0, *(tail * busy - lead for lead, tail in _tails(groups)))
+    return max(0.0, early * busy - left)
 
 
 def _share(early_share: float) -> float:
@@ -112,6 +149,7 @@ class StepCost:
     wait_s: float = 0.0  # its collectives' time here, with no link
     window_s: float = 0.0  # overlap window per step: backward time after the first bucket launched (0: none)
     early_share: float = 0.0  # share of the averaged elements launched during backward
+    leads: tuple[tuple[float, float], ...] = ()  # per launched bucket: (seconds before reduce(), share)
 
     def seconds(self, link: Link) -> float:
         return self._at(link.latency_s, 1.0 / link.bandwidth_Bps)
@@ -119,22 +157,26 @@ class StepCost:
     def hidden_s(self, link: Link) -> float:
         """Seconds per step of codec and communication work hidden behind the backward pass."""
         return overlap_hidden_seconds(link, bytes=self.bytes, messages=self.messages, codec_s=self.codec_s,
-                                      window_s=self.window_s, early_share=self.early_share, wait_s=self.wait_s)
+                                      window_s=self.window_s, early_share=self.early_share, wait_s=self.wait_s,
+                                      leads=self.leads)
 
     def _at(self, latency_s: float, x: float) -> float:
         """Step time at latency ``latency_s`` and ``x`` = 1 / bandwidth (seconds per byte)."""
         busy = self.codec_s + max(self.wait_s, self.messages * latency_s + self.bytes * x)
-        return self.compute_s + busy - _hidden(busy, self.window_s, self.early_share)
+        return self.compute_s + busy - _hidden(busy, _groups(self.leads, self.window_s, self.early_share))
 
     def _lines(self, latency_s: float) -> list[tuple[float, float]]:
         """The step time at this latency as the largest of these lines in ``x``, each
-        (value at x = 0, slope): ``compute + max(G − window, (1 − early) · G)`` with ``G`` =
-        ``codec + max(wait, messages · α + bytes · x)``."""
-        keep, window = 1.0 - _share(self.early_share), max(self.window_s, 0.0)
+        (value at x = 0, slope): ``compute + max((1 − early) · G, max_i((1 − early + S_i) · G −
+        lead_i))`` with ``G`` = ``codec + max(wait, messages · α + bytes · x)`` (one group
+        (window, early): ``compute + max((1 − early) · G, G − window)``)."""
+        groups = _groups(self.leads, self.window_s, self.early_share)
+        keep = 1.0 - min(sum(share for _, share in groups), 1.0)
         out = []
         for at0, slope in ((self.codec_s + self.wait_s, 0.0), (self.codec_s + self.messages * latency_s, self.bytes)):
-            out.append((self.compute_s + at0 - window, slope))
             out.append((self.compute_s + keep * at0, keep * slope))
+            for lead, tail in _tails(groups):
+                out.append((self.compute_s + (keep + tail) * at0 - lead, (keep + tail) * slope))
         return out
 
     def _kinks(self, latency_s: float) -> list[float]:
@@ -236,14 +278,17 @@ def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
                     messages=summary["messages_per_worker"] / steps,
                     wait_s=summary.get("comm_seconds", 0.0) / steps,
                     window_s=(overlap.get("window_seconds") or 0.0) / steps,
-                    early_share=overlap.get("early_share") or 0.0)
+                    early_share=overlap.get("early_share") or 0.0,
+                    leads=tuple((float(a), float(b)) for a, b in overlap.get("leads") or ()))
 
 
 def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepCost:
     """Per-step figures between two metrics.jsonl records (cumulative counters; records
     without the overlap counters: no overlap).
 
-    ``overlap_early_share`` is a cumulative share, of the elements averaged by every
+    ``overlap_lead_seconds_and_shares`` (per launched bucket: seconds before ``reduce()``,
+    share) are the run's means so far, read from ``last``. ``overlap_early_share`` is a
+    cumulative share, of the elements averaged by every
     ``reduce()`` so far (one per step that was not skipped); the span's own share is
     recovered with equal elements per step: ``(s_last · n_last − s_first · n_first) /
     (n_last − n_first)``, ``n`` = step − skipped steps."""
@@ -264,7 +309,9 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepC
                     messages=(last["messages"] - first["messages"]) / steps,
                     wait_s=(last["comm_seconds"] - first["comm_seconds"]) / steps,
                     window_s=max(delta("overlap_window_seconds"), 0.0) / steps,
-                    early_share=share)
+                    early_share=share,
+                    leads=tuple((float(a), float(b))
+                                for a, b in last.get("overlap_lead_seconds_and_shares") or ()))
 
 
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,

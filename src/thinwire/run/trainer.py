@@ -402,7 +402,8 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
     if hasattr(method, "overlap_report"):  # cumulative, as the other clocks: the cost model reads them
         o = method.overlap_report()
         record.update(overlap_steps=o["steps"], overlap_window_seconds=o["window_seconds"],
-                      overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"])
+                      overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"],
+                      overlap_lead_seconds_and_shares=o["leads"])
     for link in cfg.links:
         record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
     return record
@@ -453,9 +454,12 @@ def _hidden(link: Link, comm: Communicator, method) -> float:
         from thinwire.run.cost import overlap_hidden_seconds
 
         o = method.overlap_report()
-        return overlap_hidden_seconds(link, bytes=comm.meter.bytes_sent, messages=comm.meter.messages,
-                                      codec_s=method.timing.codec_seconds, window_s=o["window_seconds"],
-                                      early_share=o["early_share"])
+        n = o["reduces"]
+        if not n:
+            return 0.0
+        return n * overlap_hidden_seconds(link, bytes=comm.meter.bytes_sent / n, messages=comm.meter.messages / n,
+                                          codec_s=method.timing.codec_seconds / n, window_s=o["window_seconds"] / n,
+                                          early_share=o["early_share"], leads=tuple(map(tuple, o["leads"])))
     return 0.0
 
 
