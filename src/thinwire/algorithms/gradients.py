@@ -252,7 +252,7 @@ class GradientReducer:
         one set of whatever is left. Overlap or not, the same buckets: the same bits."""
         if not tensors:
             return
-        agg = self._aggregator_for(self._expected)
+        agg = window.agg if window.agg is not None else self._aggregator_for(self._expected)
         agg.step = self.step  # the step of the whole reducer, whichever set is averaged
         covered: set[str] = set(window.sent)
         for i in window.launched:
