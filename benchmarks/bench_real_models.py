@@ -252,7 +252,8 @@ def run_rate(model: str, rate: int, steps: int, warmup: int, blocks: int, arms: 
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"thinwire-real-{os.getpid()}-{rate}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--model", model, "--steps", str(steps),
            "--warmup", str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms), "--result", str(out)]
-    env = dict(os.environ, MASTER_PORT="29517", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MASTER_PORT="29517", OMP_NUM_THREADS="1", PYTHONPATH=path)
     with ShapedPair(rate) as pair:
         procs = [pair.popen(r, cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
         logs = [p.communicate(timeout=3000)[0] for p in procs]
