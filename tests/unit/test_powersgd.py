@@ -16,7 +16,7 @@ from thinwire.codecs.base import generator_for
 from thinwire.codecs.powersgd import PowerSGD, PowerSGDConfig
 from thinwire.codecs.registry import build_codec
 from thinwire.feedback import ErrorFeedback
-from thinwire.payload import Aggregation, Payload
+from thinwire.payload import Aggregation, Payload, PayloadError
 
 
 def make(n_ranks: int = 1, **knobs) -> list[PowerSGD]:
@@ -229,6 +229,44 @@ def test_decode_is_pure_linear_and_decode_add_agrees():
     torch.testing.assert_close(strided, 1 + a, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="round-1"):
         c.decode(c.encode(x, key="w"))
+
+
+def test_rank_one_outer_product_decode_agrees_with_decode_add_and_the_matrix_product():
+    torch.manual_seed(8)
+    (c,) = make(rank=1)
+    x = torch.randn(20, 3, 4)
+    p1 = c.encode_next(c.encode(x, key="w"), key="w")
+    p_hat, q = p1.meta["p_hat"], p1.tensors[0]
+    got = c.decode(p1)
+    torch.testing.assert_close(got, (p_hat @ q.t()).view(x.shape), rtol=0, atol=1e-6)
+    out = torch.ones(20, 3, 4)
+    c.decode_add(p1, out)
+    torch.testing.assert_close(out, 1 + got, rtol=0, atol=1e-6)
+    strided = torch.ones(3, 4, 20).permute(2, 0, 1)  # not contiguous: the generic out += decode path
+    c.decode_add(p1, strided)
+    torch.testing.assert_close(strided, out, rtol=0, atol=1e-6)
+
+
+def test_check_of_an_encoded_shape_still_refuses_malformed_payloads():
+    # check() answers shapes it has encoded from a cache: the cache must refuse what the full check does
+    (c,) = make(rank=2)
+    x = torch.randn(20, 12)
+    p1 = c.encode_next(c.encode(x, key="w"), key="w")
+    c.decode(p1)  # well-formed: passes
+    bad = [
+        p1.with_tensors((torch.zeros(20, 2),)),  # a P-shaped tensor is fine for the layout...
+        p1.with_tensors((torch.zeros(13, 2),)),
+        p1.with_tensors((torch.zeros(12, 2, dtype=torch.float16),)),
+        p1.with_tensors((torch.zeros(12, 2), torch.zeros(20, 2))),
+        Payload((torch.zeros(12, 2),), x.shape, torch.complex64, p1.meta),
+        Payload((torch.zeros(12, 2),), x.shape, torch.int32, p1.meta),
+    ]
+    c.check(bad[0])  # ...(round 0's layout), so only the others are refused
+    for p in bad[1:]:
+        with pytest.raises(PayloadError):
+            c.decode(p)
+        with pytest.raises(PayloadError):
+            c.decode_add(p, torch.zeros(20, 12))
 
 
 # -- which tensors, state, config ------------------------------------------------------------
