@@ -121,6 +121,11 @@ class Aggregator:
         self.sent_bytes: dict[str, float] = {name: 0.0 for name, _ in named}
         self._fallback = Identity(IdentityConfig())
         self.buckets = self._plan(named, codec_for, int(bucket_mb * 2**20))
+        # collectives go in the order the buckets fill up when tensors arrive in ``named``
+        # order (a gradient reducer names them in the order backward computes them): a bucket
+        # of the fp32 fallback that gathers every bias of the model comes last, not first
+        position = {name: i for i, (name, _) in enumerate(named)}
+        self.buckets.sort(key=lambda b: position[b.slots[-1].name])
         self.codecs = _unique(b.codec for b in self.buckets)
         for codec in self.codecs:
             codec.rank = comm.rank
