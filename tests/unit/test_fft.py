@@ -245,3 +245,47 @@ def test_bucket_knob_rules():
     with pytest.raises(ValueError, match="bucket_mb must be >= 0"):
         build_codec("fft:bucket_mb=-1")
     assert not build_codec("fft").fusable and build_codec("fft:bucket_mb=2").bucket_cap(25 << 20) == 2 << 20
+
+
+def _torch_path(codec, x, key):
+    """The wire tensors and the 2-payload sum the torch code path (the one other devices
+    take) gives for ``x``: the reference of the CPU path's NumPy passes."""
+    from thinwire.payload import Payload
+
+    plan = codec._plan(x.numel())
+    spec = torch.fft.rfft(x.reshape(-1), n=plan.length)
+    pos, kept = codec._select(spec, plan, key)
+    e_max, values = codec._quantize(torch.view_as_real(kept).reshape(-1))
+    p = Payload((torch.tensor([e_max], dtype=torch.int32), pos, values), x.shape, x.dtype)
+    total = torch.zeros(plan.bins, dtype=torch.complex64)
+    for q in (p, p):
+        codec.spectrum_add(q, total)
+    return p, torch.fft.irfft(total, n=plan.length)[: x.numel()].view(x.shape)
+
+
+@pytest.mark.parametrize("spec", ["fft:theta=0.5", "fft:theta=0.9", "fft:theta=0.995", "fft:theta=0.6,positions=index",
+                                  "fft:theta=0.5,bits=16,exp_bits=5", "fft:theta=0.7,bits=32",
+                                  "fft:theta=0.8,bits=4,exp_bits=2", "fft:theta=0"])
+@pytest.mark.parametrize("shape", [(7, 9), (64, 60), (40, 101, 3)])
+def test_the_cpu_path_sends_the_bytes_of_the_torch_path_in_chunks_and_threads(spec, shape, monkeypatch):
+    """On the CPU, selection, quantization and the spectra's sum run as NumPy passes over
+    chunks, split across threads for large spectra; with chunks and thresholds shrunk (so
+    that every size here goes through many chunks, the sampled selection and 3 parts) the
+    payload is the torch path's byte for byte, and decode_sum agrees."""
+    import thinwire.codecs.fft as fft
+
+    monkeypatch.setattr(fft, "_CHUNK", 256)
+    monkeypatch.setattr(fft, "_SPLIT_MIN", 1024)
+    monkeypatch.setattr(fft, "_PAIR_TABLE_MIN", 64)
+    monkeypatch.setattr("thinwire.numerics.select.SAMPLED_MIN", 512)
+    monkeypatch.setattr(fft, "SAMPLED_MIN", 512)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    codec = build_codec(spec + ",schedule=constant")
+    x = _x(shape, seed=len(spec)) * torch.logspace(-3, 3, math.prod(shape)).view(shape)  # spread spectra
+    want, want_sum = _torch_path(codec, x, "w")
+    got = codec.encode(x, key="w")
+    assert [t.dtype for t in got.tensors] == [t.dtype for t in want.tensors]
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
+    out = torch.empty_like(x)
+    codec.decode_sum([got, got], out)
+    torch.testing.assert_close(out, want_sum, rtol=0, atol=1e-5 * want_sum.abs().max().item())

@@ -14,16 +14,24 @@ the exact layout is not published, so this one is thinwire's.)
 
 Encoding and decoding work on the fp32 bit patterns with integer ops whenever the window
 lies inside fp32's normal range (every practical case); otherwise, and for other input
-dtypes, a reference implementation of the definition runs. Both give the same codes.
+dtypes, a reference implementation of the definition runs. Both give the same codes. On the
+CPU the integer ops run in NumPy, in cache-sized chunks through reused scratch (torch ops on
+2 threads stall on OpenMP regions when ranks share cores, and NumPy's per-call cost is a
+fraction of torch's), and byte codes decode through a table of their 256 values.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import numpy as np
 import torch
 
 _F32_MIN_EXP = -126  # the smallest normal fp32 exponent
 _F32_INF = 0x7F800000  # the bits of +inf; larger magnitudes are NaN
 _CPU_CHUNK = 1 << 18
+_NP_CHUNK = 1 << 16  # NumPy pass chunk: the int32 temporaries stay in L2, and per-call costs stay small
 
 
 def _window_low(exp_bits: int, e_max: int) -> int:
@@ -35,6 +43,10 @@ def exponent_max(x: torch.Tensor) -> int:
     """``floor(log2(max |x|))`` over the finite values, or 0 for an all-zero (or empty) tensor."""
     if x.numel() == 0:
         return 0
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        e_max = exponent_max_numpy(x.detach().reshape(-1).numpy())
+        if e_max is not None:
+            return e_max
     lo, hi = torch.aminmax(x.detach().float())  # one pass; NaN or inf falls to the slow path
     top = torch.maximum(-lo, hi)
     if not torch.isfinite(top):
@@ -43,6 +55,19 @@ def exponent_max(x: torch.Tensor) -> int:
     if top == 0:
         return 0
     return int(torch.frexp(top)[1].item()) - 1
+
+
+def exponent_max_numpy(x: np.ndarray) -> int | None:
+    """:func:`exponent_max` of a NumPy float array, or None when it holds NaN or inf (then
+    :func:`exponent_max`'s slower rule for them applies). A result says that every value is
+    finite: the codes need no NaN pass."""
+    if x.size == 0:
+        return 0
+    lo, hi = float(x.min()), float(x.max())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    top = max(-lo, hi)
+    return math.frexp(top)[1] - 1 if top else 0
 
 
 def encode(
@@ -57,6 +82,8 @@ def encode(
         raise ValueError(f"out holds {out.numel()} codes, need {flat.numel()}")
     if x.dtype != torch.float32 or _window_low(exp_bits, e_max) < _F32_MIN_EXP:
         out.view(-1).copy_(_encode_reference(flat, exp_bits, man_bits, e_max))
+    elif x.device.type == "cpu" and out.is_contiguous():
+        _encode_numpy(flat.detach().contiguous().numpy(), exp_bits, man_bits, e_max, out.view(-1).numpy())
     else:
         dst = out.view(-1)
         for s in range(0, flat.numel(), _chunk(flat)):
@@ -76,6 +103,8 @@ def decode(
         raise ValueError(f"out holds {out.numel()} values, need {flat.numel()}")
     if _window_low(exp_bits, e_max) < _F32_MIN_EXP:
         out.view(-1).copy_(_decode_reference(flat, exp_bits, man_bits, e_max))
+    elif codes.device.type == "cpu" and out.is_contiguous() and not out.requires_grad and flat.dtype != torch.bool:
+        _decode_numpy(flat.contiguous().numpy(), exp_bits, man_bits, e_max, out.view(-1).numpy())
     else:
         dst = out.view(-1)
         for s in range(0, flat.numel(), _chunk(flat)):
@@ -121,6 +150,140 @@ def _decode_bits(codes: torch.Tensor, exp_bits: int, man_bits: int, e_max: int) 
     c <<= 23 - man_bits
     c |= sign << (31 - exp_bits - man_bits)
     return c.masked_fill_(under, 0).view(torch.float32)
+
+
+def encode_numpy(
+    x: np.ndarray, exp_bits: int, man_bits: int, e_max: int, out: np.ndarray, *, finite: bool = False
+) -> np.ndarray:
+    """:func:`encode` for a 1-D fp32 NumPy array on the CPU: codes into ``out`` (any integer
+    dtype wide enough, ``x.size`` elements), returned. ``finite``: the caller knows every
+    value is finite (e.g. :func:`exponent_max_numpy` said so), which skips the NaN pass."""
+    if _window_low(exp_bits, e_max) < _F32_MIN_EXP:
+        out[:] = _encode_reference(torch.from_numpy(np.ascontiguousarray(x)), exp_bits, man_bits, e_max).numpy()
+    else:
+        _encode_numpy(x, exp_bits, man_bits, e_max, out, finite=finite)
+    return out
+
+
+def decode_numpy(codes: np.ndarray, exp_bits: int, man_bits: int, e_max: int, out: np.ndarray) -> np.ndarray:
+    """:func:`decode` for 1-D NumPy arrays on the CPU (no torch call on the common path):
+    ``out`` (fp32, ``codes.size`` elements) filled and returned."""
+    if _window_low(exp_bits, e_max) < _F32_MIN_EXP:
+        out[:] = _decode_reference(torch.from_numpy(np.ascontiguousarray(codes)), exp_bits, man_bits, e_max).numpy()
+    else:
+        _decode_numpy(codes, exp_bits, man_bits, e_max, out)
+    return out
+
+
+def decode_pairs_numpy(codes: np.ndarray, exp_bits: int, man_bits: int, e_max: int, out: np.ndarray) -> np.ndarray:
+    """:func:`decode_numpy` of an even number of byte codes (uint8) into ``out`` viewed as
+    complex64 (``codes.size // 2`` values: each pair of codes as real, imaginary), through a
+    table of all 65,536 pairs: one lookup per pair instead of one per code."""
+    if _window_low(exp_bits, e_max) < _F32_MIN_EXP:
+        return decode_numpy(codes, exp_bits, man_bits, e_max, out.view(np.float32)).view(np.complex64)
+    _take_chunked(_pair_table(exp_bits, man_bits, e_max), codes.view(np.uint16), out)
+    return out
+
+
+def _encode_numpy(
+    x: np.ndarray, exp_bits: int, man_bits: int, e_max: int, out: np.ndarray, *, finite: bool = False
+) -> None:
+    """:func:`_encode_bits` in NumPy, chunk by chunk into ``out`` (any integer dtype): the
+    same ops, with the exponent offset folded into the rounding add (``(a - o<<s) >> s ==
+    (a >> s) - o``) and the NaN pass only where a chunk holds NaN (none with ``finite``)."""
+    bits_all = x.view(np.int32)
+    n = bits_all.size
+    size = min(n, _NP_CHUNK)
+    a_buf, t_buf, u_buf = np.empty(size, np.int32), np.empty(size, np.int32), np.empty(size, np.bool_)
+    shift = 23 - man_bits
+    offset = (_window_low(exp_bits, e_max) + 126) << man_bits  # exponent code 1 = the window's bottom
+    add = ((1 << (shift - 1)) - 1 if shift else 0) - (offset << shift)  # fits int32: offset < 254 << man_bits
+    top = (1 << (exp_bits + man_bits)) - 1
+    sign = 1 << (exp_bits + man_bits)
+    for s in range(0, n, _NP_CHUNK):
+        bits = bits_all[s : s + _NP_CHUNK]
+        k = bits.size
+        a, t, u = a_buf[:k], t_buf[:k], u_buf[:k]
+        np.bitwise_and(bits, 0x7FFFFFFF, out=a)  # |x| as bits
+        if not finite and a.max() > _F32_INF:  # NaN -> zero (inf stays, and saturates below)
+            np.greater(a, _F32_INF, out=u)
+            np.copyto(a, 0, where=u)
+        if shift:
+            np.right_shift(a, shift, out=t)
+            t &= 1
+            a += add
+            a += t  # round half to even
+            a >>= shift  # (biased exponent << man_bits | mantissa) - offset
+        else:
+            a += add
+        np.minimum(a, top, out=a)  # saturate at the top code
+        np.less(a, 1 << man_bits, out=u)  # exponent code <= 0: below the window, or zero
+        np.right_shift(bits, 31, out=t)  # -1 if negative (arithmetic shift)
+        t &= sign
+        a |= t
+        np.copyto(a, 0, where=u)
+        np.copyto(out[s : s + k], a, casting="unsafe")
+
+
+def _decode_numpy(codes: np.ndarray, exp_bits: int, man_bits: int, e_max: int, out: np.ndarray) -> None:
+    """:func:`_decode_bits` in NumPy into ``out`` (fp32): byte codes through a table of the
+    256 values, wider codes by the bit ops chunk by chunk."""
+    n = codes.size
+    if codes.dtype == np.uint8:
+        _take_chunked(_byte_table(exp_bits, man_bits, e_max), codes, out)
+        return
+    size = min(n, _NP_CHUNK)
+    c_buf, s_buf, u_buf = np.empty(size, np.int32), np.empty(size, np.int32), np.empty(size, np.bool_)
+    top = 1 << (exp_bits + man_bits)  # the sign bit of a code
+    for s in range(0, n, _NP_CHUNK):
+        k = min(_NP_CHUNK, n - s)
+        c, sg, u = c_buf[:k], s_buf[:k], u_buf[:k]
+        np.copyto(c, codes[s : s + k], casting="unsafe")
+        np.bitwise_and(c, top, out=sg)
+        c &= top - 1
+        np.less(c, 1 << man_bits, out=u)  # exponent code 0: zero
+        c += (_window_low(exp_bits, e_max) + 126) << man_bits
+        c <<= 23 - man_bits
+        sg <<= 31 - exp_bits - man_bits
+        c |= sg
+        np.copyto(c, 0, where=u)
+        np.copyto(out[s : s + k], c.view(np.float32))
+
+
+def _take_chunked(table: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = table[idx[i]]``, the small-int indices widened chunk by chunk (``np.take``
+    widens them to intp first; a whole-array widening costs a pass of 8-byte writes)."""
+    n = idx.size
+    if n <= _NP_CHUNK:
+        np.take(table, idx, out=out, mode="clip")  # (every index is in range: no bounds checks)
+        return
+    wide = np.empty(_NP_CHUNK, np.intp)
+    for s in range(0, n, _NP_CHUNK):
+        k = min(_NP_CHUNK, n - s)
+        np.copyto(wide[:k], idx[s : s + k])
+        np.take(table, wide[:k], out=out[s : s + k], mode="clip")
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_table(exp_bits: int, man_bits: int, e_max: int) -> np.ndarray:
+    """(256,) fp32: the value of every byte code (bits above the code's width ignored, as
+    :func:`_decode_bits` does). Read-only: shared between calls."""
+    table = np.empty(256, np.float32)
+    _decode_numpy(np.arange(256, dtype=np.int32), exp_bits, man_bits, e_max, table)
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_table(exp_bits: int, man_bits: int, e_max: int) -> np.ndarray:
+    """(65536,) complex64: the values of every pair of byte codes read as one native-endian
+    uint16, the first code's value as the real part. Read-only: shared between calls."""
+    bits = _byte_table(exp_bits, man_bits, e_max).view(np.uint32).astype(np.uint64)
+    low, high = (bits, bits << 32) if np.little_endian else (bits << 32, bits)  # real part: the lower address
+    first, second = (low[None, :], high[:, None]) if np.little_endian else (low[:, None], high[None, :])
+    table = np.bitwise_or(first, second).reshape(-1).view(np.complex64)  # [code at the higher address, lower]
+    table.flags.writeable = False
+    return table
 
 
 def _encode_reference(x: torch.Tensor, exp_bits: int, man_bits: int, e_max: int) -> torch.Tensor:
