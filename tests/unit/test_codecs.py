@@ -534,3 +534,131 @@ def test_signsgd_decodes_to_scaled_signs_with_zero_as_plus():
     out = codec.decode(codec.encode(x, key="w"))
     m = x.abs().mean()
     assert torch.equal(out, torch.tensor([[-1.0, 1, 1], [1, -1, 1]]) * m)
+
+
+# -- CPU paths: NumPy over chunks, the torch paths' bits ----------------------------------------
+# sizes around the 65,536-value chunk, buckets that straddle chunks, empty and tiny tensors
+CPU_SHAPES = [(0,), (7,), (33, 17), (3, 65541), (131075,)]
+
+
+def _torch_path(monkeypatch, codec) -> None:
+    """Send ``codec``'s module down its torch path (the one other devices take)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[type(codec).__module__], "_numpy_path", lambda t: False)
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=1", "qsgd:levels=3,bucket=64", "qsgd:levels=15,bucket=70000",
+                                  "qsgd:bucket=512", "qsgd:levels=1000", "terngrad"])
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+def test_stochastic_codecs_cpu_path_gives_the_torch_paths_bits(spec, shape, monkeypatch):
+    """Payloads (the same noise stream, drawn chunk by chunk), decodes, ``decode_add`` and
+    ``decode_sum`` of the NumPy path equal the torch path's."""
+    xs = [gaussian(shape, seed=s) for s in (3, 4)]
+    fast = [make(spec, rank=r) for r in (0, 1)]
+    ps = [c.encode(x, key="w") for c, x in zip(fast, xs)]
+    dec, acc, total = fast[0].decode(ps[1]), gaussian(shape, seed=5), torch.full(shape, 7.0)
+    fast[0].decode_add(ps[1], acc)
+    fast[0].decode_sum(ps, total)
+    _torch_path(monkeypatch, fast[0])
+    slow = [make(spec, rank=r) for r in (0, 1)]
+    qs = [c.encode(x, key="w") for c, x in zip(slow, xs)]
+    for p, q in zip(ps, qs):
+        assert [(t.dtype, t.shape) for t in p.tensors] == [(t.dtype, t.shape) for t in q.tensors]
+        assert all(torch.equal(a, b) for a, b in zip(p.tensors, q.tensors))
+    acc_slow, total_slow = gaussian(shape, seed=5), torch.full(shape, 7.0)
+    slow[0].decode_add(qs[1], acc_slow)
+    slow[0].decode_sum(qs, total_slow)
+    assert torch.equal(dec, slow[0].decode(qs[1])) and torch.equal(acc, acc_slow) and torch.equal(total, total_slow)
+
+
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+def test_signsgd_cpu_path_sends_the_same_signs_and_an_accurate_scale(shape, monkeypatch):
+    """The signs are the torch path's; the scale is the mean |u| within 1e-6 (pairwise fp32
+    sums per chunk, fp64 across them; the torch path's fp32 norm measured up to 1.4e-5 off on
+    real gradients); decoding a payload gives the torch path's values."""
+    x = gaussian(shape, seed=3)
+    codec = make("signsgd")
+    p = codec.encode(x, key="w")
+    mean = x.double().abs().sum().item() / max(1, x.numel())
+    assert abs(p.tensors[0].item() - mean) <= 1e-6 * mean
+    others = [p, make("signsgd").encode(gaussian(shape, seed=4), key="w")]
+    dec, acc, total = codec.decode(p), gaussian(shape, seed=5), torch.full(shape, 7.0)
+    codec.decode_add(p, acc)
+    codec.decode_sum(others, total)
+    _torch_path(monkeypatch, codec)
+    q = make("signsgd").encode(x, key="w")
+    assert torch.equal(p.tensors[1], q.tensors[1])
+    acc_slow, total_slow = gaussian(shape, seed=5), torch.full(shape, 7.0)
+    codec.decode_add(p, acc_slow)
+    codec.decode_sum(others, total_slow)
+    assert torch.equal(dec, codec.decode(p)) and torch.equal(acc, acc_slow) and torch.equal(total, total_slow)
+
+
+@pytest.mark.parametrize("spec", ["topk", "topk:ratio=0.3", "randomk", "qsgd", "qsgd:bucket=512", "qsgd:levels=3",
+                                  "terngrad", "signsgd", "twobit", "kernels", "kernels:positions=index"])
+def test_decode_sum_equals_the_sum_of_decodes_exactly(spec):
+    """``decode_sum`` overwrites ``out`` with decode(p0) + decode(p1) + decode(p2), in that
+    order, bit for bit (a SUM codec's payloads: ``decode_add`` onto zeros)."""
+    shape = (16, 8, 3, 3)
+    payloads = [make(spec, rank=r).encode(gaussian(shape, seed=r), key="w") for r in range(3)]
+    codec = make(spec)
+    want = codec.decode(payloads[0]) + codec.decode(payloads[1]) + codec.decode(payloads[2])
+    out = torch.full(shape, 7.0)
+    if codec.aggregation is Aggregation.GATHER:
+        codec.decode_sum(payloads, out)
+    else:
+        out.zero_()
+        for p in payloads:
+            codec.decode_add(p, out)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", ["randomk", "randomk:rescale=true"])
+def test_randomk_decode_add_touches_only_the_k_positions(spec, dtype):
+    """``out += decode(payload)`` exactly (the decode rounded to the payload's dtype first),
+    without a dense temporary: the other positions keep their bits."""
+    codec = make(spec)
+    payload = codec.encode(gaussian((50, 40), dtype=dtype), key="w")
+    out = gaussian((50, 40), seed=5)
+    want = out + codec.decode(payload)
+    codec.decode_add(payload, out)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.5])
+def test_topk_auto_picks_the_true_top_k_below_the_sampling_size(ratio):
+    """``auto`` under 1M values on the CPU: the exact set, indices ascending, as ``exact``."""
+    codec = make(f"topk:ratio={ratio}")
+    x = gaussian((300, 301))
+    assert not codec.uses_sampling(x.numel())
+    values, idx = codec.encode(x, key="w").tensors
+    k = codec.k(x.numel())
+    assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all())
+    exact = make(f"topk:ratio={ratio},select=exact").encode(x).tensors[1]
+    assert set(idx.tolist()) == true_topk_set(x, k) == set(exact.tolist())
+    assert torch.equal(values, x.reshape(-1)[idx.long()])
+
+
+def test_topk_auto_ties_keep_the_lowest_positions_and_nan_falls_back():
+    codec = make("topk:ratio=0.1")
+    assert codec.encode(torch.ones(50, 100)).tensors[1].tolist() == list(range(500))
+    x = gaussian((50, 100))
+    x.view(-1)[::9] = math.nan  # NaN orders above every number, as torch.topk has it
+    values, idx = codec.encode(x).tensors
+    want = make("topk:ratio=0.1,select=exact").encode(x).tensors[1]
+    assert idx.numel() == 500 and set(idx.tolist()) == set(want.tolist())
+
+
+def test_kernels_bitmap_padding_bits_are_ignored():
+    """Only the first U bits of the bitmap name units (as before): set padding bits change
+    neither the count check nor the decode."""
+    codec = make("kernels")
+    x = gaussian((3, 4, 3, 3))  # 12 units: a 2-byte bitmap, 4 padding bits
+    p = codec.encode(x, key="w")
+    assert p.tensors[0].dtype == torch.uint8 and p.tensors[0].numel() == 2
+    padded = p.tensors[0].clone()
+    padded[1] |= 0x0F
+    q = p.with_tensors((padded, p.tensors[1]))
+    assert torch.equal(codec.decode(q), codec.decode(p))

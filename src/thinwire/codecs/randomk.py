@@ -80,6 +80,17 @@ class RandomK(Codec):
         out[idx] = values.to(payload.dtype)
         return out.view(payload.shape)
 
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out += decode(payload)`` at the k positions only (the aggregator's decode into
+        the output and the error-feedback update both come here): no dense temporary."""
+        if not out.is_contiguous():
+            return super().decode_add(payload, out)
+        (values,) = payload.tensors  # (k,)
+        idx = payload.meta["indices"]  # (k,) distinct
+        if self.config.rescale:
+            values = values * (math.prod(payload.shape) / max(1, idx.numel()))
+        out.view(-1).index_add_(0, idx, values.to(payload.dtype).to(out.dtype))
+
 
 def _distinct(n: int, k: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
     """k distinct uniform positions in [0, n), sorted; a pure function of the generator state."""

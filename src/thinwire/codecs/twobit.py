@@ -30,11 +30,14 @@ rms, 0.97-0.98 uncompressed. The rms does not make a 2-bit classifier head safe 
 momentum: keep the last layer in fp32 (Hylo sends only linear layers above ``t_fc`` as
 2-bit).
 
-On the CPU both directions run in cache-sized chunks through reused buffers. Encoding
-(NumPy): the codes of four values form one little-endian 32-bit word that a single multiply
-folds into the byte (``(c0 | c1 << 8 | c2 << 16 | c3 << 24) * (2^30 + 2^20 + 2^10 + 1)``
-holds ``c0 << 6 | c1 << 4 | c2 << 2 | c3`` in its top byte, with no carries). Decoding: every
-byte selects its four values from a 256-row table (``index_select`` of 16-byte rows).
+On the CPU both directions run in NumPy, in cache-sized chunks through reused buffers, with
+no torch op per tensor (each costs ~15 us on a shared core, and a model has dozens of
+tensors): the threshold is computed in NumPy and Python floats (the torch path's arithmetic,
+the same bits). Encoding: the codes of four values form one little-endian 32-bit word that a
+single multiply folds into the byte (``(c0 | c1 << 8 | c2 << 16 | c3 << 24) *
+(2^30 + 2^20 + 2^10 + 1)`` holds ``c0 << 6 | c1 << 4 | c2 << 2 | c3`` in its top byte, with no
+carries). Decoding: every byte selects its four values from a 256-row table (``take`` of
+16-byte rows, :func:`thinwire.codecs.qsgd.table_decode`), all payloads of a sum chunk by chunk.
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ from typing import Callable, Literal, TypeVar
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec, not_negative
+from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.qsgd import Scratch, check_not_negative, table_decode
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 _CHUNK = 1 << 18  # CPU values per encoding pass (1 MB of fp32): the chunk and its codes stay in cache
-_DECODE_BYTES = 1 << 18  # CPU packed bytes per decoding pass (1M values)
+_DECODE_BYTES = 1 << 18  # CPU packed bytes per decoding span handed to a thread (1M values)
 _FOLD = np.uint32((1 << 30) + (1 << 20) + (1 << 10) + 1)  # four byte-wide codes -> one packed byte
 T = TypeVar("T")
 _LEVELS = (0.0, 0.0, -1.0, 1.0)  # code -> multiple of t (0b01 is never sent; it decodes to 0)
@@ -120,17 +124,19 @@ class TwoBit(Codec):
 
     def __init__(self, config: TwoBitConfig) -> None:
         super().__init__(config)
-        self._scratch: dict[str, np.ndarray] = {}  # CPU chunk buffers, reused
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, np.ndarray] = {}  # CPU encoding buffers, reused
+        self._scratches: dict[int, Scratch] = {}  # CPU decoding buffers, one set per span
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_words_nbytes(math.prod(shape)),), torch.uint8)]
 
     def check_fields(self, payload: Payload) -> None:
-        not_negative(self.name, "the threshold", payload.tensors[0])  # code 0b01 decodes to 0
+        check_not_negative(self.name, "the threshold", payload.tensors[0])  # code 0b01 decodes to 0
 
     def threshold(self, flat: torch.Tensor) -> torch.Tensor:
         """The threshold for the fp32 values ``flat`` as a (1,) fp32 tensor on their device."""
+        if flat.device.type == "cpu":
+            return torch.from_numpy(np.array([self._threshold_np(flat.detach().reshape(-1).numpy())], np.float32))
         cfg = self.config
         if cfg.threshold is not None:
             return torch.full((1,), cfg.threshold, dtype=torch.float32, device=flat.device)
@@ -141,17 +147,31 @@ class TwoBit(Codec):
             lo, hi = torch.aminmax(flat)
             stat = torch.maximum(hi, -lo)
         elif cfg.stat == "rms":
-            stat = (self._sum_sq(flat) / n).sqrt()
+            stat = torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square().div(n).sqrt()
         else:
-            stat = self._l1(flat) / n
+            stat = torch.linalg.vector_norm(flat, 1, dtype=torch.float64) / n
         return (cfg.alpha * stat).to(torch.float32).reshape(1)
 
-    def _l1(self, flat: torch.Tensor) -> torch.Tensor:
-        """sum |x| in fp64 (a dot product with ones per chunk on the CPU: torch's own L1 norm
-        is several times slower there than a BLAS dot)."""
-        if flat.device.type != "cpu":
-            return torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
-        a = flat.numpy()
+    def _threshold_np(self, a: np.ndarray) -> np.float32:
+        """:meth:`threshold` of the fp32 values ``a`` on the CPU, as an fp32 scalar, with no torch
+        op (each costs ~15 us per tensor): the same arithmetic (fp64 statistic, alpha times it in
+        fp64, rounded once; for ``max`` an fp32 product, as torch computes it), the same bits."""
+        cfg = self.config
+        if cfg.threshold is not None:
+            return np.float32(cfg.threshold)
+        n = a.size
+        if n == 0:
+            return np.float32(0)
+        if cfg.stat == "max":
+            hi, low = a.max(), -a.min()  # both NaN when a holds one
+            return np.float32(cfg.alpha) * (low if hi < low else hi)  # torch.maximum's choice on ties (+-0)
+        if cfg.stat == "rms":
+            return np.float32(cfg.alpha * math.sqrt(self._sum_sq(a) / n))
+        return np.float32(cfg.alpha * (self._l1(a) / n))
+
+    def _l1(self, a: np.ndarray) -> float:
+        """sum |x| of fp32 values in fp64 (a dot product with ones per chunk: torch's own L1 norm
+        is several times slower on the CPU than a BLAS dot)."""
 
         def part(j: int, lo: int, hi: int) -> float:
             mag, ones = self._np(f"mag{j}", np.float32), self._np("ones", np.float32, fill=1.0)
@@ -163,15 +183,12 @@ class TwoBit(Codec):
                 total += float(np.dot(m, ones[: c.size]))
             return total
 
-        return torch.tensor(sum(_in_parts(part, a.size)), dtype=torch.float64)
+        return sum(_in_parts(part, a.size))
 
-    def _sum_sq(self, flat: torch.Tensor) -> torch.Tensor:
-        """sum x^2 in fp64 (on the CPU a BLAS dot of each chunk with itself, summed in fp64;
-        torch's fp64 L2 norm measured 8x slower there). A chunk whose fp32 sum of squares
+    def _sum_sq(self, a: np.ndarray) -> float:
+        """sum x^2 of fp32 values in fp64 (a BLAS dot of each chunk with itself, summed in fp64;
+        torch's fp64 L2 norm measured 8x slower on the CPU). A chunk whose fp32 sum of squares
         could have overflowed or lost values below fp32's range is summed again in fp64."""
-        if flat.device.type != "cpu":
-            return torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()
-        a = flat.numpy()
 
         def part(j: int, lo: int, hi: int) -> float:
             total = 0.0
@@ -185,24 +202,27 @@ class TwoBit(Codec):
                 total += v
             return total
 
-        return torch.tensor(sum(_in_parts(part, a.size)), dtype=torch.float64)
+        return sum(_in_parts(part, a.size))
 
     # -- work ----------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.detach().reshape(-1).float()  # (N,) only read
-        t = self.threshold(flat)  # (1,)
         n = flat.numel()
-        packed = torch.empty(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
-        tv = float(t.item()) if n else 0.0
-        if not (n and 0 < tv < math.inf):  # t == 0 (all zeros), inf or NaN: every code stays 0
-            packed.zero_()
-        elif flat.device.type == "cpu":
-            packed[(n + 3) // 4 :] = 0  # the word padding
-            self._encode_numpy(flat.numpy(), np.float32(tv), packed.numpy())
-        else:
+        if flat.device.type == "cpu":  # NumPy throughout: no per-tensor torch op
+            a = flat.numpy()
+            t = self._threshold_np(a)
+            packed = np.empty(packed_words_nbytes(n), np.uint8)  # (4*ceil(N/16),)
+            if not (n and 0 < t < math.inf):  # t == 0 (all zeros), inf or NaN: every code stays 0
+                packed.fill(0)
+            else:
+                packed[(n + 3) // 4 :] = 0  # the word padding
+                self._encode_numpy(a, t, packed)
+            return Payload((torch.from_numpy(np.array([t], np.float32)), torch.from_numpy(packed)), x.shape, x.dtype)
+        t = self.threshold(flat)  # (1,)
+        packed = torch.zeros(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
+        if n and 0 < float(t.item()) < math.inf:  # else (t == 0, inf or NaN) every code stays 0
             code = ((flat >= t) * 3 + (flat <= -t) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
             codes = pack(code, 2)
-            packed.zero_()
             packed[: codes.numel()] = codes
         return Payload((t, packed), x.shape, x.dtype)
 
@@ -232,75 +252,64 @@ class TwoBit(Codec):
         t, packed = payload.tensors
         n = math.prod(payload.shape)
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
-        self._decode_into(t, packed, out.view(-1))
+        self._decode_into([payload], out.view(-1))
         return out.to(payload.dtype).view(payload.shape)
 
     def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
-        t, packed = payload.tensors
         if out.dtype == torch.float32 and out.is_contiguous():
-            self._decode_into(t, packed, out.view(-1), add=True)
+            self._decode_into([payload], out.view(-1), add=True)
         else:
             out.add_(self.decode(payload))
 
     def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
-        """The first payload decodes straight into ``out``, the others add to it."""
+        """The first payload decodes straight into ``out``, the others add to it (on the CPU
+        chunk by chunk, every payload's chunk in turn while the output's stays in cache)."""
         if not (out.dtype == torch.float32 and out.is_contiguous()) or not payloads:
             return super().decode_sum(payloads, out)
-        for i, p in enumerate(payloads):
-            self._decode_into(p.tensors[0], p.tensors[1], out.view(-1), add=i > 0)
+        self._decode_into(payloads, out.view(-1))
 
-    def _decode_into(self, t: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
-        """``out = decode`` (or ``+=``) for the flat fp32 ``out``."""
+    def _decode_into(self, payloads: list[Payload], out: torch.Tensor, add: bool = False) -> None:
+        """``out = sum of decode(p)`` (``+=`` with ``add``) for the flat fp32 ``out``."""
         n = out.numel()
         if n == 0:
             return
-        if out.device.type == "cpu":
-            self._decode_cpu(float(t.item()), packed, out, add)
+        if out.device.type == "cpu" and all(p.tensors[1].device.type == "cpu" for p in payloads):
+            self._decode_cpu(payloads, out.detach().numpy(), add)
             return
         levels = torch.tensor(_LEVELS, dtype=torch.float32, device=out.device)
-        code = unpack(packed, n, 2).long()  # (N,)
-        values = torch.where(code >= 2, levels[code] * t, 0.0)  # (N,) 0 even if t is not finite
-        out.add_(values) if add else out.copy_(values)
+        for i, p in enumerate(payloads):
+            t, packed = p.tensors
+            code = unpack(packed, n, 2).long()  # (N,)
+            values = torch.where(code >= 2, levels[code] * t, 0.0)  # (N,) 0 even if t is not finite
+            out.add_(values) if add or i else out.copy_(values)
 
-    def _decode_cpu(self, t: float, packed: torch.Tensor, out: torch.Tensor, add: bool) -> None:
-        """Every packed byte looks up its four values, one 16-byte row of a 256-row table read
-        as a complex128, in cache-sized chunks (the index must be int64 for torch)."""
-        # (a non-finite t only comes with all-zero codes, which decode to 0)
-        table = _BYTE_LEVELS * np.float32(t) if math.isfinite(t) else np.zeros_like(_BYTE_LEVELS)
-        rows_of = torch.from_numpy(table.view(np.complex128).reshape(256))  # (256,) four fp32 each
-        n = out.numel()
-        whole = n // 4
-        direct = not add and out.storage_offset() % 4 == 0  # a complex128 view needs 16-byte steps
+    def _decode_cpu(self, payloads: list[Payload], out: np.ndarray, add: bool) -> None:
+        """Every packed byte looks up its four values, one 16-byte row of a 256-row table of
+        ``level * t`` read as a complex128 (:func:`~thinwire.codecs.qsgd.table_decode`), in
+        cache-sized chunks; NumPy only, so a small tensor costs a few microseconds, not a
+        dozen torch ops. Spans of whole chunks go to the torch threads' shared pool."""
+        parts = []
+        for p in payloads:
+            t = np.float32(p.tensors[0].detach().numpy()[0])
+            # (a non-finite t only comes with all-zero codes, which decode to 0)
+            table = _BYTE_LEVELS * t if math.isfinite(t) else np.zeros_like(_BYTE_LEVELS)
+            parts.append((table, p.tensors[1].detach().numpy()))
+        n = out.size
 
-        def part(k: int, lo: int, hi: int) -> None:
-            index = self._tensor(f"index{k}", _DECODE_BYTES, torch.int64)
-            tmp = None if direct else self._tensor(f"rows{k}", _DECODE_BYTES, torch.complex128)
-            for i in range(lo, hi, _DECODE_BYTES):
-                j = min(hi, i + _DECODE_BYTES)
-                idx = index[: j - i]
-                idx.copy_(packed[i:j])
-                if direct:
-                    torch.index_select(rows_of, 0, idx, out=out[4 * i : 4 * j].view(torch.complex128))
-                    continue
-                torch.index_select(rows_of, 0, idx, out=tmp[: j - i])
-                values = tmp[: j - i].view(torch.float32)
-                out[4 * i : 4 * j].add_(values) if add else out[4 * i : 4 * j].copy_(values)
+        def part(k: int, lo: int, hi: int) -> None:  # bytes [lo, hi): values [4 lo, 4 hi)
+            scratch = self._scratches.get(k)
+            if scratch is None:
+                scratch = self._scratches[k] = Scratch()
+            spans = [(table, packed[lo:hi]) for table, packed in parts]
+            table_decode(spans, out[4 * lo : min(n, 4 * hi)], scratch, add)
 
-        _in_parts(part, whole, _DECODE_BYTES)
-        if n > whole * 4:  # the last, partial byte
-            last = torch.from_numpy(table[int(packed[whole])][: n - whole * 4].copy())
-            out[whole * 4 :].add_(last) if add else out[whole * 4 :].copy_(last)
-
-    def _tensor(self, role: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._buffers.get(role)
-        if buf is None or buf.numel() < size or buf.dtype != dtype:
-            buf = self._buffers[role] = torch.empty(size, dtype=dtype)
-        return buf
+        _in_parts(part, (n + 3) // 4, _DECODE_BYTES)
 
     def _np(self, role: str, dtype, size: int = _CHUNK, extra: int = 0, fill: float | None = None) -> np.ndarray:
         buf = self._scratch.get(role)
         if buf is None or buf.size < size + extra or buf.dtype != dtype:
-            buf = self._scratch[role] = np.empty(size + extra, dtype)
-            if fill is not None:
+            buf = np.empty(size + extra, dtype)
+            if fill is not None:  # filled before it is shared: parts on other threads may read it
                 buf.fill(fill)
+            self._scratch[role] = buf
         return buf
