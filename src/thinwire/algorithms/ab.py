@@ -166,6 +166,7 @@ class ABTraining:
         # the warm-up's gradient mean overlaps backward; later phases drop gradients after
         # backward (frozen factors), so they average at after_backward, synchronously
         self._full_mean = GradientMean(self.full_named, comm, bucket_mb, overlap=overlap, armed=cfg.warmup > 0)
+        self._full_sent = 0.0  # bytes the full-model gradient mean had sent at the last after_backward
         self._group_mean: GradientMean | None = None
         self.step = 0
         self.exported = False  # finish() gave the original layers back: nothing steps any more
@@ -201,7 +202,13 @@ class ABTraining:
             if self._group_mean is not None:
                 self._metered("group", self._group_mean.reduce)
         else:
-            self._metered(self.phase, self._full_mean.reduce)
+            t0 = time.perf_counter()
+            self._full_mean.reduce()
+            self._timing.comm_seconds += time.perf_counter() - t0
+            # the warm-up's buckets go during backward, before this call: count the mean's own bytes
+            sent = sum(self._full_mean.reducer.sent_bytes.values())
+            self.bytes_by_phase[self.phase] += sent - self._full_sent
+            self._full_sent = sent
 
     def after_step(self) -> None:
         """Restore the learning rate; at a phase boundary factorise, sync or re-factorise."""
@@ -423,7 +430,8 @@ class ABTraining:
     def _enter(self, phase: str) -> None:
         self.phase = phase
         self.phase_started = self.step
-        self._full_mean.armed = False  # only the warm-up overlaps, and it never comes back
+        if self._full_mean is not None:
+            self._full_mean.armed = False  # only the warm-up overlaps, and it never comes back
 
     def _ramp_lr(self) -> None:
         """Scale the step's learning rate: 1e-5 at a phase change, linear back over ``rebound``."""
