@@ -69,6 +69,10 @@ class _Flight:
     payloads: list[Payload]
     wire: torch.Tensor | None = None  # SUM: the summed buffer; GATHER: (n, row_bytes) bytes
     handle: Handle | None = None
+    # seconds spent on this bucket so far, added to the aggregator's timing when it lands (so
+    # a bucket launched on one thread and landed on another never races on the totals)
+    codec_seconds: float = 0.0
+    comm_seconds: float = 0.0
 
 
 @dataclass
@@ -195,17 +199,39 @@ class Aggregator:
         bucket overlaps with the previous bucket's transfer; later rounds follow in bucket
         order. All ranks launch the same collectives in the same order.
         """
+        self.land(self.launch(tensors, buckets), tensors)
+        self.step += 1
+
+    def launch(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None, *,
+               in_place: bool = True) -> list[tuple[_Bucket, _Flight]]:
+        """Encode the chosen buckets' first round (with error feedback) and start their
+        collectives; :meth:`land` finishes them. The step counter is read, not advanced.
+        ``in_place``: ``tensors`` is also where :meth:`land` writes the means.
+
+        With :attr:`pipelines`, the launched buckets may land on another thread while this
+        one launches more (each bucket has one round and its codec no state)."""
         for codec in self.codecs:
             codec.step = self.step  # identical on all ranks: every rank calls reduce_ once per step
         chosen = self.buckets if buckets is None else [self.buckets[i] for i in buckets]
-        flights = [self._launch(b, tensors) for b in chosen]
-        for r in range(1, max((b.codec.rounds for b in chosen), default=1)):
-            for b, f in zip(chosen, flights):
+        return [(b, self._launch(b, tensors, in_place)) for b in chosen]
+
+    def land(self, launched: list[tuple[_Bucket, _Flight]], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every later round (in bucket order), then wait, decode and write the means into
+        ``tensors`` (the buckets' names: the inputs, or tensors of their shapes)."""
+        for r in range(1, max((b.codec.rounds for b, _ in launched), default=1)):
+            for b, f in launched:
                 if b.codec.rounds > r:
                     self._next_round(b, f, r)
-        for b, f in zip(chosen, flights):
+        for b, f in launched:
             self._land(b, f, tensors)
-        self.step += 1
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether every bucket has one SUM round through a codec that keeps no state
+        (:attr:`~thinwire.codecs.base.Codec.concurrent`): then a bucket launched by one
+        thread may land on another while the first launches the next, and no collective's
+        order depends on which thread runs first."""
+        return all(pipelines(b.codec) for b in self.buckets)
 
     def reduce_bucket(self, i: int, tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
         """Average bucket ``i`` alone, every round of it, reading its tensors from ``tensors``
@@ -213,12 +239,7 @@ class Aggregator:
         The step counter is not advanced: the caller owns it (``step`` is read). The same
         means, bit for bit, as :meth:`reduce_` gives: a bucket's result depends only on its
         own inputs, the codec's state and the step."""
-        b = self.buckets[i]
-        b.codec.step = self.step
-        f = self._launch(b, tensors, in_place=tensors is out)
-        for r in range(1, b.codec.rounds):
-            self._next_round(b, f, r)
-        self._land(b, f, out)
+        self.land(self.launch(tensors, [i], in_place=tensors is out), out)
 
     def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> "_Flight":
         """Encode round 0 (with error feedback) and start its collective. ``in_place``: the
@@ -232,7 +253,7 @@ class Aggregator:
         us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
         flight = _Flight(us, [b.codec.encode(u, key=k) for k, u in us])
         in_comm = self._start(b, flight, 0)
-        self.timing.codec_seconds += time.perf_counter() - t0 - in_comm
+        flight.codec_seconds += time.perf_counter() - t0 - in_comm
         return flight
 
     def _start(self, b: _Bucket, f: "_Flight", r: int) -> float:
@@ -263,7 +284,7 @@ class Aggregator:
             # overwritten; the residual comes from this rank's own payload
             for (k, u), p in zip(f.us, f.payloads):
                 self.feedback.update_decoded(k, u, codec, p)
-        self.timing.comm_seconds += in_comm
+        f.comm_seconds += in_comm
         return in_comm
 
     def _account(self, b: _Bucket, payloads: list[Payload]) -> None:
@@ -283,7 +304,7 @@ class Aggregator:
     def _wait(self, f: "_Flight") -> None:
         t0 = time.perf_counter()
         f.handle.wait()
-        self.timing.comm_seconds += time.perf_counter() - t0
+        f.comm_seconds += time.perf_counter() - t0
 
     def _next_round(self, b: _Bucket, f: "_Flight", r: int) -> None:
         self._wait(f)
@@ -291,7 +312,7 @@ class Aggregator:
         reduced = self._unpack_sum(f.wire, f.payloads)
         f.payloads = [b.codec.encode_next(p, key=k) for (k, _), p in zip(f.us, reduced)]
         in_comm = self._start(b, f, r)
-        self.timing.codec_seconds += time.perf_counter() - t0 - in_comm
+        f.codec_seconds += time.perf_counter() - t0 - in_comm
 
     def _land(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
         """Wait for the last round, decode and write the means into ``tensors`` (the bucket's
@@ -303,14 +324,19 @@ class Aggregator:
             payloads = self._unpack_sum(f.wire, f.payloads)
             for (k, _), p in zip(f.us, payloads):
                 codec.update(k, p)
-            if b.fused:
+            out = _adjacent(b, tensors) if b.fused else None
+            if out is not None:
+                codec.decode_to(payloads[0], out)  # straight into the flat buffer (a DDP bucket's)
+            elif b.fused:
                 self._write(b, tensors, [codec.decode(p) for p in payloads])
             else:
                 for s, p in zip(b.slots, payloads):
                     _decode_into(codec, p, tensors[s.name])
         else:
             self._gathered_means(b, f, tensors)
-        self.timing.codec_seconds += time.perf_counter() - t0
+        f.codec_seconds += time.perf_counter() - t0
+        self.timing.codec_seconds += f.codec_seconds
+        self.timing.comm_seconds += f.comm_seconds
 
     def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool) -> list[tuple[str, torch.Tensor]]:
         if not b.fused:
@@ -409,6 +435,14 @@ def _units(b: _Bucket) -> list[tuple[str, torch.Size]]:
     if b.fused:
         return [(b.key, torch.Size([b.numel]))]
     return [(s.name, s.shape) for s in b.slots]
+
+
+def pipelines(codec: Codec) -> bool:
+    """Whether buckets of ``codec`` may launch on one thread and land on another at the same
+    time: one SUM round, no error feedback, and a codec that declares itself
+    :attr:`~thinwire.codecs.base.Codec.concurrent` (identity and the casts)."""
+    return (codec.concurrent and codec.rounds == 1 and codec.aggregation is Aggregation.SUM
+            and not codec.config.ef)
 
 
 def _decode_into(codec: Codec, payload: Payload, out: torch.Tensor) -> None:

@@ -82,7 +82,12 @@ def _overlap_equals_in_hook(rank, world):
     from thinwire.codecs.registry import available
 
     differs = []
-    for spec in [*available(), "powersgd:rank=2", "topk:ratio=0.05", "hylo"]:
+    # every codec on two ranks; on four (where gloo's sum order follows a value's place in the
+    # buffer) one of each kind: launched from the hook (identity, bf16), a two-round SUM codec,
+    # GATHER codecs, a policy
+    specs = ([*available(), "powersgd:rank=2", "topk:ratio=0.05", "hylo"] if world == 2
+             else ["identity", "bf16", "powersgd:rank=2", "topk:ratio=0.05", "fft", "hylo"])
+    for spec in specs:
         for cap in (None, 0.002):  # one bucket; a bucket per tensor or two
             # three iterations: the last two on rebuilt buckets, with codec state carried over
             a = _grads(rank, lambda m: tw_ddp.register(m, spec, overlap=True), cap, iterations=3)
@@ -105,45 +110,58 @@ def _collective_after_backward_went_on(rank, world):
     import thinwire.integrations.ddp as tw_ddp
     from thinwire.comm.torch_dist import TorchComm
 
-    reached = threading.Event()  # the backward pass reached the first layer: its last gradient
+    seen = {}
+    # identity launches from the hook and lands on the worker; topk runs wholly on the worker
+    for spec in ("identity", "topk:ratio=0.5"):
+        reached = threading.Event()  # the backward pass reached the first layer: its last gradient
 
-    class Watching(TorchComm):
-        """Each collective first waits (up to 5 s) for the backward pass to reach the first
-        layer; records whether it had. A hook that averages inside itself blocks the backward
-        pass, so its first bucket's collective waits in vain."""
+        class Late:
+            """A collective's handle that completes only once the backward pass has reached the
+            first layer (waiting up to 5 s) and records whether it had. A hook that waits for
+            its bucket's collective before returning blocks the backward pass, so it waits in vain."""
 
-        seen: list = []
+            def __init__(self, inner):
+                self.inner = inner
 
-        def _all_reduce(self, t, async_op):
-            self.seen.append(reached.wait(5.0))
-            return super()._all_reduce(t, async_op)
+            def wait(self):
+                Watching.seen.append(reached.wait(5.0))
+                self.inner.wait()
 
-        def _all_gather(self, t, out, async_op):
-            self.seen.append(reached.wait(5.0))
-            return super()._all_gather(t, out, async_op)
+            def is_completed(self):
+                return reached.is_set() and self.inner.is_completed()
 
-    model = DDP(_net(), bucket_cap_mb=0.002)  # the last layer's bucket is ready long before the first layer's
-    first = next(model.module.parameters())
-    first.register_post_accumulate_grad_hook(lambda p: reached.set())
-    comm = Watching()
-    tw_ddp.register(model, "identity", comm)
-    g = torch.Generator().manual_seed(7 + rank)
-    x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
-    torch.nn.functional.cross_entropy(model(x), y).backward()  # DDP's first buckets: one, capped at 1 MB
-    reached.clear()
-    Watching.seen.clear()
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()  # rebuilt: a bucket per 0.002 MB
-    seen = list(Watching.seen)
-    del model
-    gc.collect()
+        class Watching(TorchComm):
+            seen: list = []
+
+            def _all_reduce(self, t, async_op):
+                return Late(super()._all_reduce(t, async_op))
+
+            def _all_gather(self, t, out, async_op):
+                return Late(super()._all_gather(t, out, async_op))
+
+        model = DDP(_net(), bucket_cap_mb=0.002)  # the last layer's bucket is ready long before the first layer's
+        first = next(model.module.parameters())
+        first.register_post_accumulate_grad_hook(lambda p: reached.set())
+        tw_ddp.register(model, spec, Watching())
+        g = torch.Generator().manual_seed(7 + rank)
+        x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # DDP's first buckets: one, capped at 1 MB
+        reached.clear()
+        Watching.seen.clear()
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # rebuilt: a bucket per 0.002 MB
+        seen[spec] = list(Watching.seen)
+        del model
+        gc.collect()
     return seen
 
 
 @pytest.mark.timeout(120)
 def test_the_hook_returns_before_its_collective_so_backward_goes_on():
-    for seen in run_ranks(_collective_after_backward_went_on, 2):
-        assert len(seen) >= 2 and all(seen), seen  # every collective ran while the backward pass went on
+    for by_spec in run_ranks(_collective_after_backward_went_on, 2):
+        for spec, seen in by_spec.items():
+            # every collective completed only after the backward pass went on past its hook
+            assert len(seen) >= 2 and all(seen), (spec, seen)
 
 
 def _unused_run(rank, world, spec):

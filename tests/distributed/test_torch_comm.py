@@ -262,3 +262,24 @@ def test_init_from_env_names_missing_variables(monkeypatch):
 def test_torch_comm_needs_an_initialised_world():
     with pytest.raises(RuntimeError, match="not initialised"):
         TorchComm()
+
+
+def test_collectives_launch_without_the_python_context_backward_stashes():
+    # a gloo work keeps the thread-local state it was created in; the context object that
+    # backward() stashes there must not ride along (gloo's thread may drop the last reference
+    # to the work while the interpreter shuts down, when releasing a Python object aborts)
+    from thinwire.comm.torch_dist import _launching
+
+    seen = []
+
+    def hook(p):
+        seen.append(torch._C._is_key_in_tls("context"))
+        with _launching():
+            seen.append(torch._C._is_key_in_tls("context"))
+        seen.append(torch._C._is_key_in_tls("context"))
+
+    w = torch.zeros(3, requires_grad=True)
+    w.register_post_accumulate_grad_hook(hook)
+    (2 * w).sum().backward()
+    assert seen == [True, False, True]  # removed for the launch, put back for the rest of backward
+    assert not torch._C._is_key_in_tls("context")  # and backward still clears it at its end

@@ -326,6 +326,24 @@ def test_decode_add_equals_dense_add(spec):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_to_writes_exactly_what_decode_returns(spec):
+    codec = make(spec)
+    payload = roundtrip(codec, gaussian((33, 17)))[-1]
+    out = gaussian((33 * 17,), seed=5)  # any shape of the same numel: a flat bucket's view
+    codec.decode_to(payload, out)
+    assert torch.equal(out, codec.decode(payload).reshape(-1))
+
+
+def test_only_stateless_one_round_sum_codecs_launch_in_backward():
+    from thinwire.aggregate import pipelines
+    from thinwire.codecs.registry import available
+
+    launched = {name for name in available() if pipelines(make(name))}
+    assert launched == {"identity", "bf16", "fp16"}
+    assert not pipelines(make("bf16:ef=true"))  # a residual per tensor is state
+
+
 # -- knobs and defaults ---------------------------------------------------------------------
 @pytest.mark.parametrize("spec", SPECS)
 def test_describe_rebuilds_the_same_config(spec):

@@ -39,6 +39,8 @@ def _refused_everywhere(codec, bad: Payload, good: Payload, match: str) -> None:
         codec.decode_add(bad, torch.zeros(40, 40))
     with pytest.raises(PayloadError, match=match):
         codec.decode_sum([good, bad], torch.zeros(40, 40))
+    with pytest.raises(PayloadError, match=match):
+        codec.decode_to(bad, torch.zeros(40, 40))
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])

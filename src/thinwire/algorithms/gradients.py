@@ -115,6 +115,7 @@ class GradientReducer:
         self._window = _Window()
         self._worker: Worker | None = None
         self._out: dict[str, torch.Tensor] = {}  # name -> the buffer a launched bucket's mean lands in
+        self._flat_out: dict[tuple[str, int], torch.Tensor] = {}  # a fused bucket's flat buffer of those
         self._names = {id(p): n for n, p in self.named}
         self._params = dict(self.named)
         # cumulative; per launch position k: seconds from launch to reduce(), elements, steps
@@ -317,17 +318,36 @@ class GradientReducer:
             self._launch(w, w.next)
             w.next += 1
 
+    def _outs(self, agg: Aggregator, i: int, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Where bucket ``i``'s means land: for a fused bucket of fp32 gradients, views at the
+        slots' offsets of one flat buffer of the bucket's own (the aggregator then encodes and
+        decodes in it with no further copy); else a buffer per parameter."""
+        b = agg.buckets[i]
+        first = grads[b.slots[0].name]
+        if b.fused and all(g.dtype == torch.float32 for g in grads.values()):
+            keep = {bucket.key for bucket in agg.buckets}
+            for key in [k for k in self._flat_out if k[0] not in keep]:
+                del self._flat_out[key]  # buckets of a set no longer averaged
+            flat = self._flat_out.get((b.key, b.numel))
+            if flat is None or flat.device != first.device:
+                flat = self._flat_out[(b.key, b.numel)] = torch.empty(b.numel, device=first.device)
+            outs = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in b.slots}
+            self._out.update(outs)
+            return outs
+        outs = {}
+        for s in b.slots:
+            g, out = grads[s.name], self._out.get(s.name)
+            if out is None or out.shape != g.shape or out.dtype != g.dtype or out.device != g.device \
+                    or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+                out = self._out[s.name] = torch.empty_like(g)  # its own storage, not a fused bucket's
+            outs[s.name] = out
+        return outs
+
     def _launch(self, w: _Window, i: int) -> None:
         params = self._params
         slots = w.agg.buckets[i].slots
         grads = {s.name: params[s.name].grad for s in slots}
-        outs = {}
-        for s in slots:
-            out = self._out.get(s.name)
-            if out is None or out.shape != grads[s.name].shape or out.dtype != grads[s.name].dtype \
-                    or out.device != grads[s.name].device:
-                out = self._out[s.name] = torch.empty_like(grads[s.name])
-            outs[s.name] = out
+        outs = self._outs(w.agg, i, grads)
         if self._worker is None:
             self._worker = Worker("thinwire-gradients")
             weakref.finalize(self, self._worker.close)  # the thread ends with the reducer
@@ -338,7 +358,16 @@ class GradientReducer:
         w.launched.append(i)
         w.sent.update(grads)
         agg = w.agg
-        w.futures.append(self._worker.submit(lambda: agg.reduce_bucket(i, grads, outs)))
+        if agg.pipelines:
+            # identity and casts: launched here, in backward; the worker waits and decodes, so
+            # the next bucket's collective starts while this one is on the wire. The gradients
+            # are copied into the bucket's flat buffer, which is encoded and decoded in place
+            for s in slots:
+                outs[s.name].copy_(grads[s.name])
+            launched = agg.launch(outs, [i])
+            w.futures.append(self._worker.submit(lambda: agg.land(launched, outs)))
+        else:
+            w.futures.append(self._worker.submit(lambda: agg.reduce_bucket(i, grads, outs)))
 
     def _drain(self, w: _Window) -> None:
         """Wait for every bucket launched in backward; re-raise the first failure."""

@@ -45,10 +45,15 @@ class Codec:
     # work element-wise on any flat view (identity, casts), or that choose to treat a bucket
     # as one signal (fft with bucket_mb > 0). Fusion needs ef off (residuals are per tensor).
     fusable: bool = False
+    # True when encode and decode keep no state and share no scratch buffers, so one thread
+    # may encode a bucket while another decodes an earlier one (identity and the casts): the
+    # DDP hook and the gradient reducer then launch such buckets from the backward pass itself
+    # and land them on their worker thread (thinwire.aggregate.pipelines)
+    concurrent: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ("decode", "decode_add", "decode_sum"):  # every decoding entry point checks first
+        for name in ("decode", "decode_add", "decode_sum", "decode_to"):  # every decoding entry point checks first
             if name in cls.__dict__ and not getattr(cls.__dict__[name], "_checks", False):
                 setattr(cls, name, _checked(cls.__dict__[name], many=name == "decode_sum"))
 
@@ -125,6 +130,13 @@ class Codec:
         """``out += decode(payload)`` (mutates ``out``). GATHER codecs may override with a
         cheaper sparse accumulation; the default decodes densely."""
         out.add_(self.decode(payload))
+
+    def decode_to(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out[...] = decode(payload)`` (mutates ``out``, of the payload's numel). Codecs whose
+        decode is a cast override it to cast straight into ``out``, with no temporary."""
+        res = self.decode(payload).reshape(out.shape)
+        if res.data_ptr() != out.data_ptr():
+            out.copy_(res)
 
     def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
         """``out = sum of decode(p)`` over the gathered payloads (overwrites ``out``, fp32).

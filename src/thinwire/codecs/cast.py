@@ -27,6 +27,7 @@ class _Cast(Codec):
     Config = CastConfig
     aggregation = Aggregation.SUM
     fusable = True
+    concurrent = True
 
     def compresses(self, shape: torch.Size) -> bool:
         return math.prod(shape) >= self.config.min_numel  # element-wise: 1-D tensors too
@@ -40,6 +41,9 @@ class _Cast(Codec):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         return payload.tensors[0].reshape(payload.shape).to(payload.dtype)
+
+    def decode_to(self, payload: Payload, out: torch.Tensor) -> None:
+        out.copy_(payload.tensors[0].reshape(out.shape))  # one cast, as PyTorch's fp16 hook decompresses
 
 
 @register

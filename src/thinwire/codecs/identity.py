@@ -26,6 +26,7 @@ class Identity(Codec):
     Config = IdentityConfig
     aggregation = Aggregation.SUM
     fusable = True
+    concurrent = True
 
     def compresses(self, shape: torch.Size) -> bool:
         return True  # nothing to skip: identity is already the fallback

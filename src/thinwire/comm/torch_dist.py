@@ -11,7 +11,10 @@ only says that ``wait()`` will not block).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import time
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
@@ -24,6 +27,40 @@ from thinwire.comm.meter import ByteMeter
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # all_gather into one flat tensor: ``all_gather_single`` where it exists (it deprecates the other)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+EXIT_SETTLE_S = 0.2  # at exit, how long gloo's threads get to release the last works
+_launched = False  # whether this process started a collective through TorchComm
+
+
+@atexit.register
+def _settle() -> None:
+    """Give gloo's threads a moment to release their last works before the interpreter shuts
+    down. A work holds the tensors it was given; those made in Python own a Python object, and
+    a gloo thread that drops the last reference to one during shutdown needs the GIL, is
+    stopped in the attempt and aborts the process ("terminate called without an active
+    exception") after the script has finished. PyTorch's own Python hooks share the race."""
+    if _launched:
+        time.sleep(EXIT_SETTLE_S)
+
+
+@contextlib.contextmanager
+def _launching():
+    """Launch a collective without the Python object that ``backward()`` stashes in torch's
+    thread-local state (its ``contextvars`` context): a gloo work keeps the state it was
+    created in, and releasing that object on gloo's thread during shutdown aborts as above."""
+    global _launched
+    _launched = True
+    tls = torch._C
+    if not (hasattr(tls, "_is_key_in_tls") and tls._is_key_in_tls("context")):
+        yield
+        return
+    saved = tls._get_obj_in_tls("context")
+    tls._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        tls._stash_obj_in_tls("context", saved)
 
 
 class _Works:
@@ -82,7 +119,8 @@ class TorchComm(Communicator):
         if self.world_size == 1:
             return Done()
         buf = t if t.is_contiguous() else t.contiguous()
-        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        with _launching():
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Works([work], None if buf is t else (lambda: t.copy_(buf)), buf)
 
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
@@ -92,7 +130,8 @@ class TorchComm(Communicator):
         src = t.contiguous().view(-1)
         direct = out.is_contiguous() and self._gather_rows is None
         dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=out.device)  # (world, *t.shape)
-        work = _all_gather_flat(dst.view(-1), src, group=self.group, async_op=True)
+        with _launching():
+            work = _all_gather_flat(dst.view(-1), src, group=self.group, async_op=True)
         return _Works([work], None if direct else (lambda: self._copy_rows(dst, out)), src, dst)
 
     def _copy_rows(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
@@ -106,7 +145,8 @@ class TorchComm(Communicator):
         if self.world_size == 1:
             return
         buf = t if t.is_contiguous() else t.contiguous()
-        dist.broadcast(buf, src=self._global[src], group=self.group)
+        with _launching():
+            dist.broadcast(buf, src=self._global[src], group=self.group)
         if buf is not t:
             t.copy_(buf)
 
@@ -132,7 +172,8 @@ class TorchComm(Communicator):
             ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], group=self.group))
         if not ops:
             return Done()
-        works = dist.batch_isend_irecv(ops)
+        with _launching():
+            works = dist.batch_isend_irecv(ops)
 
         def copy_back() -> None:
             for t, buf in copies:
@@ -142,7 +183,8 @@ class TorchComm(Communicator):
 
     def _barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            with _launching():
+                dist.barrier(group=self.group)
 
     def _subgroup(self, ranks: list[int]) -> "TorchComm | None":
         # dist.new_group must be entered by every process of the job (members or not), in

@@ -9,11 +9,16 @@ in the same order as long as every rank submits the same buckets in the same ord
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
+
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+EXIT_WAIT_S = 5.0  # how long interpreter exit waits for a worker still busy with a collective
 
 
 class Worker:
@@ -22,7 +27,9 @@ class Worker:
 
     def __init__(self, name: str = "thinwire-worker") -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
 
     def submit(self, work: Callable[[], Any], fut: torch.futures.Future | None = None) -> torch.futures.Future:
         """Queue ``work``; returns the future it completes (``fut`` when given)."""
@@ -33,6 +40,11 @@ class Worker:
     def close(self) -> None:
         """Let the thread end once the work queued before this has run."""
         self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Close, then wait up to ``timeout`` seconds for the thread to end."""
+        self.close()
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -46,3 +58,12 @@ class Worker:
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+
+
+@atexit.register
+def _end_workers() -> None:
+    """Let every worker's thread end before the interpreter shuts down. A daemon thread still
+    parked when it does is stopped while inside native code, which aborts the process
+    ("terminate called without an active exception") after the user's script has finished."""
+    for worker in list(_LIVE):
+        worker.join(EXIT_WAIT_S)

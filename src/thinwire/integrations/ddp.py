@@ -9,7 +9,10 @@ Every DDP bucket is averaged through the same aggregation path as :class:`SyncRe
 **Overlap.** The hook returns at once with a future; the bucket is encoded, communicated
 (every round of a multi-round codec such as PowerSGD) and decoded by one worker thread of
 the hook's, while the backward pass goes on computing the next buckets, as DDP's own
-asynchronous all_reduce does. The worker takes buckets in the order DDP hands them over
+asynchronous all_reduce does. Codecs without state whose one round is a sum (identity,
+``bf16``, ``fp16``) go further, as PyTorch's own hooks do: the hook casts the bucket and
+starts its all_reduce itself, and the worker only waits for it and casts the mean back into
+the bucket, so the next bucket's collective starts while this one is still on the wire. The worker takes buckets in the order DDP hands them over
 (bucket order, the same on every rank), one at a time, so every rank issues the same
 collectives in the same order, and the averages are bit-identical to the synchronous path
 (``register(..., overlap=False)``: each bucket averaged inside the hook, for debugging).
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.aggregate import Aggregator, Timing
+from thinwire.aggregate import Aggregator, Timing, pipelines
 from thinwire.algorithms.gradients import check_and_unscale, is_plain, loss_scale, refuse_sparse
 from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
@@ -69,6 +72,13 @@ class HookState:
     pending: list = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
     overlap: bool = True  # average buckets on the worker thread while backward goes on (False: in the hook)
     worker: Worker | None = None
+
+    @property
+    def pipelines(self) -> bool:
+        """Every codec of the hook launches from the backward pass and lands on the worker
+        (:func:`thinwire.aggregate.pipelines`: identity and the casts); decided for the whole
+        hook, so every rank issues every collective from the same thread, in bucket order."""
+        return all(pipelines(c) for c in self.codecs)
 
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
         return self.codec if self.assignment is None else self.assignment.codec_for(name)
@@ -124,9 +134,11 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             _land_scaled(state)
         return fut
 
+    tensors = dict(zip(names, grads))
+
     def average() -> torch.Tensor:
         agg.step = state.step  # the worker runs buckets in order: the step advances after the last
-        agg.reduce_(dict(zip(names, grads)))
+        agg.reduce_(tensors)
         if last:
             state.step += 1
         return buffer
@@ -137,7 +149,22 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.worker is None:
         state.worker = Worker("thinwire-ddp-hook")
         weakref.finalize(state, state.worker.close)  # the thread ends with the hook's state
-    state.worker.submit(average, fut)
+    if state.pipelines:
+        # identity and casts: encode and launch here, in backward, as DDP's own hooks do, and
+        # land (wait, decode) on the worker, so the next bucket's collective starts while this
+        # one is still on the wire
+        agg.step = state.step
+        launched = agg.launch(tensors)
+
+        def land() -> torch.Tensor:
+            agg.land(launched, tensors)
+            if last:
+                state.step += 1
+            return buffer
+
+        state.worker.submit(land, fut)
+    else:
+        state.worker.submit(average, fut)
     if last:
         # the backward pass has computed every gradient by now; DDP issues collectives of its own
         # right after this returns (the used-parameter map's all_reduce), which must follow every
