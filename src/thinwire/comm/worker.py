@@ -63,7 +63,8 @@ class Worker:
 @atexit.register
 def _end_workers() -> None:
     """Let every worker's thread end before the interpreter shuts down. A daemon thread still
-    parked when it does is stopped while inside native code, which aborts the process
-    ("terminate called without an active exception") after the user's script has finished."""
+    inside a torch call then (waiting for a collective, the GIL released) is stopped when it
+    takes the GIL back, unwinding through C++ frames, which aborts the process ("terminate
+    called without an active exception") after the user's script has finished."""
     for worker in list(_LIVE):
         worker.join(EXIT_WAIT_S)

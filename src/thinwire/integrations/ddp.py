@@ -12,10 +12,12 @@ the hook's, while the backward pass goes on computing the next buckets, as DDP's
 asynchronous all_reduce does. Codecs without state whose one round is a sum (identity,
 ``bf16``, ``fp16``) go further, as PyTorch's own hooks do: the hook casts the bucket and
 starts its all_reduce itself, and the worker only waits for it and casts the mean back into
-the bucket, so the next bucket's collective starts while this one is still on the wire. The worker takes buckets in the order DDP hands them over
-(bucket order, the same on every rank), one at a time, so every rank issues the same
-collectives in the same order, and the averages are bit-identical to the synchronous path
-(``register(..., overlap=False)``: each bucket averaged inside the hook, for debugging).
+the bucket, so the next bucket's collective starts while this one is still on the wire.
+The worker takes buckets in the order DDP hands them over (bucket order, the same on every
+rank), one at a time, and every collective is issued from one thread, so every rank issues
+the same collectives in the same order, and the averages are bit-identical to the
+synchronous path (``register(..., overlap=False)``: each bucket averaged inside the hook,
+for debugging).
 DDP waits for every bucket's future at the end of the backward pass, so gradients are
 final when ``backward()`` returns. The last bucket's hook waits for the worker to finish
 before it returns (every gradient is computed by then, so this costs no overlap): DDP issues
