@@ -1,6 +1,6 @@
 """Shared by the benchmark scripts: figures with targets, reports, step timing.
 
-Not part of the package (STYLE.md §15). Every script prints its tables and one line per
+Not part of the package. Every script prints its tables and one line per
 figure, ``figure NAME: VALUE target OP THRESHOLD PASS|MISS``, and with ``--json PATH`` also
 writes them for ``run_all.py``.
 """

@@ -9,7 +9,7 @@ crosses the shaped link. Leaving the ``with`` block (or an error) deletes both n
 which deletes the veth pair and its shaping. Latency is not shaped (no ``netem`` here): it
 is the veth's own, a few microseconds.
 
-Not part of the package (STYLE.md §15).
+Not part of the package.
 """
 
 from __future__ import annotations

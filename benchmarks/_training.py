@@ -1,7 +1,7 @@
 """Shared by the end-to-end training benchmarks: one ``thinwire train`` subprocess per method,
 the first evaluation at a target accuracy, and the table file with its environment.
 
-Not part of the package (STYLE.md §15).
+Not part of the package.
 """
 
 from __future__ import annotations

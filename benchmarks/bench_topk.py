@@ -10,7 +10,7 @@ Inputs: 25M floats from a gaussian N(0, 1), a Laplace(0, 1) (heavy-tailed, like 
 gradients) and a Student-t with 3 degrees of freedom (heavier still).
 
 Allocator: glibc maps every allocation above 32 MiB fresh, and page faults are expensive on
-these VMs (BENCHMARKS.md). The exact path allocates ``|x|`` (100 MB) on every call; unless
+these VMs. The exact path allocates ``|x|`` (100 MB) on every call; unless
 ``--malloc-default`` is given, this script re-executes itself with
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000`` (freed memory is kept for reuse),
 which favours the exact baseline; the setting in force is printed with the results.

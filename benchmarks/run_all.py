@@ -121,8 +121,8 @@ def write_results(path: Path, env: dict, reports: list[dict], codecs: dict | Non
     lines = ["# thinwire benchmark results", ""]
     lines += [f"- {k}: `{v}`" if k in ("command", "git commit") else f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- load average at end: {loadavg()}", f"- wall time: {total_s:.0f} s", ""]
-    lines += ["Rules: BENCHMARKS.md (ratios measured side by side in one run, alternating, median of >= 5 "
-              "repeats after warm-up; absolute times beside every ratio). The machine is shared: the load "
+    lines += ["Rules: ratios measured side by side in one run, alternating, median of >= 5 "
+              "repeats after warm-up; absolute times beside every ratio. The machine is shared: the load "
               "average above is what else ran.", ""]
     lines += ["## Figures", "", "| figure | value | target | verdict | absolute figures |", "|---|---|---|---|---|"]
     for r in reports:

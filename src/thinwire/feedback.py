@@ -1,4 +1,4 @@
-"""Error feedback (METHODS.md §0.1): what a lossy codec did not send is added back next step.
+"""Error feedback: what a lossy codec did not send is added back next step.
 
 Per key (a parameter name): ``u = x + r``; ``payload = encode(u)``; ``r = u - decode(own
 payload)``. The residual is computed from this rank's *own* payload, before any collective

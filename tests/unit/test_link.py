@@ -1,4 +1,4 @@
-"""Link grammar, the alpha-beta formulas (METHODS.md §0.4), and the meter against §0.3."""
+"""Link grammar, the alpha-beta formulas, and the meter against the ring and gather byte counts."""
 
 import math
 import time
@@ -80,7 +80,8 @@ def test_model_formulas_on_hand_computed_cases():
 
 
 def _sent_formula(op: str, B: int, n: int) -> float:
-    """METHODS.md §0.3, written out independently of meter.py."""
+    """Bytes each rank sends (ring all_reduce 2(n-1)/n B, all_gather (n-1) B, send B), written out
+    independently of meter.py."""
     if n == 1:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n * B, "all_gather": (n - 1) * B}[op]

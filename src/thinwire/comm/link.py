@@ -1,4 +1,4 @@
-"""The alpha-beta network model (METHODS.md §0.4) and a communicator that emulates it.
+"""The alpha-beta network model and a communicator that emulates it.
 
 A :class:`Link` is ``(latency α seconds, bandwidth β bytes/s)``. Modeled times, for ``n``
 ranks and a ``B``-byte payload (one rank, or nothing to send: 0 s):
@@ -82,7 +82,7 @@ class Link:
         lat = _format(self.latency_s, _LATENCY_UNITS, encode=lambda x, s: x * s, decode=lambda v, s: v / s)
         return f"{bw},{lat}"
 
-    # -- modeled seconds (METHODS.md §0.4) ----------------------------------------------
+    # -- modeled seconds (the formulas above) ----------------------------------------------
     def all_reduce_time(self, nbytes: int, n: int) -> float:
         """Ring all_reduce of ``nbytes`` over ``n`` ranks."""
         if n <= 1:

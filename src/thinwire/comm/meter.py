@@ -1,4 +1,4 @@
-"""Byte accounting: bytes and messages *sent by this rank* per collective (METHODS.md §0.3).
+"""Byte accounting: bytes and messages *sent by this rank* per collective.
 
 Standard algorithms: ring all_reduce of ``B`` bytes sends ``2(n-1)/n * B`` in ``2(n-1)``
 messages; all_gather of a ``B``-byte contribution sends ``(n-1) * B`` in ``n-1`` messages;

@@ -1,7 +1,6 @@
 """``thinwire bench codecs``: encode+decode speed, error and wire bytes of every codec.
 
-For each codec spec and each input set it reports, per BENCHMARKS.md ("time, error and bytes
-together"):
+For each codec spec and each input set it reports time, error and bytes together:
 
 * encode+decode GB/s of fp32 input and the ratio of that time to a same-size ``copy_`` into a
   preallocated buffer, timed in the same run, alternating (copy, codec, copy, codec, ...),
@@ -330,7 +329,7 @@ def main(
         torch.set_num_threads(threads)
     title = header(quick, repeats)
     if repeats < 5:
-        _note(f"note: median of {repeats} repeats; BENCHMARKS.md asks for >= 5")
+        _note(f"note: median of {repeats} repeats; thinwire's benchmarks take at least 5")
     load = _load1()
     if torch.get_num_threads() > 1 and load is not None and load >= (os.cpu_count() or 1):
         _note(f"note: load average {load:.1f} on {os.cpu_count()} cores: multi-threaded timings are dominated by "

@@ -8,7 +8,7 @@ messages each worker sends, the seconds its collectives took here with no link i
 way, and, for methods that average gradients during the backward pass, the overlap window
 and the share of the average launched in it (rank 0's figures, between the metrics records
 at the end of the warm-up and at the end: the warm-up's start-up costs, and its first step,
-which launches nothing in backward, are left out). The alpha-beta model (METHODS.md §0.4)
+which launches nothing in backward, are left out). The alpha-beta model (``thinwire.comm.link``)
 then predicts the step time on a link of latency α and bandwidth β::
 
     G(α, β) = codec + max(wait, messages · α + bytes / β)        codec and communication
@@ -22,8 +22,8 @@ another (a rank that computes or encodes longer holds the others up) and the tra
 own work. No link makes a collective faster than that, and a slow link hides it, hence the
 ``max`` (ours; it is also how ``--emulate-link`` combines the real and the modeled time).
 
-**Overlap with the backward pass** (``SyncReducer``'s methods; METHODS.md has no term for
-it, this one is ours). ``compute`` holds the whole backward pass. During it, a bucket whose
+**Overlap with the backward pass** (``SyncReducer``'s methods; the alpha-beta model has no term
+for it, this one is ours). ``compute`` holds the whole backward pass. During it, a bucket whose
 gradients have all arrived is averaged on a background thread (encode, collectives,
 decode, one bucket after another), and ``reduce()`` waits for those buckets before it
 averages the rest. On a step that launched in backward, with ``W`` the seconds from the
