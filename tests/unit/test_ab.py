@@ -1,6 +1,6 @@
 """AB-training on the in-process communicator: factorisation to SVD precision, identical
 synced weights, identical factors within a group, agreed ranks, bytes per phase by the
-formulas of METHODS.md §5, optimizer state across rank changes, resume, bad input."""
+formulas of docs/methods.md's `ab` table, optimizer state across rank changes, resume, bad input."""
 
 from __future__ import annotations
 

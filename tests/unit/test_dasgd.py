@@ -1,5 +1,5 @@
-"""Local SGD and DaSGD on the in-process communicator: the exact equivalences of METHODS.md
-§2 (d = 0 vs local SGD, one worker vs SGD, identical data vs single-worker SGD, tau = 1 vs
+"""Local SGD and DaSGD on the in-process communicator: the exact equivalences DaSGD
+must meet (d = 0 vs local SGD, one worker vs SGD, identical data vs single-worker SGD, tau = 1 vs
 synchronous averaging), the merge identity, warm-up, BN buffers, momentum, the delta codec,
 the agreed automatic delay and exact resumption."""
 

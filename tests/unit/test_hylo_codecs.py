@@ -1,4 +1,4 @@
-"""Hylo's two codecs: ``twobit`` (METHODS.md §4's reference vector, layout, thresholds, the
+"""Hylo's two codecs: ``twobit`` (a reference vector worked out by hand, layout, thresholds, the
 NumPy path against the torch path) and ``kernels`` (unit selection, rate, exact residual)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RESIDUAL_OUT = [-5.4, -0.9, 2.1, 2.6, 4.4, 4.0, -0.2, -1.0, -7.8, -96.3]
 
 def test_twobit_reproduces_the_reference_vector():
     """Fixed threshold 4 with error feedback, as the aggregator applies it: bytes, decoded
-    values and the residual of METHODS.md §4 (residual to fp32 rounding: 1e-5 absolute)."""
+    values and the residual worked out by hand (residual to fp32 rounding: 1e-5 absolute)."""
     codec, fb = build_codec("twobit:threshold=4"), ErrorFeedback()
     fb.residuals["w"] = torch.tensor(RESIDUAL_IN)
     u = fb.compensate("w", torch.tensor(GRAD))

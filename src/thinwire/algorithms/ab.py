@@ -49,7 +49,7 @@ Use Adam or AdamW (the paper's choice): with ``B`` fixed, a step on ``A`` moves 
 can diverge (measured: the small VGG at SGD lr 0.1 fell to chance accuracy).
 
 Default knobs (ours, scaled to the bundled 600-800-step tasks; the paper's runs use
-thousands of steps): warm-up 100, cycle 100, 10 full-rank steps, cutoff 0.15 (METHODS.md),
+thousands of steps): warm-up 100, cycle 100, 10 full-rank steps, cutoff 0.15 (docs/methods.md's `ab` section),
 rebound 20 steps, groups of half the world.
 """
 

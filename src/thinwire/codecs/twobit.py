@@ -19,7 +19,7 @@ fixed threshold NaN compares false both ways and travels as 0, and +-inf as +-t.
 
 The default ``alpha = 1.0`` with ``stat = rms`` (``t = sqrt(mean(u^2))``) is thinwire's
 choice: the thesis says the threshold adapts to the layer's gradient magnitude but not how
-(METHODS.md's sketch writes the mean). A code moves a value by at most ``t`` per step, so a
+(a mean of ``|u|`` is the literal reading). A code moves a value by at most ``t`` per step, so a
 value whose gradient stays above ``t`` piles up in the residual until ``t`` grows to match
 it. When ``k`` of ``N`` values carry most of ``|u|`` (a classifier head), ``mean|u|``
 reaches their size only once their residual holds about ``N / k`` steps of their gradient,
