@@ -137,10 +137,17 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         return fut
 
     tensors = dict(zip(names, grads))
+    launched = None
+    if state.overlap and state.pipelines:
+        # identity and casts: encode and launch here, in backward, as DDP's own hooks do, and
+        # land (wait, decode) on the worker, so the next bucket's collective starts while this
+        # one is still on the wire
+        agg.step = state.step
+        launched = agg.launch(tensors)
 
     def average() -> torch.Tensor:
         agg.step = state.step  # the worker runs buckets in order: the step advances after the last
-        agg.reduce_(tensors)
+        agg.land(agg.launch(tensors) if launched is None else launched, tensors)
         if last:
             state.step += 1
         return buffer
@@ -151,22 +158,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.worker is None:
         state.worker = Worker("thinwire-ddp-hook")
         weakref.finalize(state, state.worker.close)  # the thread ends with the hook's state
-    if state.pipelines:
-        # identity and casts: encode and launch here, in backward, as DDP's own hooks do, and
-        # land (wait, decode) on the worker, so the next bucket's collective starts while this
-        # one is still on the wire
-        agg.step = state.step
-        launched = agg.launch(tensors)
-
-        def land() -> torch.Tensor:
-            agg.land(launched, tensors)
-            if last:
-                state.step += 1
-            return buffer
-
-        state.worker.submit(land, fut)
-    else:
-        state.worker.submit(average, fut)
+    state.worker.submit(average, fut)
     if last:
         # the backward pass has computed every gradient by now; DDP issues collectives of its own
         # right after this returns (the used-parameter map's all_reduce), which must follow every
