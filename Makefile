@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.thinwire-installed
 
-.PHONY: run test bench clean
+.PHONY: run test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,14 @@ RUN_ARGS ?= --link 10gbit,10us --link 1gbit,50us --link 100mbit,1ms --out runs/d
 run: $(STAMP)
 	$(VENV)/bin/thinwire train $(RUN_ARGS)
 
-test: $(STAMP)
+# the tests run after lint (ruff: style, import order, likely bugs) and types (mypy on src/thinwire);
+# both are configured in pyproject.toml
+test: lint
 	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -12,8 +12,9 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from thinwire.run.spawn import run_ranks
 

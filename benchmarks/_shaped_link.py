@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 ADDRESSES = ("198.18.0.1", "198.18.0.2")
 
@@ -48,7 +48,7 @@ class ShapedPair:
         self.devices = (f"{tag}a0", f"{tag}b0")  # interface names stay under 16 characters
         self.rate_mbit, self.burst_kbyte = rate_mbit, burst_kbyte
 
-    def __enter__(self) -> "ShapedPair":
+    def __enter__(self) -> ShapedPair:
         try:
             for ns in self.namespaces:
                 _ip("netns", "add", ns)

@@ -12,8 +12,8 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from _common import table
 
@@ -85,6 +85,7 @@ def dirty() -> bool:
 def environment() -> dict:
     """What the table's figures depend on, recorded at the start of the runs."""
     import torch
+
     from run_all import cpu_model, git_commit, loadavg
 
     return {

@@ -81,7 +81,8 @@ def vgg_section(tmp: Path, common: list[str], quick: bool) -> str:
         verdict = (f"With Adam: ab {'+' if diff >= 0 else ''}{diff:.1f} points vs identity; train - test loss: "
                    f"identity {gap(base):.3f}, ab {gap(ab):.3f} (a regularising effect would show as higher accuracy "
                    f"with a smaller gap). With the task's SGD at lr 0.1 the factored layers' effective step grows "
-                   f"with their singular values (dW = -lr grad B^T B for A), and training can collapse: see the last row.")
+                   f"with their singular values (dW = -lr grad B^T B for A), and training can collapse: "
+                   f"see the last row.")
     else:
         verdict = "a run failed: no comparison"
     return (f"## small VGG, synthetic CIFAR-10-format data ({SYNTHETIC}): "
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--vgg-only", action="store_true", help="only section 3; tables to results/ab_vgg.md")
     args = p.parse_args(argv)
-    command = "python benchmarks/bench_ab.py" + (" --quick" if args.quick else "") + (" --vgg-only" if args.vgg_only else "")
+    command = ("python benchmarks/bench_ab.py" + (" --quick" if args.quick else "")
+               + (" --vgg-only" if args.vgg_only else ""))
     report = Report("AB-training: bytes, accuracy and parameter compression (4 workers, groups of 2)", command)
     env = environment()
     common = ["--workers", str(WORKERS), "--seed", str(SEED), "--eval-every", str(EVAL_EVERY)]

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
-
 from thinwire.comm.link import Link
 from thinwire.run import cost
 from thinwire.run.config import TrainConfig

@@ -169,14 +169,16 @@ def shaped_section(report: Report, t_step: float, model_bytes: int, steps: int, 
             res = json.load(f)
     times = res["times"]
     ratio = paired_ratio(times["dasgd"], times["compute only"])
-    rows = [[name, f"{median(ts) * 1e3:.2f}", f"{paired_ratio(ts, times['compute only']):.3f}"] for name, ts in times.items()]
+    rows = [[name, f"{median(ts) * 1e3:.2f}", f"{paired_ratio(ts, times['compute only']):.3f}"]
+            for name, ts in times.items()]
     rep = res["report"]
     report.add(f"section 4: 2 ranks in network namespaces joined by a veth pair shaped with tc tbf to "
                f"{rate_mbit:.0f} Mbit/s each way (one model all_reduce ~{LINK_RATIO} compute steps of "
                f"{t_step * 1e3:.2f} ms, measured in section 1); gloo over that link, no emulation\n\n"
                + table(["arm", "median ms / step", "vs compute only"], rows)
                + f"\n\ndasgd: delay {rep['delay']}, blocked {rep['blocked_seconds'] * 1e3:.1f} ms of "
-               f"{rep['average_seconds'] * 1e3:.1f} ms in flight; localsgd blocked {res['localsgd_blocked'] * 1e3:.1f} ms")
+               f"{rep['average_seconds'] * 1e3:.1f} ms in flight; "
+               f"localsgd blocked {res['localsgd_blocked'] * 1e3:.1f} ms")
     report.figures.append(Figure("dasgd step time vs compute only (real shaped link)", ratio, "<=", HIDE_STEP_TARGET,
                                  "x", f"localsgd: {paired_ratio(times['localsgd'], times['compute only']):.3f}x"))
     hidden = rep["hidden_fraction"]
@@ -212,15 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         _shaped_rank(args.shaped_rank, args.steps, args.warmup, args.blocks)
         return 0
     steps, warmup, blocks = (8, 1, 5) if args.quick else (8, 2, 11)
-    report = Report("DaSGD: hiding, accuracy, scaling", "python benchmarks/bench_dasgd.py" + (" --quick" if args.quick else ""))
-    report.add(f"section 1: 2 gloo ranks, blocks of {steps} steps, {warmup} warm-up + {blocks} timed rounds; {load_note()}")
+    report = Report("DaSGD: hiding, accuracy, scaling",
+                    "python benchmarks/bench_dasgd.py" + (" --quick" if args.quick else ""))
+    report.add(f"section 1: 2 gloo ranks, blocks of {steps} steps, {warmup} warm-up + {blocks} timed rounds; "
+               f"{load_note()}")
     results = run_ranks(_rank, 2, steps, warmup, blocks, timeout=600)
     r0 = results[0]
     times = r0["times"]
     ratio = paired_ratio(times["dasgd"], times["compute only"])
     local_ratio = paired_ratio(times["localsgd"], times["compute only"])
     hidden = r0["report"]["hidden_fraction"]
-    rows = [[name, f"{median(ts) * 1e3:.2f}", f"{paired_ratio(ts, times['compute only']):.3f}"] for name, ts in times.items()]
+    rows = [[name, f"{median(ts) * 1e3:.2f}", f"{paired_ratio(ts, times['compute only']):.3f}"]
+            for name, ts in times.items()]
     report.add(f"compute step {r0['t_step'] * 1e3:.2f} ms; emulated link {r0['link']}: one model all_reduce "
                f"({r0['model_bytes'] / 1e6:.2f} MB) takes {r0['t_comm'] * 1e3:.2f} ms = {LINK_RATIO} steps\n\n"
                + table(["arm", "median ms / step", "vs compute only"], rows)

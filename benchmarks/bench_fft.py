@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_results(report: Report) -> None:
     import torch
+
     from _training import dirty
     from run_all import cpu_model, git_commit
 

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     twobit_shape = QUICK_TWOBIT if args.quick else TWOBIT_SHAPE
     kernels_shape = QUICK_KERNELS if args.quick else KERNELS_SHAPE
     rounds = 7 if args.quick else 11
-    report = Report("Hylo codecs vs copy and topk", "python benchmarks/bench_hylo_codecs.py" + (" --quick" if args.quick else ""))
+    report = Report("Hylo codecs vs copy and topk",
+                    "python benchmarks/bench_hylo_codecs.py" + (" --quick" if args.quick else ""))
     report.add(f"{torch.get_num_threads()} torch threads, median of {rounds} paired alternating rounds after 1 "
                f"warm-up; {load_note()}")
     g = torch.Generator().manual_seed(0)
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     times = timed_rounds({"copy": lambda: copy_out.copy_(x), "twobit": twobit_arm}, rounds)
     ratio = paired_ratio(times["copy"], times["twobit"])
     tc, tt = sorted(times["copy"])[rounds // 2], sorted(times["twobit"])[rounds // 2]
-    rows.append(["twobit", "x".join(map(str, twobit_shape)), "copy_", f"{tc * 1e3:.1f}", f"{tt * 1e3:.1f}", f"{ratio:.3f}"])
+    rows.append(["twobit", "x".join(map(str, twobit_shape)), "copy_", f"{tc * 1e3:.1f}", f"{tt * 1e3:.1f}",
+                 f"{ratio:.3f}"])
     report.figures.append(Figure("twobit encode+decode vs copy_ (time copy / time twobit)", ratio, ">=", TWOBIT_TARGET,
                                  "x", f"copy_ {tc * 1e3:.1f} ms, twobit {tt * 1e3:.1f} ms, {x.numel():,} floats"))
 

@@ -98,7 +98,11 @@ def matched_topk(model, n: int) -> tuple[str, float, float]:
 
     assignment = Policy.preset("hylo").assign(model)
     budget = step_bytes(model, assignment.codec_for, n)
-    cost = lambda r: step_bytes(model, lambda name, c=build_codec(f"topk:ratio={r!r}"): c, n)  # noqa: E731
+
+    def cost(r: float) -> float:
+        codec = build_codec(f"topk:ratio={r!r}")  # one codec per ratio, for every parameter
+        return step_bytes(model, lambda name: codec, n)
+
     lo, hi = 1e-6, 1.0
     for _ in range(50):
         mid = math.sqrt(lo * hi)
@@ -123,9 +127,11 @@ def layer_table(run: dict) -> str:
             rest_fp32 += r["fp32_bytes_per_worker"]
             continue
         rows.append([r["name"], "x".join(map(str, r["shape"])), r["codec"].split(":")[0],
-                     f"{r['bytes_sent_per_worker'] / 1e6:.2f}", f"{r['fp32_bytes_per_worker'] / r['bytes_sent_per_worker']:.1f}x"])
+                     f"{r['bytes_sent_per_worker'] / 1e6:.2f}",
+                     f"{r['fp32_bytes_per_worker'] / r['bytes_sent_per_worker']:.1f}x"])
     if rest_sent:
-        rows.append(["every other parameter", "-", "identity", f"{rest_sent / 1e6:.2f}", f"{rest_fp32 / rest_sent:.1f}x"])
+        rows.append(["every other parameter", "-", "identity", f"{rest_sent / 1e6:.2f}",
+                     f"{rest_fp32 / rest_sent:.1f}x"])
     return table(["parameter", "shape", "codec", "MB sent / worker", "vs fp32 all_reduce"], rows)
 
 
@@ -180,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             report.figures.append(Figure(f"hylo final accuracy drop vs identity [{task}]", drop, "<=", DROP_TARGET,
                                          " pts", f"identity {base}, hylo {acc}"))
             report.figures.append(Figure(f"hylo compression vs fp32 [{task}]", ratio if ratio else float("nan"), ">=",
-                                         COMPRESSION_TARGET, "x", f"{hylo.get('bytes_sent_per_worker', 0) / 1e6:.2f} MB "
+                                         COMPRESSION_TARGET, "x",
+                                         f"{hylo.get('bytes_sent_per_worker', 0) / 1e6:.2f} MB "
                                          f"vs {hylo.get('fp32_bytes_per_worker', 0) / 1e6:.2f} MB fp32"))
             note, _ = speed_note(runs, target)
             steps_run = next((r["steps"] for r in runs.values() if "steps" in r), steps)
-            body = (f"## {task}: {steps_run} steps, target test accuracy {target:.2f}\n\n" + time_table(runs, target, LINKS, _label)
+            body = (f"## {task}: {steps_run} steps, target test accuracy {target:.2f}\n\n"
+                    + time_table(runs, target, LINKS, _label)
                     + f"\n\n{note} topk is matched to hylo's bytes per step ({topk_bytes / 1e3:.1f} KB vs "
                     f"{hylo_bytes / 1e3:.1f} KB per worker, predicted from the codecs' sizes).\n\n"
                     + "hylo, per parameter:\n\n" + layer_table(hylo))

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([spec, "failed: " + run["error"], "-", "-", "-", "-"])
             continue
         last = run["rows"][-1]
-        rows.append([spec, f"{run['final_accuracy']:.4f}", f"{last.get('local_test_accuracy_mean', run['final_accuracy']):.4f}",
+        rows.append([spec, f"{run['final_accuracy']:.4f}",
+                     f"{last.get('local_test_accuracy_mean', run['final_accuracy']):.4f}",
                      f"{last.get('consensus_distance', 0.0):.3g}", f"{run['bytes_sent_per_worker'] / 1e6:.2f}",
                      f"{run['compression_ratio']:.1f}x"])
     report.add(table(["method", "final acc (averaged model)", "mean local acc", "consensus distance",
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = all("error" not in r for r in (base, dp, pg))
     drop = round(100 * (base["final_accuracy"] - pg["final_accuracy"]), 6) if ok else float("nan")
     ratio = dp["bytes_sent_per_worker"] / pg["bytes_sent_per_worker"] if ok else float("nan")
-    report.figures.append(Figure("powergossip rank 1 (8-ring) accuracy drop vs identity", drop, "<=", DROP_TARGET, " pts",
+    report.figures.append(Figure("powergossip rank 1 (8-ring) accuracy drop vs identity", drop, "<=", DROP_TARGET,
+                                 " pts",
                                  f"identity {base.get('final_accuracy')}, powergossip {pg.get('final_accuracy')}"))
     report.figures.append(Figure("dpsgd bytes / powergossip rank 1 bytes (8-ring)", ratio, ">=", BYTES_TARGET, "x"))
 

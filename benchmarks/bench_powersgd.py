@@ -28,7 +28,16 @@ from collections import defaultdict
 from itertools import islice
 
 from _common import (
-    Figure, Report, alternate_blocks, load_note, median, paired_ratio, parser, run_ranks, table, training_step,
+    Figure,
+    Report,
+    alternate_blocks,
+    load_note,
+    median,
+    paired_ratio,
+    parser,
+    run_ranks,
+    table,
+    training_step,
 )
 
 RANKS = (1, 4)

@@ -38,7 +38,7 @@ within 1%; the best thinwire gradient codec at 100 Mbit/s / compute <= 1.05; fft
 100 Mbit/s / compute <= 1.15; fft / topk <= 1.05; the cost model within 20% of the measured
 step for identity, bf16, powersgd r1, topk and fft (SyncReducer arms). Each is printed with PASS or MISS; on the
 transformer the identity, bf16 and powersgd ratios are reported with the same targets.
-"""
+"""  # noqa: E501  (line 1 is the --help description: kept whole)
 
 from __future__ import annotations
 
@@ -142,7 +142,8 @@ def make_batches(model: str, rank: int):
 def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[str], out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import thinwire
@@ -267,10 +268,10 @@ def run_rate(model: str, rate: int, steps: int, warmup: int, blocks: int, arms: 
         logs = [p.communicate(timeout=3000)[0] for p in procs]
     if any(p.returncode for p in procs):
         if not out.exists():
-            raise RuntimeError(f"a rank failed at {rate} Mbit/s:\n" + "\n".join(l[-3000:] for l in logs))
+            raise RuntimeError(f"a rank failed at {rate} Mbit/s:\n" + "\n".join(log[-3000:] for log in logs))
         # the ranks finished measuring (rank 0 wrote the result) and one failed on its way out
         print(f"bench_real_models: a rank exited with an error at {rate} Mbit/s after the result was written:\n"
-              + "\n".join(l[-500:] for l in logs), file=sys.stderr)
+              + "\n".join(log[-500:] for log in logs), file=sys.stderr)
     result = json.loads(out.read_text())
     out.unlink()
     return result
@@ -346,8 +347,9 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
         for ours, theirs in BYTE_PAIRS:
             if ours in sent and theirs in sent and sent[theirs] > 0:
                 tag = ours[3:].replace(":rank=", "_r")
-                report.figures.append(Figure(f"bytes_{tag}_vs_torch_{rate}mbit{suffix}", abs(sent[ours] / sent[theirs] - 1),
-                                             "<=", 0.01, "", f"{sent[ours] / 1e6:.3f} vs {sent[theirs] / 1e6:.3f} MB/step"))
+                report.figures.append(Figure(f"bytes_{tag}_vs_torch_{rate}mbit{suffix}",
+                                             abs(sent[ours] / sent[theirs] - 1), "<=", 0.01, "",
+                                             f"{sent[ours] / 1e6:.3f} vs {sent[theirs] / 1e6:.3f} MB/step"))
         predictions = []
         for arm, c in r.get("cost", {}).items():  # thinwire cost's model against the measured step
             from thinwire.comm.link import Link
@@ -373,7 +375,8 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
             best = min(codecs, key=lambda a: paired_ratio(sec[a], sec["compute"]))
             report.figures.append(Figure(f"best_codec_vs_compute_100mbit{suffix}",
                                          paired_ratio(sec[best], sec["compute"]), "<=", 1.05, "x",
-                                         f"{best} {1e3 * median(sec[best]):.0f} ms/step, compute {1e3 * floor:.0f} ms/step"))
+                                         f"{best} {1e3 * median(sec[best]):.0f} ms/step, "
+                                         f"compute {1e3 * floor:.0f} ms/step"))
     return ok
 
 

@@ -1,10 +1,10 @@
 """Checkpoints: what a resume recomputes, whether it ends bit-identical, what a write costs.
 
 For each method: a straight run of STEPS steps writing a checkpoint every EVERY steps, then a
-run resumed from its checkpoint at STEPS - EVERY (the newest two are kept) up to STEPS. The resumed run must run exactly the
-steps after its checkpoint (target: at most one step recomputed) and end with the straight
-run's parameters bit for bit; the mean checkpoint write time and file size are reported
-(mnist1d CNN, 2 workers).
+run resumed from its checkpoint at STEPS - EVERY (the newest two are kept) up to STEPS. The
+resumed run must run exactly the steps after its checkpoint (target: at most one step
+recomputed) and end with the straight run's parameters bit for bit; the mean checkpoint
+write time and file size are reported (mnist1d CNN, 2 workers).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Figure, Report, load_note, parser, table
 
+from _common import Figure, Report, load_note, parser, table
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import launch
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"bit-identical {same}", flush=True)
             report.figures.append(Figure(f"resumed run ends bit-identical [{spec.split(':')[0]}]", float(same), ">=",
                                          1.0, "", "1 = every parameter equal on both ranks"))
-    report.add(table(["method", "checkpoints", "ms per checkpoint (write)", "MB per rank file", "steps run after resume",
-                      "steps recomputed", "bit-identical"], rows))
+    report.add(table(["method", "checkpoints", "ms per checkpoint (write)", "MB per rank file",
+                      "steps run after resume", "steps recomputed", "bit-identical"], rows))
     report.figures.append(Figure("steps recomputed by a resume (worst method)", worst, "<=", TARGET_RECOMPUTED, ""))
     report.seconds = time.perf_counter() - t0
     return report.finish(args.json)

@@ -19,7 +19,16 @@ import time
 from itertools import islice
 
 from _common import (
-    Figure, Report, alternate_blocks, load_note, median, paired_ratio, parser, run_ranks, table, training_step,
+    Figure,
+    Report,
+    alternate_blocks,
+    load_note,
+    median,
+    paired_ratio,
+    parser,
+    run_ranks,
+    table,
+    training_step,
 )
 
 TARGET = 1.10

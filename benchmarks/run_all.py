@@ -28,7 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk", "bench_fft", "bench_fft_training",
-           "bench_error_at_bytes", "bench_hylo_codecs", "bench_hylo_training", "bench_dasgd", "bench_consensus", "bench_powergossip",
+           "bench_error_at_bytes", "bench_hylo_codecs", "bench_hylo_training", "bench_dasgd", "bench_consensus",
+           "bench_powergossip",
            "bench_ab", "bench_cost", "bench_resume", "bench_suite", "bench_real_models", "bench_powersgd_codec",
            "bench_codec_overhead")
 TIMEOUT_S = 1800

@@ -32,10 +32,10 @@ from thinwire.comm.meter import ByteMeter
 from thinwire.integrations import ddp
 from thinwire.payload import Aggregation, Payload
 from thinwire.policy import Policy, Rule
-
-__version__ = "0.1.0"
+from thinwire.version import __version__
 
 __all__ = [
-    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link", "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link",
+    "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
     "__version__",
 ]

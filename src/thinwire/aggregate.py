@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -32,25 +32,9 @@ from thinwire.comm.base import Communicator, Handle
 from thinwire.comm.meter import sent_bytes
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Aggregation, Payload, spec_nbytes
+from thinwire.timing import Timing
 
 CodecChooser = Callable[[str, torch.Tensor], Codec]
-
-
-@dataclass
-class Timing:
-    """Seconds spent, accumulated over calls (host clock)."""
-
-    codec_seconds: float = 0.0  # encode, decode, error feedback, packing
-    comm_seconds: float = 0.0  # inside collectives, waiting included
-
-    @classmethod
-    def total(cls, timings) -> "Timing":
-        """The sum of several timings (e.g. of every aggregator a reducer or hook built)."""
-        out = cls()
-        for t in timings:
-            out.codec_seconds += t.codec_seconds
-            out.comm_seconds += t.comm_seconds
-        return out
 
 
 @dataclass
@@ -99,8 +83,12 @@ class Aggregator:
 
     ``named`` gives the tensors' names, shapes, dtypes and devices (typically the model's
     parameters); ``codec_for(name, tensor)`` picks the codec of each (the same choice on
-    every rank). Call :meth:`reduce_` with tensors of those names and shapes (e.g. grads).
-    ``feedback`` may be shared between aggregators over disjoint names (DDP buckets).
+    every rank). Call :meth:`reduce_` with tensors of those names and shapes (e.g. grads),
+    or :meth:`start` and later :meth:`Reduction.wait` to let other work run while the
+    collectives are in flight. ``feedback`` may be shared between aggregators over disjoint
+    names (DDP buckets). ``as_given``: every tensor goes through the codec chosen for it,
+    however small or one-dimensional (no fp32 fallback): for a flat vector such as a whole
+    model's state, which :meth:`flat` builds.
     """
 
     def __init__(
@@ -111,6 +99,7 @@ class Aggregator:
         *,
         bucket_mb: float = 25.0,
         feedback: ErrorFeedback | None = None,
+        as_given: bool = False,
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -124,6 +113,7 @@ class Aggregator:
         # counts them: the collective's algorithm factor applied to the tensor's payload bytes)
         self.sent_bytes: dict[str, float] = {name: 0.0 for name, _ in named}
         self._fallback = Identity(IdentityConfig())
+        self.as_given = as_given
         self.buckets = self._plan(named, codec_for, int(bucket_mb * 2**20))
         # collectives go in the order the buckets fill up when tensors arrive in ``named``
         # order (a gradient reducer names them in the order backward computes them): a bucket
@@ -135,6 +125,14 @@ class Aggregator:
             codec.rank = comm.rank
             _check_pair(codec)
 
+    @classmethod
+    def flat(cls, name: str, like: torch.Tensor, codec: Codec, comm: Communicator, *,
+             feedback: ErrorFeedback | None = None) -> Aggregator:
+        """An aggregator of one flat tensor (``like``'s shape) through ``codec`` as it is, in
+        one bucket: a model-averaging method's model state or delta."""
+        return cls([(name, like)], lambda _name, _t: codec, comm, bucket_mb=max(1.0, 4 * like.numel() / 2**20),
+                   feedback=feedback, as_given=True)
+
     # -- construction ----------------------------------------------------------------------
     def _plan(self, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, cap: int) -> list[_Bucket]:
         """One open bucket per codec, filled in parameter order until ``cap`` bytes (fp32).
@@ -144,11 +142,10 @@ class Aggregator:
         gives one collective per codec per round for a typical model, not one per tensor.
         """
         buckets: list[_Bucket] = []
-        fallback = self._fallback.describe()
         open_: dict[int, _Bucket] = {}  # id(codec) -> the bucket being filled
         for name, t in named:
             codec = codec_for(name, t)
-            if not codec.compresses(t.shape) or codec.describe() == fallback:
+            if not self.as_given and (not codec.compresses(t.shape) or codec.is_identity):
                 codec = self._fallback  # plain fp32 shares one bucket, whichever codec chose it
             b = open_.get(id(codec))
             if b is None or 4 * (b.numel + t.numel()) > codec.bucket_cap(cap) and b.slots:
@@ -178,7 +175,7 @@ class Aggregator:
         rows = []
         for b in self.buckets:
             if b.fused:  # one payload for the bucket: its bytes shared in proportion to size
-                total, done = b.codec.nbytes(torch.Size([b.numel]), torch.float32), 0
+                total = b.codec.nbytes(torch.Size([b.numel]), torch.float32)
                 shares = [total * s.numel // b.numel for s in b.slots]
                 shares[-1] += total - sum(shares)
             else:
@@ -201,6 +198,12 @@ class Aggregator:
         """
         self.land(self.launch(tensors, buckets), tensors)
         self.step += 1
+
+    def start(self, tensors: Mapping[str, torch.Tensor]) -> Reduction:
+        """Launch every bucket (as :meth:`launch`) and return at once; the means land in
+        ``tensors`` at :meth:`Reduction.wait`, which also advances the step counter. Until
+        then ``tensors`` and the codecs belong to the reduction: touch neither."""
+        return Reduction(self, self.launch(tensors), tensors)
 
     def launch(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None, *,
                in_place: bool = True) -> list[tuple[_Bucket, _Flight]]:
@@ -241,7 +244,7 @@ class Aggregator:
         own inputs, the codec's state and the step."""
         self.land(self.launch(tensors, [i], in_place=tensors is out), out)
 
-    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> "_Flight":
+    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> _Flight:
         """Encode round 0 (with error feedback) and start its collective. ``in_place``: the
         tensors are also where the means go, so a fused bucket may work on them directly."""
         t0 = time.perf_counter()
@@ -256,7 +259,7 @@ class Aggregator:
         flight.codec_seconds += time.perf_counter() - t0 - in_comm
         return flight
 
-    def _start(self, b: _Bucket, f: "_Flight", r: int) -> float:
+    def _start(self, b: _Bucket, f: _Flight, r: int) -> float:
         """Pack, start the collective, then (after the final round's encode) error feedback.
 
         Returns the seconds spent inside the communicator's call (counted as communication).
@@ -301,26 +304,29 @@ class Aggregator:
         for s, nbytes in zip(b.slots, shares):
             self.sent_bytes[s.name] += sent_bytes(op, nbytes, n)
 
-    def _wait(self, f: "_Flight") -> None:
+    def _wait(self, f: _Flight) -> None:
         t0 = time.perf_counter()
+        assert f.handle is not None  # set by _start with the collective
         f.handle.wait()
         f.comm_seconds += time.perf_counter() - t0
 
-    def _next_round(self, b: _Bucket, f: "_Flight", r: int) -> None:
+    def _next_round(self, b: _Bucket, f: _Flight, r: int) -> None:
         self._wait(f)
         t0 = time.perf_counter()
+        assert f.wire is not None  # set by _start with the collective
         reduced = self._unpack_sum(f.wire, f.payloads)
         f.payloads = [b.codec.encode_next(p, key=k) for (k, _), p in zip(f.us, reduced)]
         in_comm = self._start(b, f, r)
         f.codec_seconds += time.perf_counter() - t0 - in_comm
 
-    def _land(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
+    def _land(self, b: _Bucket, f: _Flight, tensors: Mapping[str, torch.Tensor]) -> None:
         """Wait for the last round, decode and write the means into ``tensors`` (the bucket's
         names; the inputs themselves, or tensors of their shapes)."""
         self._wait(f)
         t0 = time.perf_counter()
         codec = b.codec
         if codec.aggregation is Aggregation.SUM:
+            assert f.wire is not None  # set by _start with the collective
             payloads = self._unpack_sum(f.wire, f.payloads)
             for (k, _), p in zip(f.us, payloads):
                 codec.update(k, p)
@@ -338,7 +344,9 @@ class Aggregator:
         self.timing.codec_seconds += f.codec_seconds
         self.timing.comm_seconds += f.comm_seconds
 
-    def _inputs(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool) -> list[tuple[str, torch.Tensor]]:
+    def _inputs(
+        self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool
+    ) -> list[tuple[str, torch.Tensor]]:
         if not b.fused:
             return [(s.name, tensors[s.name]) for s in b.slots]
         flat = _adjacent(b, tensors) if in_place else None
@@ -372,16 +380,21 @@ class Aggregator:
             out.append(p.with_tensors(tuple(parts)))
         return out
 
-    def _gathered_means(self, b: _Bucket, f: "_Flight", tensors: Mapping[str, torch.Tensor]) -> None:
+    def _gathered_means(self, b: _Bucket, f: _Flight, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every rank's payload decoded from the gathered bytes and summed into the output
         tensor (in place when it is contiguous fp32), then divided by n."""
         n = self.comm.world_size
+        wire = f.wire
+        assert wire is not None  # set by _start with the collective
         for (key, shape_in), entries, own in zip(_units(b), b.layout, f.payloads):
             out = None if b.fused else tensors[key]
             direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
-            acc = out if direct else _buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, f.wire.device)
+            if direct and out is not None:
+                acc = out
+            else:
+                acc = _buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, wire.device)
             payloads = [  # wire tensors only: meta is local to the rank that encoded
-                Payload(tuple(_from_bytes(f.wire[i], off, shape, dtype) for off, shape, dtype in entries),
+                Payload(tuple(_from_bytes(wire[i], off, shape, dtype) for off, shape, dtype in entries),
                         shape_in, own.dtype)
                 for i in range(n)
             ]
@@ -390,6 +403,7 @@ class Aggregator:
             if b.fused:
                 self._write(b, tensors, [acc])
             elif not direct:
+                assert out is not None  # not fused: the output tensor itself
                 out.copy_(acc)
 
     @staticmethod
@@ -428,6 +442,37 @@ class Aggregator:
         self.feedback.load_state_dict(state["feedback"])
         for c, cs in zip(self.codecs, state["codec_states"]):
             c.load_state_dict(cs)
+
+
+class Reduction:
+    """An :meth:`Aggregator.start` in flight: :meth:`wait` lands it (once)."""
+
+    def __init__(self, agg: Aggregator, launched: list[tuple[_Bucket, _Flight]],
+                 tensors: Mapping[str, torch.Tensor]) -> None:
+        self._agg, self._launched, self._tensors = agg, launched, tensors
+        self.done = False
+        # bytes each rank put on the wire (the round-0 payloads: one-round codecs)
+        self.wire_bytes = sum(f.wire.numel() * f.wire.element_size() if b.codec.aggregation is Aggregation.SUM
+                              else b.row_bytes for b, f in launched if f.wire is not None)
+
+    def is_completed(self) -> bool:
+        """Whether every collective has completed (no side effects; landing may remain)."""
+        return self.done or all(f.handle is None or f.handle.is_completed() for _, f in self._launched)
+
+    def settle(self) -> None:
+        """Wait for the collectives only (their seconds count as communication)."""
+        for _, f in self._launched:
+            if f.handle is not None:
+                self._agg._wait(f)
+
+    def wait(self) -> None:
+        """Wait for the collectives, decode the means into the tensors and advance the
+        aggregator's step; a second call does nothing."""
+        if self.done:
+            return
+        self._agg.land(self._launched, self._tensors)
+        self._agg.step += 1
+        self.done = True
 
 
 def _units(b: _Bucket) -> list[tuple[str, torch.Size]]:
@@ -506,7 +551,7 @@ def _from_bytes(row: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torc
     return raw.view(dtype).view(shape)
 
 
-def _unique(codecs) -> list[Codec]:
+def _unique(codecs: Iterable[Codec]) -> list[Codec]:
     seen: list[Codec] = []
     for c in codecs:
         if all(c is not s for s in seen):

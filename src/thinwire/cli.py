@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 EXIT_BAD_INPUT = 2
 
@@ -25,8 +26,14 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="thinwire", description="Communication-efficient data-parallel training on torch.distributed.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in (_train_parser, _compare_parser, _cost_parser, _methods_parser, _bench_parser):
+        add(sub)
+    return p
 
-    t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, identity, 2 workers)",
+
+def _train_parser(sub: Any) -> None:
+    t = sub.add_parser("train", help="train a bundled task across N workers with a method (default: mnist1d, "
+                       "identity, 2 workers)",
                        description="Train a task across N workers with a method. With --resume, every option not "
                        "given again keeps the run's own value (its checkpoint's saved config: the checkpoint interval, "
                        "links, method, hyperparameters, imports...); an option given again replaces it, and options "
@@ -34,15 +41,18 @@ def _parser() -> argparse.ArgumentParser:
                        "must match the checkpoint's.")
     # default None (filled by TrainConfig): a resume tells the options typed from those to keep
     t.add_argument("--task", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
-    t.add_argument("--method", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo (see `thinwire methods`; "
+    t.add_argument("--method", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo "
+                   "(see `thinwire methods`; "
                    "default: identity)")
-    t.add_argument("--policy", metavar="FILE", help="TOML policy file: ordered rules giving each parameter its codec (instead of --method)")
+    t.add_argument("--policy", metavar="FILE", help="TOML policy file: ordered rules giving each parameter its codec "
+                   "(instead of --method)")
     t.add_argument("--workers", type=int, help="local ranks to spawn (ignored under torchrun; default: 2)")
     t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
     t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
     t.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
-    t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of the method; default: 0)")
+    t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of "
+                   "the method; default: 0)")
     t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     t.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
@@ -52,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
     t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
     t.add_argument("--bucket-mb", type=float, help="fuse tensors into buckets of this size (default: 25)")
-    t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under torchrun, torch's own default)")
+    t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under "
+                   "torchrun, torch's own default)")
     t.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help="task option, e.g. model=vgg (repeatable; on --resume, added to the run's own)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -69,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     _max_workers_option(t)
     _import_option(t)
 
+
+def _compare_parser(sub: Any) -> None:
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
     c.add_argument("--methods", action="append", metavar="M1,M2,...",
@@ -80,46 +93,59 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")
-    c.add_argument("--link", action="append", default=[], metavar="LINK",
+    c.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
-    c.add_argument("--emulate-link", action="store_true", help="delay real collectives by the first --link's modeled time")
+    c.add_argument("--emulate-link", action="store_true",
+                   help="delay real collectives by the first --link's modeled time")
     c.add_argument("--out", required=True, help="directory for report.md, results.csv, the PNGs and runs/")
     c.add_argument("--overwrite", action="store_true", help="allow --out to replace an earlier comparison")
-    c.add_argument("--target", type=float, help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
+    c.add_argument("--target", type=float,
+                   help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
     c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
     c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
     c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
     c.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
     c.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
-    c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    c.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
+                   help="task option, e.g. model=vgg (repeatable)")
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
     _max_workers_option(c)
     _import_option(c)
 
+
+def _cost_parser(sub: Any) -> None:
     k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
                        "compression pays off against bf16")
     k.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
-    k.add_argument("--link", action="append", default=[], metavar="LINK",
+    k.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to predict for, one column each (default: 1gbit,50us and 100mbit,1ms)")
     k.add_argument("--workers", type=int, default=4, help="local ranks of each probe (default: 4)")
     k.add_argument("--methods", action="append", metavar="M1,M2,...",
                    help="method specs separated by commas, as for compare (default: identity,bf16,"
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
-    k.add_argument("--probe-steps", type=int, default=20, help="timed training steps of each probe, after as many warm-up steps (default: 20)")
+    k.add_argument("--probe-steps", type=int, default=20,
+                   help="timed training steps of each probe, after as many warm-up steps (default: 20)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
     k.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
-    k.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. model=vgg (repeatable)")
+    k.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
+                   help="task option, e.g. model=vgg (repeatable)")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     _max_workers_option(k)
     _import_option(k)
 
+
+def _methods_parser(sub: Any) -> None:
     m = sub.add_parser("methods", help="every method and knob, with default and allowed range")
+    m.add_argument("--markdown", action="store_true", help="print the index of every method as a markdown table "
+                   "(the one in docs/methods.md)")
     _import_option(m)
 
+
+def _bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
     bc = bsub.add_parser("codecs", help="encode+decode speed, error and bytes of every codec")
@@ -141,7 +167,6 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--steps", type=int, default=12, help="training steps per run (default: 12)")
     bm.add_argument("--out", help="also write the table to this markdown file")
     _max_workers_option(bm)
-    return p
 
 
 def _max_workers_option(p: argparse.ArgumentParser) -> None:
@@ -163,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         if args.command == "methods":
-            return _methods(args.imports or [])
+            return _methods(args.imports or [], markdown=args.markdown)
         if args.command == "cost":
             return _cost(args)
         if args.command == "compare":
@@ -179,7 +204,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    topology=args.topology, max_steps=args.max_steps, out=args.out)
         if args.command == "bench" and args.bench == "memory":
             from thinwire.run.bench_memory import main as bench_memory
-
             from thinwire.run.config import check_workers
 
             if args.workers < 1 or args.steps < 1:
@@ -200,11 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from thinwire.run.config import RunFinished, from_options
+    from thinwire.run.config import RunFinished
     from thinwire.run.launch import RunFailed, launch
 
     try:
-        cfg = from_options(_given(args)).resolve()
+        cfg = _config(args, TRAIN_FIELDS).resolve()
         _check_task(cfg)
     except RunFinished as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
@@ -237,12 +261,26 @@ def _train(args: argparse.Namespace) -> int:
 
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
-                "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers")  # TrainConfig fields named by train's options
+                "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers")  # train's options, by field
 
 
-def _given(args: argparse.Namespace) -> dict[str, Any]:
+COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
+                  "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers")
+COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
+               "max_workers")
+
+
+def _config(args: argparse.Namespace, fields: Sequence[str], **fixed: Any) -> Any:
+    """The TrainConfig of a command: the options of ``fields`` that were typed (on
+    ``--resume``, over the run's saved config), then ``fixed``; the rest its defaults."""
+    from thinwire.run.config import from_options
+
+    return from_options({**_given(args, fields), **fixed})
+
+
+def _given(args: argparse.Namespace, fields: Sequence[str]) -> dict[str, Any]:
     """The TrainConfig fields whose options were typed (an option left out is None)."""
-    given = {name: getattr(args, name) for name in TRAIN_FIELDS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     for name in ("links", "imports"):
         if name in given:
             given[name] = tuple(given[name])
@@ -255,7 +293,6 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     from thinwire.run import compare
-    from thinwire.run.config import TrainConfig
 
     if bool(args.methods) == bool(args.suite):
         raise BadInput("compare needs exactly one of --methods and --suite")
@@ -264,12 +301,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     from thinwire.run import suite
 
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
-    base = TrainConfig(
-        task=args.task, workers=workers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        optimizer=args.optimizer, seed=args.seed, data_dir=args.data_dir, links=tuple(args.link),
-        emulate_link=args.emulate_link, eval_every=args.eval_every, bucket_mb=args.bucket_mb, threads=args.threads,
-        task_options=_options(args.option), imports=tuple(args.imports or ()), max_workers=args.max_workers,
-    )
+    base = _config(args, COMPARE_FIELDS, workers=workers)
     try:
         _check_task(base.resolve())
         if args.suite:
@@ -315,14 +347,11 @@ def _cost(args: argparse.Namespace) -> int:
     from thinwire.comm.link import Link
     from thinwire.run import cost
     from thinwire.run.compare import DEFAULT_LINKS, resolve_methods, split_methods
-    from thinwire.run.config import TrainConfig
 
     if args.probe_steps < 2:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
-    base = TrainConfig(task=args.task, workers=args.workers, steps=args.probe_steps, batch_size=args.batch_size,
-                       seed=args.seed, data_dir=args.data_dir, links=tuple(args.link) or DEFAULT_LINKS,
-                       eval_every=args.probe_steps, threads=args.threads, task_options=_options(args.option),
-                       imports=tuple(args.imports or ()), max_workers=args.max_workers)
+    base = _config(args, COST_FIELDS, steps=args.probe_steps, eval_every=args.probe_steps,
+                   links=tuple(args.links or DEFAULT_LINKS))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
         _check_task(base.resolve())
@@ -340,10 +369,11 @@ def _cost(args: argparse.Namespace) -> int:
                   f"{args.probe_steps} timed steps each, after {args.probe_steps} warm-up)",
                   caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
                   f"bytes / bandwidth); wait = the collectives' time here, with no link; window = the backward time "
-                  f"after the first bucket went, early = the share of it sent during backward. beats bf16: the bandwidths at which the method's step is "
+                  f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
+                  f"bandwidths at which the method's step is "
                   f"faster than bf16's, at the latency of {base.links[0]}")
     for col in ["method", "MB / step", "messages", "compute ms", "codec ms", "wait ms", "window ms",
-                *[f"ms @ {l}" for l in base.links], "beats bf16"]:
+                *[f"ms @ {text}" for text in base.links], "beats bf16"]:
         table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
     for spec, c in costs.items():
         table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
@@ -375,16 +405,14 @@ def _number(text: str) -> Any:
 
 def _check_task(cfg) -> None:
     """Build the task once here so a missing or corrupt data directory fails before any rank starts."""
-    from thinwire.tasks import get as get_task
-
     from thinwire.algorithms.registry import check_model
+    from thinwire.tasks import get as get_task
 
     try:
         task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
     except TypeError as e:
         raise ValueError(f"bad --option for task {cfg.task}: {e}") from None
-    if not cfg.policy_rules:
-        check_model(cfg.method, task.build_model())
+    check_model(cfg.method_spec(), task.build_model())
 
 
 def _print_summary(s: dict[str, Any], out: str | None) -> None:
@@ -403,7 +431,8 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
     if s.get("compression_ratio"):
         table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")
     table.add_row("wall / compute / codec / comm s",
-                  f"{s['wall_seconds']:.1f} / {s['compute_seconds']:.1f} / {s['codec_seconds']:.1f} / {s['comm_seconds']:.1f}")
+                  f"{s['wall_seconds']:.1f} / {s['compute_seconds']:.1f} / {s['codec_seconds']:.1f} / "
+                  f"{s['comm_seconds']:.1f}")
     for link, sec in (s.get("modeled_seconds_by_link") or {}).items():
         table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
     console = Console()
@@ -436,42 +465,45 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _methods(imports: list[str]) -> int:
+def _methods(imports: list[str], markdown: bool = False) -> int:
     from rich.console import Console
 
-    from thinwire.algorithms.registry import algorithms, method_names
-    from thinwire.codecs.registry import available
-    from thinwire.policy import PRESET_SUMMARIES, PRESETS
+    from thinwire.algorithms.registry import METHODS
+    from thinwire.codecs.registry import CODECS
+    from thinwire.policy import PRESETS
     from thinwire.run.config import import_modules
 
     try:
         import_modules(imports)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if markdown:
+        from thinwire.algorithms.registry import markdown_table
+
+        print(markdown_table(), end="")
+        return 0
     console = Console()
     console.print("[bold]thinwire methods[/bold]: spec name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
     console.print("Every method below runs in `thinwire train --method SPEC` and, in your own loop, with "
                   "thinwire.attach(model, optimizer, SPEC). Each codec runs under synchronous gradient averaging "
                   "(also SyncReducer, ddp.register).\n")
-    for name, cls in available().items():
-        _method(console, name, cls.aggregation.value + _origin(cls), cls.summary, cls.Config)
+    for codec in CODECS.entries():
+        _method(console, codec.name, codec.value.aggregation.value + _origin(codec.value), codec.summary, codec.Config)
     console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
                   "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
-    for name, (config_cls, _) in PRESETS.items():
-        _method(console, name, "per layer", PRESET_SUMMARIES[name], config_cls)
+    for preset in PRESETS.entries():
+        _method(console, preset.name, "per layer", preset.summary, preset.Config)
     console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
                   "(train --method NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n")
-    builtins = {n: c for n, c in algorithms().items() if getattr(c[0], "builtin", False)}
-    for name, (cls, config_cls) in algorithms().items():
-        if name not in builtins:
-            _method(console, name, "algorithm", cls.summary, config_cls)
+    for entry in METHODS.entries():
+        if not entry.value.peer:
+            _method(console, entry.name, "algorithm" + _origin(entry.value), entry.summary, entry.Config)
     console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
-                  "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare against)\n")
-    for name, (cls, config_cls) in builtins.items():
-        _method(console, name, "PyTorch", cls.summary, config_cls)
-    known = {*available(), *PRESETS, *algorithms()}
-    for name in [n for n in method_names() if n not in known]:  # register_algorithm() of an --import
-        console.print(f"[bold cyan]{name}[/bold cyan]  (algorithm, registered by an --import module)\n")
+                  "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare "
+                  "against)\n")
+    for entry in METHODS.entries():
+        if entry.value.peer:
+            _method(console, entry.name, "PyTorch", entry.summary, entry.Config)
     return 0
 
 

@@ -40,7 +40,7 @@ class ErrorFeedback:
         r = self._holding(key, u)
         r.sub_(sent)
 
-    def update_decoded(self, key: str, u: torch.Tensor, codec: "Codec", payload: "Payload") -> None:
+    def update_decoded(self, key: str, u: torch.Tensor, codec: Codec, payload: Payload) -> None:
         """``r = u - decode(payload)`` without a dense temporary: through ``codec.decode_add``.
 
         Call it only once the payload's wire tensors have been copied out (``u`` may be the

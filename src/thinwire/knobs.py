@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from dataclasses import field
@@ -59,7 +60,7 @@ def describe_config(name: str, config: Any) -> str:
     return f"{name}:" + ",".join(f"{k}={show(v)}" for k, v in dataclasses.asdict(config).items())
 
 
-def read_user_file(path, what: str) -> str:
+def read_user_file(path: str | os.PathLike[str], what: str) -> str:
     """The text of a file the user named; ``ValueError`` ("cannot read WHAT PATH: reason")
     instead of an OSError, so the CLI can print one line."""
     from pathlib import Path

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -64,6 +65,6 @@ class Payload:
         """Bytes of the wire tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "Payload":
+    def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Payload:
         """The same payload description carrying other wire tensors (e.g. after a collective)."""
         return Payload(tuple(tensors), self.shape, self.dtype, self.meta)

@@ -37,16 +37,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec, build_config, parse_spec
-from thinwire.knobs import knob, read_user_file, require
+from thinwire.knobs import describe_config, knob, read_user_file, require
+from thinwire.registry import Registry
 
 RULE_KEYS = ("codec", "module", "name", "min_numel", "max_numel", "ndim")
 MODULE_GROUPS: dict[str, tuple[type, ...]] = {
@@ -92,7 +94,8 @@ class Rule:
         fix("module", tuple(self.module))
         fix("ndim", tuple(self.ndim))
         at = f"{self.where}: " if self.where else ""
-        require(isinstance(self.codec, str) and bool(self.codec.strip()), f"{at}codec must be a codec spec, got {self.codec!r}")
+        require(isinstance(self.codec, str) and bool(self.codec.strip()),
+                f"{at}codec must be a codec spec, got {self.codec!r}")
         try:
             build_codec(self.codec)
         except ValueError as e:
@@ -112,7 +115,8 @@ class Rule:
         require(self.min_numel is None or self.max_numel is None or self.min_numel <= self.max_numel,
                 f"{at}min_numel must be <= max_numel, got {self.min_numel} > {self.max_numel}")
         for d in self.ndim:
-            require(isinstance(d, int) and not isinstance(d, bool) and d >= 0, f"{at}ndim must be integers >= 0, got {d!r}")
+            require(isinstance(d, int) and not isinstance(d, bool) and d >= 0,
+                    f"{at}ndim must be integers >= 0, got {d!r}")
 
     @property
     def catch_all(self) -> bool:
@@ -190,16 +194,16 @@ class Policy:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_toml(cls, path: str | Path) -> "Policy":
+    def from_toml(cls, path: str | Path) -> Policy:
         """Rules from a TOML file: an array of ``[[rule]]`` tables."""
         return cls.from_toml_text(read_user_file(path, "policy file"), str(path))
 
     @classmethod
-    def from_toml_text(cls, text: str, source: str = "<policy>") -> "Policy":
+    def from_toml_text(cls, text: str, source: str = "<policy>") -> Policy:
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
 
         try:
             doc = tomllib.loads(text)
@@ -211,7 +215,9 @@ class Policy:
         rules = doc.get("rule")
         if not isinstance(rules, list) or not rules:
             raise ValueError(f"{source}: no [[rule]] tables; a policy needs at least one rule, the last a catch-all")
-        lines = [i for i, line in enumerate(text.splitlines(), 1) if re.match(r"\s*\[\[\s*rule\s*\]\]", line)]
+        lines: list[int | None] = [
+            i for i, line in enumerate(text.splitlines(), 1) if re.match(r"\s*\[\[\s*rule\s*\]\]", line)
+        ]
         if len(lines) != len(rules):
             lines = [None] * len(rules)  # rules not written as [[rule]] headers: no line numbers
         built = []
@@ -223,14 +229,12 @@ class Policy:
         return cls(built)
 
     @classmethod
-    def preset(cls, spec: str) -> "Policy":
+    def preset(cls, spec: str) -> Policy:
         """A named preset with knobs, e.g. ``"hylo:t_fc=100000,alpha=1.5"``."""
         name, knobs = parse_spec(spec)
-        if name not in PRESETS:
-            raise ValueError(f"unknown policy preset {name!r}; available: {', '.join(PRESETS)}")
-        config_cls, rules_of = PRESETS[name]
-        cfg = build_config(config_cls, knobs, name)
-        return cls(rules_of(cfg), spec=_describe(name, cfg))
+        entry = PRESETS.entry(name)
+        cfg = build_config(entry.Config, knobs, name)
+        return cls(entry.value(cfg), spec=describe_config(name, cfg))
 
     # -- questions -----------------------------------------------------------------------------
     def describe(self) -> str:
@@ -244,7 +248,7 @@ class Policy:
         """Index of the first rule that matches ``p``."""
         return next(i for i, r in enumerate(self.rules) if r.matches(p))
 
-    def assign(self, model: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> "Assignment":
+    def assign(self, model: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> Assignment:
         """Each parameter's rule and codec. Give the model when a rule matches by module type."""
         return Assignment(self, params_of(model))
 
@@ -312,7 +316,8 @@ class HyloConfig:
     t_conv: int = knob(16384, "conv weights with more elements than this are sent as top kernels", ">= 0")
     t_fc: int = knob(65536, "linear weights with more elements than this are sent as 2-bit codes", ">= 0")
     ef: bool = knob(True, "error feedback in both compressed branches", "true|false")
-    granularity: Literal["kernel", "filter"] = knob("kernel", "kernels: unit of selection (kernel or filter)", "kernel|filter")
+    granularity: Literal["kernel", "filter"] = knob("kernel", "kernels: unit of selection (kernel or filter)",
+                                                    "kernel|filter")
     score: Literal["l1", "l2"] = knob("l1", "kernels: unit importance (L1 or L2 norm)", "l1|l2")
     r_max: float = knob(0.25, "kernels: largest share of units sent", "(0, 1], >= r_min")
     r_min: float = knob(0.01, "kernels: smallest share of units sent", "(0, 1]")
@@ -341,21 +346,17 @@ def _hylo_specs(cfg: HyloConfig) -> tuple[str, str]:
 def _hylo_rules(cfg: HyloConfig) -> list[Rule]:
     kernels, twobit = _hylo_specs(cfg)
     return [
-        Rule(kernels, module="conv", ndim=(3, 4, 5), min_numel=cfg.t_conv + 1, where="hylo rule 1 (conv)"),
-        Rule(twobit, module="linear", ndim=2, min_numel=cfg.t_fc + 1, where="hylo rule 2 (linear)"),
+        Rule(kernels, module=("conv",), ndim=(3, 4, 5), min_numel=cfg.t_conv + 1, where="hylo rule 1 (conv)"),
+        Rule(twobit, module=("linear",), ndim=(2,), min_numel=cfg.t_fc + 1, where="hylo rule 2 (linear)"),
         Rule("identity", where="hylo rule 3 (the rest)"),
     ]
 
 
-PRESETS: dict[str, tuple[type, Any]] = {"hylo": (HyloConfig, _hylo_rules)}
-PRESET_SUMMARIES = {
-    "hylo": "Hylo: top kernels for conv weights > t_conv, adaptive 2-bit for linear weights > t_fc, fp32 for the rest",
-}
-
-
-def _describe(name: str, cfg: Any) -> str:
-    show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
-    return f"{name}:" + ",".join(f"{k}={show(v)}" for k, v in dataclasses.asdict(cfg).items())
+# policy presets by name: each builds its rules from its config
+PRESETS: Registry[Callable[[Any], list[Rule]]] = Registry("policy preset")
+PRESETS.add("hylo", _hylo_rules, Config=HyloConfig,
+            summary="Hylo: top kernels for conv weights > t_conv, adaptive 2-bit for linear weights > t_fc, "
+                    "fp32 for the rest")
 
 
 def as_policy(method: Any) -> Policy | None:

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from thinwire.knobs import read_user_file
+from thinwire.registry import Registry
 
 TOLERANCE = 1e-9
-NAMES = ("ring", "torus", "complete", "exponential")
 
 
 class Topology:
@@ -55,7 +55,8 @@ class Topology:
         sums = w.sum(1)
         bad = int((sums - 1).abs().argmax())
         if abs(sums[bad].item() - 1) > TOLERANCE:
-            raise ValueError(f"a mixing matrix must be doubly stochastic: row {bad} sums to {sums[bad].item():.12g}, not 1")
+            raise ValueError(f"a mixing matrix must be doubly stochastic: row {bad} sums to "
+                             f"{sums[bad].item():.12g}, not 1")
         unreached = _unreached(w)
         if unreached:
             raise ValueError(f"a mixing matrix must connect every worker: worker {unreached[0]} cannot reach worker 0")
@@ -64,7 +65,7 @@ class Topology:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path) -> "Topology":
+    def from_file(cls, path: str | Path) -> Topology:
         """``n`` rows of ``n`` numbers, separated by whitespace or commas; ``#`` comments."""
         path = Path(path)
         text = read_user_file(path, "mixing matrix file")
@@ -200,13 +201,22 @@ def metropolis(adjacency: torch.Tensor) -> torch.Tensor:
     return w
 
 
+# the built-in graphs by name: each builds the topology of n workers
+TOPOLOGIES: Registry[Callable[[int], Topology]] = Registry("topology")
+TOPOLOGIES.add("ring", ring, summary="each worker and its two neighbours weigh 1/3")
+TOPOLOGIES.add("torus", torus, summary="a rows x cols grid (both >= 3) wrapped at the edges; five weights of 1/5")
+TOPOLOGIES.add("complete", complete, summary="every worker talks to every other, all weights 1/n")
+TOPOLOGIES.add("exponential", exponential, summary="worker i talks to i +- 2^k (mod n), Metropolis-Hastings weights")
+NAMES = tuple(TOPOLOGIES)
+
+
 def build_topology(spec: str, n: int) -> Topology:
     """A built-in graph by name (``ring``, ``torus``, ``complete``, ``exponential``) for ``n``
     workers, or a mixing matrix file (a path); errors name the rule broken."""
-    if spec in NAMES:
-        return {"ring": ring, "torus": torus, "complete": complete, "exponential": exponential}[spec](n)
+    if spec in TOPOLOGIES:
+        return TOPOLOGIES[spec](n)
     if not Path(spec).exists():
-        raise ValueError(f"unknown topology {spec!r}; use {', '.join(NAMES)} or a mixing matrix file")
+        raise ValueError(f"unknown topology {spec!r}; use {', '.join(TOPOLOGIES)} or a mixing matrix file")
     topo = Topology.from_file(spec)
     if topo.n != n:
         raise ValueError(f"mixing matrix {spec} is for {topo.n} workers, the run has {n}")

@@ -165,29 +165,71 @@ def _rank_pids(pid: int) -> list[int]:
     return sorted(out)
 
 
-@pytest.mark.timeout(180)
+# Imported by the launcher and by every spawned rank (--import): a rank writes its pid to
+# rank<RANK>.pid in $THINWIRE_TEST_PIDS (atomically), so the test knows which process is which rank.
+_RANK_PIDS = """\
+import os
+
+if os.environ.get("RANK") is not None and os.environ.get("THINWIRE_TEST_PIDS"):
+    _path = os.path.join(os.environ["THINWIRE_TEST_PIDS"], "rank" + os.environ["RANK"] + ".pid")
+    with open(_path + ".tmp", "w") as _f:
+        _f.write(str(os.getpid()))
+    os.replace(_path + ".tmp", _path)
+"""
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 150):
+    """Poll ``ready()`` until it returns something truthy (returned); fail if ``proc`` ends first
+    or nothing comes within ``timeout`` seconds (generous: a loaded machine is slow to start ranks)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = ready()
+        if got:
+            return got
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: {err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.2)
+
+
+def _read_pids(folder, n: int) -> dict[int, int] | None:
+    files = [folder / f"rank{r}.pid" for r in range(n)]
+    if not all(f.exists() for f in files):
+        return None
+    return {r: int(f.read_text()) for r, f in enumerate(files)}
+
+
+def _trained(metrics) -> bool:
+    """rank 0 logged its first evaluation: every rank finished that step's collectives."""
+    try:
+        return bool(metrics.read_text().strip())
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
 def test_killed_rank_ends_the_run_with_its_name_and_no_orphans(tmp_path):
+    module, pids_dir, out = tmp_path / "rank_pids.py", tmp_path / "pids", tmp_path / "run"
+    module.write_text(_RANK_PIDS)
+    pids_dir.mkdir()
+    # a collective timeout longer than this test: the run can only end in time by noticing the death
+    env = dict(os.environ, THINWIRE_TEST_PIDS=str(pids_dir), THINWIRE_COLLECTIVE_TIMEOUT="3600")
     proc = subprocess.Popen(
         [sys.executable, "-m", "thinwire", "train", "--task", "synthetic", "--workers", "3", "--steps", "1000000",
-         "--eval-every", "1000000", "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--eval-every", "5", "--out", str(out), "--import", str(module), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
-        deadline = time.monotonic() + 90
-        ranks: list[int] = []
-        while time.monotonic() < deadline and len(ranks) < 3:
-            time.sleep(0.5)
-            ranks = _rank_pids(proc.pid)
-        assert len(ranks) == 3, "ranks did not start"
-        time.sleep(5)  # let them train a little
-        victim = ranks[1]  # ranks start in order, so the second pid is rank 1
-        os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=90)
-        assert time.monotonic() - t0 < 60
+        pids = _wait_for("a pid file from every rank", lambda: _read_pids(pids_dir, 3), proc)
+        assert sorted(pids.values()) == _rank_pids(proc.pid), "the pid files name the launcher's rank processes"
+        _wait_for("a first evaluation in metrics.jsonl", lambda: _trained(out / "metrics.jsonl"), proc)
+        os.kill(pids[1], signal.SIGKILL)  # rank 1, by its own word
+        _, err = proc.communicate(timeout=90)  # well before any collective could time out
         assert proc.returncode != 0
         assert "rank 1 died (SIGKILL)" in err, err
-        for pid in ranks:
+        for pid in pids.values():
             assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank process {pid} left behind"
     finally:
         if proc.poll() is None:
@@ -242,8 +284,10 @@ def test_hylo_run_reports_each_parameters_codec_and_bytes(tmp_path):
     assert rows["conv1.weight"]["codec"].startswith("identity")
     # twobit on fc1 (163840 values): 4 + 4 * ceil(163840 / 16) bytes per step, sent to 1 peer
     assert rows["fc1.weight"]["bytes_sent_per_worker"] == 6 * (4 + 4 * 10240)
-    assert sum(x["bytes_sent_per_worker"] for x in rows.values()) == pytest.approx(s["bytes_sent_per_worker"], rel=1e-12)
-    assert sum(x["fp32_bytes_per_worker"] for x in rows.values()) == pytest.approx(s["fp32_bytes_per_worker"], rel=1e-12)
+    assert (sum(x["bytes_sent_per_worker"] for x in rows.values())
+            == pytest.approx(s["bytes_sent_per_worker"], rel=1e-12))
+    assert (sum(x["fp32_bytes_per_worker"] for x in rows.values())
+            == pytest.approx(s["fp32_bytes_per_worker"], rel=1e-12))
     assert s["method"].startswith("hylo:t_conv=16384,t_fc=65536") and s["compression_ratio"] > 4
 
 
@@ -392,8 +436,8 @@ def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path
 
 @pytest.mark.timeout(300)
 def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
-    r = _cli("cost", "--task", "synthetic", "--workers", "2", "--probe-steps", "4", "--methods", "identity,topk:ratio=0.05",
-             "--link", "1gbit,50us")
+    r = _cli("cost", "--task", "synthetic", "--workers", "2", "--probe-steps", "4", "--methods",
+             "identity,topk:ratio=0.05", "--link", "1gbit,50us")
     assert r.returncode == 0, r.stderr
     assert "probing bf16" in r.stdout and "probing identity" in r.stdout and "probing topk" in r.stdout
     assert "(the reference)" in r.stdout and "ms @ 1gbit,50us" in r.stdout

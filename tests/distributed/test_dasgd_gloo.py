@@ -67,7 +67,7 @@ def test_gloo_matches_the_in_process_result_and_learns(spec):
         local = LocalWorld(2).run(lambda comm: _train(comm, spec, steps))
     finally:
         torch.set_num_threads(threads)
-    for (a, losses, report), (b, _, _) in zip(gloo, local):
+    for (a, losses, _report), (b, _, _) in zip(gloo, local):
         assert torch.equal(a, b)
         assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
     assert gloo[0][2]["method"].startswith(spec.split(":")[0])

@@ -13,7 +13,8 @@ from spawn import run_ranks
 
 def _net() -> torch.nn.Module:
     g = torch.Generator().manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    m = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 4))
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
@@ -90,8 +91,8 @@ def _overlap_equals_in_hook(rank, world):
     for spec in specs:
         for cap in (None, 0.002):  # one bucket; a bucket per tensor or two
             # three iterations: the last two on rebuilt buckets, with codec state carried over
-            a = _grads(rank, lambda m: tw_ddp.register(m, spec, overlap=True), cap, iterations=3)
-            b = _grads(rank, lambda m: tw_ddp.register(m, spec, overlap=False), cap, iterations=3)
+            a = _grads(rank, lambda m, spec=spec: tw_ddp.register(m, spec, overlap=True), cap, iterations=3)
+            b = _grads(rank, lambda m, spec=spec: tw_ddp.register(m, spec, overlap=False), cap, iterations=3)
             if not all(torch.equal(x, y) for x, y in zip(a, b)):
                 differs.append((spec, cap))
     return differs
@@ -120,15 +121,17 @@ def _collective_after_backward_went_on(rank, world):
             first layer (waiting up to 5 s) and records whether it had. A hook that waits for
             its bucket's collective before returning blocks the backward pass, so it waits in vain."""
 
+            event = reached  # this iteration's event
+
             def __init__(self, inner):
                 self.inner = inner
 
             def wait(self):
-                Watching.seen.append(reached.wait(5.0))
+                Watching.seen.append(self.event.wait(5.0))
                 self.inner.wait()
 
             def is_completed(self):
-                return reached.is_set() and self.inner.is_completed()
+                return self.event.is_set() and self.inner.is_completed()
 
         class Watching(TorchComm):
             seen: list = []
@@ -141,7 +144,7 @@ def _collective_after_backward_went_on(rank, world):
 
         model = DDP(_net(), bucket_cap_mb=0.002)  # the last layer's bucket is ready long before the first layer's
         first = next(model.module.parameters())
-        first.register_post_accumulate_grad_hook(lambda p: reached.set())
+        first.register_post_accumulate_grad_hook(lambda p, reached=reached: reached.set())
         tw_ddp.register(model, spec, Watching())
         g = torch.Generator().manual_seed(7 + rank)
         x, y = torch.randn(16, 30, generator=g), torch.randint(0, 4, (16,), generator=g)

@@ -79,7 +79,8 @@ def test_a_rank_stopped_by_sigstop_is_the_one_named_and_a_resumed_run_counts_fro
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     # rank 1 stopped in its 3rd step after the checkpoint at 6 (8 completed on rank 0 at most)
-    assert line.startswith("thinwire: rank 1 stopped responding after step ") and "rank 0 timed out waiting" in line, line
+    assert (line.startswith("thinwire: rank 1 stopped responding after step ")
+            and "rank 0 timed out waiting" in line), line
     step = int(line.split("after step ")[1].split(" ")[0])
     assert 6 <= step <= 8, line
     assert "state T" in line, line

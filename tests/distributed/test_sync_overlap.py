@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spawn import run_ranks
+from thinwire.algorithms.ab import ABTraining
 
 
 class _Net(torch.nn.Module):
@@ -190,7 +191,7 @@ def _method_run(rank, spec, overlap):
         opt.step()
         attached.after_step()
     m = attached.method
-    warmup = m._full_mean if hasattr(m, "_full_mean") else m._warmup
+    warmup = m._full_mean if isinstance(m, ABTraining) else m.warmup
     return [p.detach().clone() for p in attached.model.parameters()], warmup.reducer.overlap_figures["steps"]
 
 

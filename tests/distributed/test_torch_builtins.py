@@ -69,13 +69,13 @@ def test_torch_ddp_equals_identity_and_the_hooks_are_metered():
         assert a[0] == pytest.approx(b[0], rel=1e-6)  # the same losses (summation order may differ)
         assert a[1] == b[1] == STEPS * full
         assert b[3] > 0  # the all_reduce time was measured inside the hook
-    for losses, sent, _, _ in runs["torch-fp16"]:
+    for _losses, sent, _, _ in runs["torch-fp16"]:
         assert sent == STEPS * full / 2  # 2-byte floats
     for losses, sent, _, _ in runs["torch-powersgd:rank=1,start_iter=4"]:
         assert 0 < sent < STEPS * full / 2 and all(map(lambda v: v == v, losses))
     # post-local SGD: 3 all_reduce steps, then parameters averaged after steps 4, 8 and 12
     local = runs["torch-postlocalsgd:period=4,warmup=3"]
-    for losses, sent, flat, _ in local:
+    for _losses, sent, _flat, _ in local:
         assert sent == 3 * full + 3 * full  # the averaged parameters are as big as the gradients
     assert torch.equal(local[0][2], local[1][2])  # step 12 ended with an average: one model
 

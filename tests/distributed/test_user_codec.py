@@ -28,16 +28,16 @@ def _thinwire(*args: str, cwd: Path | None = None, pythonpath: bool = True,
     if pythonpath:
         env["PYTHONPATH"] = str(TESTS)  # the user's module is found by its dotted name
     flags = ["-P"] if safe_path else []  # -P: the current directory is not on sys.path (the console script's case)
-    return subprocess.run([sys.executable, *flags, "-m", "thinwire", *args], capture_output=True, text=True, timeout=240,
-                          env=env, cwd=cwd)
+    return subprocess.run([sys.executable, *flags, "-m", "thinwire", *args], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=cwd)
 
 
 @pytest.mark.timeout(300)
 def test_a_user_codec_trains_on_two_workers_and_a_resume_keeps_its_import(tmp_path):
     out = tmp_path / "run"
     r = _thinwire("train", *TASK, "--workers", "2", "--steps", "4", "--eval-every", "2", "--import",
-                  "usercodec.halftop", "--method", "halftop:fraction=0.25", "--out", str(out), "--checkpoint-every", "2",
-                  "--quiet")
+                  "usercodec.halftop", "--method", "halftop:fraction=0.25", "--out", str(out), "--checkpoint-every",
+                  "2", "--quiet")
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["method"].startswith("halftop:") and "fraction=0.25" in s["method"] and s["workers"] == 2
@@ -84,7 +84,8 @@ def test_a_module_that_cannot_be_imported_is_one_line_and_exit_2(command, capsys
 @pytest.mark.parametrize("body, needle", [
     ("raise RuntimeError('no GPU here')\n", "--import {path}: RuntimeError: no GPU here"),
     ("from thinwire.codecs.identity import Identity\nfrom thinwire.codecs.registry import register\n\n\n"
-     "@register\nclass Mine(Identity):\n    name = 'topk'\n", "--import {path}: ValueError: codec 'topk' registered twice"),
+     "@register\nclass Mine(Identity):\n    name = 'topk'\n",
+     "--import {path}: ValueError: codec 'topk' registered twice"),
     (None, "--import {path}: ImportError: no such file {path}"),
 ])
 def test_a_module_that_fails_to_import_names_itself_and_its_error(body, needle, tmp_path, capsys):

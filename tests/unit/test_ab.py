@@ -98,7 +98,9 @@ def test_ab_reproduces_w_to_svd_precision_before_truncation(layer):
     torch.manual_seed(0)
     f = Factorized(layer)
     x = torch.randn(2, *((24,) if isinstance(layer, nn.Linear) and layer.in_features == 24 else
-                         (64,) if isinstance(layer, nn.Linear) else (3, 9) if isinstance(layer, nn.Conv1d) else (4, 6, 6)))
+                         (64,) if isinstance(layer, nn.Linear) else
+                         (3, 9) if isinstance(layer, nn.Conv1d) else
+                         (4, 6, 6)))
     full = f(x)
     r = f.factorize()
     m, n = f.shape
@@ -174,7 +176,7 @@ def test_synced_weights_agree_and_groups_share_their_factors(sync):
             for key, value in by_rank[0].items():
                 assert torch.equal(value, by_rank[rank][key]), (step, rank, key)
     groups = {}
-    for rank, step, role, a, b, conv0 in seen["group"]:
+    for rank, step, _role, a, b, conv0 in seen["group"]:
         groups.setdefault((step, rank // 2), []).append((a, b, conv0))
     assert groups
     for (step, g), members in groups.items():
@@ -202,7 +204,7 @@ def test_bytes_per_phase_follow_the_formulas():
         # full: 2 steps of full gradients + the rank agreement (all_gather of 2 int64)
         assert by_phase["full"] == 2 * sent_bytes("all_reduce", 4 * full_numel, 4) + sent_bytes("all_gather", 16, 4)
         # group steps 4-5 at full rank min(m, n), steps 8-11 at the agreed ranks
-        def group_bytes(rank_of):
+        def group_bytes(rank_of, role=role):
             factor = sum(rank_of[n] * (m if role == "a" else n_) for n, (m, n_) in shapes.items())
             return sent_bytes("all_reduce", 4 * (factor + others), 2)
         untruncated = {n: min(s) for n, s in shapes.items()}

@@ -50,8 +50,9 @@ def test_identity_is_the_exact_mean(n):
             assert torch.equal(outs[0][name], ref)
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "qsgd", "terngrad", "randomk:ratio=0.2", "bf16", "twobit",
-                                  "twobit:stat=max", "kernels:min_numel=100", "kernels:granularity=filter,min_numel=100"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "qsgd", "terngrad", "randomk:ratio=0.2", "bf16",
+                                  "twobit", "twobit:stat=max", "kernels:min_numel=100",
+                                  "kernels:granularity=filter,min_numel=100"])
 def test_compressed_mean_is_the_mean_of_each_ranks_decode(spec):
     n = 3
 

@@ -46,7 +46,8 @@ WEIGHTS, BIASES = 24 * 32 + 32 * 32 + 32 * 4, 32 + 32 + 4  # fc1, fc2, out
 ])
 def test_method_state_bytes_counts_what_the_method_keeps(spec, numel):
     cfg = TrainConfig(task="synthetic", method=spec, workers=2, steps=6, eval_every=6, batch_size=16,
-                      task_options={"dim": 24, "hidden": 32, "classes": 4, "samples": 256, "test_samples": 64}).resolve()
+                      task_options={"dim": 24, "hidden": 32, "classes": 4, "samples": 256,
+                                    "test_samples": 64}).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
     assert summary["method_state_bytes"] == 4 * numel
     assert summary["peak_rss_bytes"] > 0

@@ -84,7 +84,7 @@ def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_p
         assert resumed[key] == straight[key], key
     assert resumed["resumed_from"] == K and straight["resumed_from"] is None
     # the resumed run's metrics hold the whole history, as the straight run's do
-    rows = lambda out: [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    rows = lambda out: [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in rows(resumed_cfg.out)] == [r["step"] for r in rows(cfg.out)] == [K, 2 * K]
     assert [r["train_loss"] for r in rows(resumed_cfg.out)] == [r["train_loss"] for r in rows(cfg.out)]
 
@@ -316,7 +316,8 @@ def test_a_policy_run_resumes_with_its_rules_and_a_method_given_replaces_them():
     saved = {"method": "policy[...]", "policy": "/gone/policy.toml", "policy_rules": [{"codec": "identity"}],
              "links": ["1gbit,50us"], "out": "/runs/a", "resume": None, "overwrite": True, "seed": 3}
     kept = merge_saved(saved, {"resume": "/runs/a"})
-    assert kept["policy"] is None and kept["policy_rules"] == ({"codec": "identity"},) and kept["links"] == ("1gbit,50us",)
+    assert (kept["policy"] is None and kept["policy_rules"] == ({"codec": "identity"},)
+            and kept["links"] == ("1gbit,50us",))
     assert "out" not in kept and "overwrite" not in kept and kept["seed"] == 3  # where to write: each command's own
     for given in ({"method": "topk"}, {"policy": "/new/policy.toml"}):
         merged = merge_saved(saved, {"resume": "/runs/a", **given})

@@ -11,7 +11,7 @@ aggregator sends every tensor such a codec declines (1-D, empty) as fp32.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,7 +27,8 @@ VARIANTS = [
     "topk:ratio=0.1", "topk:ratio=1", "topk:select=sampled", "randomk:ratio=0.3", "randomk:rescale=true",
     "qsgd:levels=1", "qsgd:levels=3,bucket=64", "qsgd:bucket=512", "qsgd:levels=1000",
     "rangefloat:bits=16,exp_bits=5", "rangefloat:bits=4,exp_bits=2",
-    "fft:theta=0,bits=32", "fft:theta=0.5,bits=16,exp_bits=5", "fft:positions=index", "fft:positions=bitmap,bits=4,exp_bits=2",
+    "fft:theta=0,bits=32", "fft:theta=0.5,bits=16,exp_bits=5", "fft:positions=index",
+    "fft:positions=bitmap,bits=4,exp_bits=2",
     "twobit:stat=rms", "twobit:stat=max,alpha=0.5", "twobit:threshold=0.5", "kernels:granularity=filter",
     "kernels:score=l2,positions=index",
 ]  # fmt: skip

@@ -8,8 +8,15 @@ import random
 import pytest
 
 from thinwire.comm.link import Link
-from thinwire.run.cost import (StepCost, crossings_Bps, crossover_Bps, from_rows, from_summary,
-                               overlap_hidden_seconds, verdict)
+from thinwire.run.cost import (
+    StepCost,
+    crossings_Bps,
+    crossover_Bps,
+    from_rows,
+    from_summary,
+    overlap_hidden_seconds,
+    verdict,
+)
 
 # bf16: 10 ms compute, 1 ms codec, 1 MB and 6 messages per step; a compressor: 10 ms compute,
 # 5 ms codec, 0.1 MB and 6 messages
@@ -199,7 +206,7 @@ def test_crossings_match_a_dense_scan_over_bandwidth():
     for _ in range(300):
         m, ref, lat = _random_cost(rng, "m"), _random_cost(rng, "bf16"), rng.choice([0.0, 50e-6, 1e-3])
 
-        def d(beta: float) -> float:
+        def d(beta: float, m=m, ref=ref, lat=lat) -> float:
             return m._at(lat, 1.0 / beta) - ref._at(lat, 1.0 / beta)
 
         roots = crossings_Bps(m, ref, lat)

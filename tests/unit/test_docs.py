@@ -5,9 +5,7 @@ import pathlib
 
 import pytest
 
-from thinwire.algorithms.registry import algorithms
-from thinwire.codecs.registry import available
-from thinwire.policy import PRESETS
+from thinwire.algorithms.registry import markdown_table, method_names
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -16,5 +14,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_every_method_is_documented(doc):
     text = (ROOT / doc).read_text()
     table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
-    missing = [name for name in [*available(), *PRESETS, *algorithms()] if f"`{name}" not in table]
+    missing = [name for name in method_names() if f"`{name}" not in table]
     assert not missing, f"{doc} has no table row for {missing}"
+
+
+def test_the_method_index_is_generated_from_the_registries():
+    """docs/methods.md's index is exactly what the registries say (regenerate it with
+    `thinwire methods --markdown`)."""
+    text = (ROOT / "docs/methods.md").read_text()
+    start = text.index(INDEX_START) + len(INDEX_START)
+    assert text[start : text.index(INDEX_END)].strip() == markdown_table().strip()
+
+
+INDEX_START = "<!-- index: thinwire methods --markdown -->"
+INDEX_END = "<!-- end of index -->"

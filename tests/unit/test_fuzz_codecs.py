@@ -29,9 +29,10 @@ from thinwire.payload import Payload, PayloadError
 CODECS = available()
 # PowerSGD compresses matrices only (the aggregator sends the rest as fp32): min_numel 1 lets
 # every fuzzed matrix through
-FUZZ_SPECS = [n if CODECS[n].rounds == 1 else f"{n}:min_numel=1" for n in sorted(CODECS)] + ["topk:ratio=0.3", "qsgd:levels=3,bucket=8", "qsgd:levels=1000", "fft:theta=0,bits=32",
-                               "fft:positions=index", "rangefloat:bits=16,exp_bits=5", "kernels:positions=index",
-                               "randomk:rescale=true", "twobit:threshold=0.5"]
+FUZZ_SPECS = [n if CODECS[n].rounds == 1 else f"{n}:min_numel=1" for n in sorted(CODECS)] + [
+    "topk:ratio=0.3", "qsgd:levels=3,bucket=8", "qsgd:levels=1000", "fft:theta=0,bits=32",
+    "fft:positions=index", "rangefloat:bits=16,exp_bits=5", "kernels:positions=index",
+    "randomk:rescale=true", "twobit:threshold=0.5"]
 EXACT = {"identity"}
 COPIES = ("identity", "bf16", "fp16", "topk", "kernels")  # decode + (u - decode) == u bit for bit
 RANGE = {"fp16": 65504.0}  # the largest value a codec's wire format holds (fp16 overflows above, by design)

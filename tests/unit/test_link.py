@@ -1,6 +1,7 @@
 """Link grammar, the alpha-beta formulas, and the meter against the ring and gather byte counts."""
 
 import math
+import threading
 import time
 
 import pytest
@@ -124,33 +125,89 @@ def test_meter_and_modeled_time_match_the_formulas(n):
         assert snaps[0]["all_reduce"]["messages"] == 2 * (n - 1) and snaps[0]["all_gather"]["messages"] == n - 1
 
 
-def test_emulated_link_delays_queues_and_overlaps():
+class _VirtualTime:
+    """A clock per thread (per rank of a LocalWorld) that moves only when the link sleeps or
+    the test "computes": the link's waits are recorded, not measured, so load cannot move them."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._start = start
+        self._local = threading.local()
+
+    def _state(self):
+        if not hasattr(self._local, "t"):
+            self._local.t, self._local.slept = self._start, []
+        return self._local
+
+    def now(self) -> float:
+        return self._state().t
+
+    def sleep(self, seconds: float) -> None:
+        state = self._state()
+        state.slept.append(seconds)
+        state.t += seconds
+
+    def compute(self, seconds: float) -> None:  # work that overlaps the transfers
+        self._state().t += seconds
+
+    @property
+    def slept(self) -> list[float]:
+        return self._state().slept
+
+
+def test_emulated_link_delays_queues_and_overlaps(monkeypatch):
+    from thinwire.comm import link as link_module
+
+    clock = _VirtualTime()
+    monkeypatch.setattr(link_module, "_now", clock.now)
+    monkeypatch.setattr(link_module, "_sleep", clock.sleep)
     link = Link.parse("8mbit,0s")  # 1e6 B/s: a 2-rank all_reduce of B bytes takes B/1e6 s
     numel = 10_000  # 40 kB -> 40 ms modeled
 
     def fn(comm):
         em = EmulatedLink(comm, link)
         t = torch.ones(numel)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         em.all_reduce(t)
-        blocking = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        blocking = clock.now() - t0
+        t0 = clock.now()
         h1 = em.all_reduce(torch.ones(numel), async_op=True)
-        h2 = em.all_reduce(torch.ones(numel), async_op=True)  # queues behind h1: done at ~80 ms
-        time.sleep(0.05)  # "compute" overlapping the transfers
-        h1.wait()
+        h2 = em.all_reduce(torch.ones(numel), async_op=True)  # queues behind h1: done at 80 ms
+        issued = clock.slept[:]  # async issue waits for nothing
+        clock.compute(0.05)  # "compute" overlapping the transfers
+        h1.wait()  # h1 (done at 40 ms) finished during the compute: no wait
         h2_done_early = h2.is_completed()
-        h2.wait()
-        overlapped = time.perf_counter() - t0
+        h2.wait()  # the rest of h2: 80 - 50 = 30 ms
+        overlapped = clock.now() - t0
         sub = em.subgroup([0, 1])
-        return blocking, overlapped, h2_done_early, type(sub).__name__, em.modeled_seconds, t[0].item()
+        return (blocking, issued, clock.slept, overlapped, h2_done_early, type(sub).__name__, em.modeled_seconds,
+                t[0].item())
 
-    for blocking, overlapped, h2_done_early, sub_type, modeled, value in LocalWorld(2).run(fn):
+    for blocking, issued, slept, overlapped, h2_done_early, sub_type, modeled, value in LocalWorld(2).run(fn):
         assert value == 2.0  # the real collective ran
-        assert 0.04 * 0.95 <= blocking < 0.04 + 0.1
-        assert 0.08 * 0.95 <= overlapped < 0.08 + 0.05  # max(compute, comm), not compute + comm = 0.13
+        assert blocking == pytest.approx(0.04, abs=1e-9)  # a blocking call waits its modeled time
+        assert issued == [pytest.approx(0.04, abs=1e-9)]  # only the blocking call's wait so far
+        assert slept == [pytest.approx(0.04, abs=1e-9), pytest.approx(0.03, abs=1e-9)]
+        assert overlapped == pytest.approx(0.08, abs=1e-9)  # max(compute, comm), not compute + comm = 0.13
         assert not h2_done_early and sub_type == "EmulatedLink"
         assert modeled == pytest.approx(0.12)
+
+
+def test_emulated_link_waits_on_the_real_clock_by_default():
+    """The seam's defaults: without a test's clock, a blocking call takes at least its modeled
+    time (a lower bound only: load can lengthen a wait, never shorten it)."""
+    from thinwire.comm import link as link_module
+
+    assert link_module._now is time.perf_counter and link_module._sleep is time.sleep
+    link = Link.parse("8mbit,0s")
+
+    def fn(comm):
+        em = EmulatedLink(comm, link)
+        t0 = time.perf_counter()
+        em.all_reduce(torch.ones(5_000))  # 20 kB -> 20 ms modeled
+        return time.perf_counter() - t0
+
+    for elapsed in LocalWorld(2).run(fn):
+        assert elapsed >= 0.02 * 0.99  # (slack for the clock's rounding)
 
 
 def test_sub_group_collectives_are_modeled_over_their_own_ranks():

@@ -90,7 +90,8 @@ def test_a_skipped_step_leaves_the_optimizer_untouched(poison, tmp_path):
     for rank in range(2):
         state = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 6), rank)
         assert state["seconds"]["skipped"] == 1
-        assert [float(v["step"]) for v in state["optimizer"]["state"].values()] == [5.0] * 6  # 6 steps, 1 skipped (3 layers)
+        # 6 steps, 1 skipped (3 layers)
+        assert [float(v["step"]) for v in state["optimizer"]["state"].values()] == [5.0] * 6
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -126,5 +127,5 @@ def test_a_stop_request_checkpoints_and_the_resume_is_exact(method, tmp_path, mo
     assert resumed["resumed_from"] == at and resumed["stopped_at"] is None
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
         assert resumed[key] == straight[key], key
-    rows = lambda out: [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    rows = lambda out: [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in rows(cfg.out)] == [r["step"] for r in rows(straight_cfg.out)] == [4, 8]

@@ -86,11 +86,14 @@ def test_module_rules_need_the_model():
 BAD_RULES = [
     ([], "at least one rule"),
     ([{"module": "conv", "codec": "kernels"}], "rule 1: the last rule must be a catch-all"),
-    ([{"codec": "identity"}, {"module": "conv", "codec": "kernels"}], "rule 1: a catch-all rule (no conditions) must be the last"),
+    ([{"codec": "identity"}, {"module": "conv", "codec": "kernels"}],
+     "rule 1: a catch-all rule (no conditions) must be the last"),
     ([{"module": "Convv", "codec": "kernels"}, {"codec": "identity"}], "rule 1: unknown module type 'Convv'"),
     ([{"module": "Module", "codec": "x"}, {"codec": "identity"}], "rule 1: unknown codec 'x'"),
-    ([{"name": "conv[", "codec": "topk"}, {"codec": "identity"}], "rule 1: name 'conv[' is not a valid regular expression"),
-    ([{"min_numel": 10, "max_numel": 5, "codec": "topk"}, {"codec": "identity"}], "rule 1: min_numel must be <= max_numel"),
+    ([{"name": "conv[", "codec": "topk"}, {"codec": "identity"}],
+     "rule 1: name 'conv[' is not a valid regular expression"),
+    ([{"min_numel": 10, "max_numel": 5, "codec": "topk"}, {"codec": "identity"}],
+     "rule 1: min_numel must be <= max_numel"),
     ([{"min_numel": -1, "codec": "topk"}, {"codec": "identity"}], "rule 1: min_numel must be an integer >= 0"),
     ([{"ndim": [-1], "codec": "topk"}, {"codec": "identity"}], "rule 1: ndim must be integers >= 0"),
     ([{"size": 3, "codec": "topk"}, {"codec": "identity"}], "rule 1: unknown key 'size'"),
@@ -146,11 +149,15 @@ def test_toml_file_gives_the_same_rules_as_the_api(tmp_path):
     "change, message",
     [
         (('module = ["linear"]', 'module = ["Lineer"]'), "policy.toml:8: rule 2: unknown module type 'Lineer'"),
-        (('name = "weight$"', 'name = "weight("'), "policy.toml:8: rule 2: name 'weight(' is not a valid regular expression"),
-        (('codec = "identity"', 'codec = "identity"\nname = "x"'), "policy.toml:13: rule 3: the last rule must be a catch-all"),
-        (('min_numel = 1000', 'min_numel = 1000\nmax_numel = 10'), "policy.toml:2: rule 1: min_numel must be <= max_numel"),
+        (('name = "weight$"', 'name = "weight("'),
+         "policy.toml:8: rule 2: name 'weight(' is not a valid regular expression"),
+        (('codec = "identity"', 'codec = "identity"\nname = "x"'),
+         "policy.toml:13: rule 3: the last rule must be a catch-all"),
+        (('min_numel = 1000', 'min_numel = 1000\nmax_numel = 10'),
+         "policy.toml:2: rule 1: min_numel must be <= max_numel"),
         (('ndim = [3, 4]', 'dims = [3, 4]'), "policy.toml:2: rule 1: unknown key 'dims'"),
-        (('codec = "kernels:r_max=0.5"', 'codec = "kernels:r_max=2"'), "policy.toml:2: rule 1: r_max must be in (0, 1], got 2"),
+        (('codec = "kernels:r_max=0.5"', 'codec = "kernels:r_max=2"'),
+         "policy.toml:2: rule 1: r_max must be in (0, 1], got 2"),
         (('[[rule]]\nmodule = "conv"', 'mode = 1\n[[rule]]\nmodule = "conv"'), "unknown top-level key 'mode'"),
         (('min_numel = 1000', 'min_numel = = 1000'), "policy.toml: not valid TOML"),
     ],
@@ -192,7 +199,8 @@ def test_hylo_knobs_pass_through_to_its_codecs():
     policy = Policy.preset("hylo:t_fc=100000,alpha=1.5,granularity=filter,r_max=0.5")
     a = policy.assign(cnn())
     assert a.codec_for("fc1.weight").config.alpha == 1.5
-    assert a.codec_for("conv2.weight").config.granularity == "filter" and a.codec_for("conv2.weight").config.r_max == 0.5
+    assert (a.codec_for("conv2.weight").config.granularity == "filter"
+            and a.codec_for("conv2.weight").config.r_max == 0.5)
     assert a.codec_for("conv2.weight").config.t_conv == 16384
     assert _codecs(Policy.preset("hylo:t_fc=200000,t_conv=30000"), cnn())["fc1.weight"] == "identity"
     assert _codecs(Policy.preset("hylo:t_fc=200000,t_conv=30000"), cnn())["conv2.weight"] == "identity"

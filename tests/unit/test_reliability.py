@@ -261,8 +261,8 @@ def test_more_workers_than_the_machine_holds_are_refused_and_max_workers_overrid
     monkeypatch.setattr(config, "_available_memory", lambda: 64e9)  # fixed: the limit must not move between reads
     limit, why = config.worker_limit()
     assert 1 <= limit <= config.WORKERS_PER_CORE * (os.cpu_count() or 1) and why
-    _refused(capsys, ["train", "--workers", "100000"], "--workers 100000 is more local ranks than this machine can hold",
-             f"at most {limit}", "--max-workers")
+    _refused(capsys, ["train", "--workers", "100000"],
+             "--workers 100000 is more local ranks than this machine can hold", f"at most {limit}", "--max-workers")
     _refused(capsys, ["compare", "--methods", "identity", "--workers", "100000", "--out", "/tmp/never-made"],
              "--max-workers")
     _refused(capsys, ["cost", "--workers", "100000"], "--max-workers")

@@ -67,7 +67,8 @@ def test_defaults_are_per_rank_and_valid():
 def test_options_convert_cli_strings_and_reject_bad_ones():
     task = tasks.get("synthetic")(seed=1, **{k: str(v) for k, v in SMALL_SYNTHETIC.items()})
     assert task.options.dim == 8 and task.x.shape == (400, 8)
-    for bad, rule in [({"dimm": 3}, "unknown option 'dimm'"), ({"dim": "x"}, "must be an integer"), ({"dim": 0}, "dim must be >= 1")]:
+    for bad, rule in [({"dimm": 3}, "unknown option 'dimm'"), ({"dim": "x"}, "must be an integer"),
+                      ({"dim": 0}, "dim must be >= 1")]:
         with pytest.raises(TaskError, match=rule):
             tasks.get("synthetic")(**bad)
     with pytest.raises(TaskError, match="one of default|large"):
@@ -290,7 +291,8 @@ def test_cifar10_reads_the_binary_format_exactly(cifar_dir):
     assert len(task.y) == 100
     x, _ = next(task.test_batches())
     red_pixel = pixels[0, 5 * 32 + 7] / 255.0  # record 0, red plane, row 5, column 7
-    assert x[0, 0, 5, 7].item() == pytest.approx((red_pixel - MEAN[0, 0, 0, 0].item()) / STD[0, 0, 0, 0].item(), abs=1e-5)
+    assert x[0, 0, 5, 7].item() == pytest.approx((red_pixel - MEAN[0, 0, 0, 0].item()) / STD[0, 0, 0, 0].item(),
+                                                 abs=1e-5)
 
 
 def test_cifar10_accepts_the_archive_subfolder(tmp_path):

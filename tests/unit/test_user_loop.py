@@ -90,7 +90,8 @@ def test_residuals_and_weights_do_not_depend_on_the_loss_scale():
             model = _net()
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             reducer = thinwire.SyncReducer(model, "topk:ratio=0.01", comm)
-            scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10**6, enabled=scale is not None)
+            scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10**6,
+                                          enabled=scale is not None)
             g = torch.Generator().manual_seed(1234 + comm.rank)
             for _ in range(12):
                 x, y = _batch(g)
@@ -150,7 +151,7 @@ def test_an_overflow_step_changes_no_residual_codec_state_or_step():
 def test_autocast_with_a_scaler_trains_through_a_compressing_codec(dtype):
     fp32 = _amp_run("identity", 150, None)
     for method in ("identity", "topk:ratio=0.01", "powersgd:rank=2"):
-        for acc, scale, outcomes, skipped in _amp_run(method, 150, None, autocast=dtype):
+        for acc, scale, outcomes, _skipped in _amp_run(method, 150, None, autocast=dtype):
             assert all(outcomes) and scale == 2.0**16
             assert acc >= fp32[0][0] - 0.05, (method, acc, fp32[0][0])
 
@@ -232,7 +233,8 @@ def test_ranks_that_disagree_without_find_unused_parameters_are_told_on_every_ra
         reducer = thinwire.SyncReducer(model, "identity", comm)
         x, y = _batch(torch.Generator().manual_seed(comm.rank))
         F.cross_entropy(model(x, use_branch=comm.rank == 1), y).backward()
-        with pytest.raises(ValueError, match=r"ranks hold gradients for different parameters.*find_unused_parameters=True"):
+        with pytest.raises(ValueError,
+                           match=r"ranks hold gradients for different parameters.*find_unused_parameters=True"):
             reducer.reduce(scaler=torch.amp.GradScaler("cpu"))
 
     LocalWorld(2).run(fn)
@@ -260,7 +262,8 @@ def test_plain_fp16_stays_in_the_scalers_units():
 
 def test_sparse_gradients_are_refused_naming_the_parameter():
     model = torch.nn.Sequential(torch.nn.Embedding(100, 8, sparse=True), torch.nn.Linear(8, 2))
-    with pytest.raises(ValueError, match=r"parameter '0\.weight' gets sparse gradients \(Embedding\(sparse=True\)\).*sparse=False"):
+    with pytest.raises(ValueError,
+                       match=r"parameter '0\.weight' gets sparse gradients \(Embedding\(sparse=True\)\).*sparse=False"):
         LocalWorld(1).run(lambda comm: thinwire.SyncReducer(model, "topk", comm))
 
     def late(comm):  # named parameters only (no module to inspect): refused at the first reduce
@@ -287,8 +290,8 @@ def test_attach_needs_the_optimizer_for_a_schedule_and_names_bad_specs():
         LocalWorld(1).run(lambda comm: thinwire.attach(_net(), None, "nosuch", comm))
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "hylo", "localsgd:period=2,warmup=2", "dasgd:period=2,delay=1,warmup=2",
-                                  "dpsgd", "powergossip"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "hylo", "localsgd:period=2,warmup=2",
+                                  "dasgd:period=2,delay=1,warmup=2", "dpsgd", "powergossip"])
 def test_attach_trains_any_method_with_the_same_calls(spec):
     """In-process: the loss falls and the state round-trips (the gloo test runs every method)."""
 

@@ -30,8 +30,8 @@ class HalfTop(Codec):
     Config = HalfTopConfig
     aggregation = Aggregation.GATHER
 
-    def _k(self, shape):
-        return max(1, math.ceil(self.config.fraction * math.prod(shape)))
+    def _k(self, shape):  # 0 values for an empty tensor, else >= 1
+        return math.ceil(self.config.fraction * math.prod(shape))
 
     def wire_spec(self, shape, dtype, round=0):
         return [((self._k(shape),), torch.float32)]

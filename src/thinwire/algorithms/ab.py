@@ -56,15 +56,18 @@ rebound 20 steps, groups of half the world.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import GradientMean, comm_or_world
+from thinwire.algorithms.averaging import GradientMean
+from thinwire.algorithms.base import Loss, Method
 from thinwire.comm.base import Communicator
-from thinwire.knobs import describe_config, knob, require
+from thinwire.knobs import knob, require
 from thinwire.nn.factorized import Factorized, factorize_model, rank_for, resolve_exclude, unfactorize_model
+from thinwire.timing import Timing
 
 SYNC_MODES = ("full", "with-stale", "only-learned", "only-b")
 PHASES = ("warmup", "group", "sync", "full")
@@ -115,18 +118,20 @@ def groups_of(config: ABConfig, workers: int) -> list[list[int]]:
     return [list(range(g * size, (g + 1) * size)) for g in range(count)]
 
 
-class ABTraining:
+class ABTraining(Method):
     """Factored weights trained in groups (A or B), synchronised every ``cycle`` steps."""
 
     name = "ab"
     summary = "AB-training: low-rank A·B factors trained in independent groups, synchronised every cycle"
 
-    @staticmethod
-    def check_world(config: ABConfig, workers: int) -> None:
+    Config = ABConfig
+
+    @classmethod
+    def check_world(cls, config: ABConfig, workers: int) -> None:
         groups_of(config, workers)
 
-    @staticmethod
-    def check_model(config: ABConfig, model: torch.nn.Module) -> None:
+    @classmethod
+    def check_model(cls, config: ABConfig, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` when ``exclude`` names no layer or leaves nothing to factorise."""
         from thinwire.nn.factorized import factorizable
 
@@ -137,17 +142,18 @@ class ABTraining:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: ABConfig | None = None, *,
-                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
-        self.config = cfg = config if config is not None else ABConfig(**knobs)
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
         if optimizer is None:
             raise ValueError("ab needs the optimizer (it adds the factors and slices their state)")
-        self.comm = comm = comm_or_world(comm)
-        self.model, self.optimizer, self.bucket_mb = model, optimizer, bucket_mb
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
+        cfg, comm = self.config, self.comm
+        self.optimizer: torch.optim.Optimizer = optimizer
+        self.model: torch.nn.Module = model
         self.check_model(cfg, model)
         self.groups = groups_of(cfg, comm.world_size)
         self.group = next(i for i, g in enumerate(self.groups) if comm.rank in g)
         self.role = "b" if cfg.sync == "only-b" or self.group >= len(self.groups) // 2 else "a"
-        self.group_comm = None
+        self.group_comm: Communicator | None = None
         for g in self.groups:  # every rank creates every group, in the same order
             sub = comm.subgroup(g)
             if sub is not None:
@@ -165,7 +171,8 @@ class ABTraining:
         self.full_params = sum(p.numel() for _, p in self.full_named)
         # the warm-up's gradient mean overlaps backward; later phases drop gradients after
         # backward (frozen factors), so they average at after_backward, synchronously
-        self._full_mean = GradientMean(self.full_named, comm, bucket_mb, overlap=overlap, armed=cfg.warmup > 0)
+        self._full_mean: GradientMean | None = GradientMean(self.full_named, comm, bucket_mb, overlap=overlap,
+                                                            armed=cfg.warmup > 0)  # None after finish()
         self._full_sent = 0.0  # bytes the full-model gradient mean had sent at the last after_backward
         self._group_mean: GradientMean | None = None
         self.step = 0
@@ -187,7 +194,7 @@ class ABTraining:
         return self._timing
 
     # -- the trainer's interface --------------------------------------------------------------
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
         """Average the gradients this phase trains (all ranks, or the group) and set the
         learning rate of the step (the ramp after a phase change)."""
         self._require_live("after_backward()")
@@ -202,6 +209,7 @@ class ABTraining:
             if self._group_mean is not None:
                 self._metered("group", self._group_mean.reduce)
         else:
+            assert self._full_mean is not None  # dropped by finish() only
             t0 = time.perf_counter()
             self._full_mean.reduce()
             self._timing.comm_seconds += time.perf_counter() - t0
@@ -209,6 +217,7 @@ class ABTraining:
             sent = sum(self._full_mean.reducer.sent_bytes.values())
             self.bytes_by_phase[self.phase] += sent - self._full_sent
             self._full_sent = sent
+        return True
 
     def after_step(self) -> None:
         """Restore the learning rate; at a phase boundary factorise, sync or re-factorise."""
@@ -343,6 +352,7 @@ class ABTraining:
         if len(self.groups[0]) == 1:
             return None
         named = [(f"{n}.{self.role}", layer.trained()[0]) for n, layer in self.layers.items()] + self.others
+        assert self.group_comm is not None  # this rank's group, of more than one rank
         return GradientMean(named, self.group_comm, self.bucket_mb, overlap=False)
 
     def _refit_state(self, layer: Factorized, old: tuple[torch.Size, torch.Size]) -> None:
@@ -442,7 +452,7 @@ class ABTraining:
         for g in self.optimizer.param_groups:
             g["lr"] = min(g["lr"], REBOUND_FROM + (g["lr"] - REBOUND_FROM) * k / r)
 
-    def _metered(self, phase: str, fn) -> None:
+    def _metered(self, phase: str, fn: Callable[[], Any]) -> None:
         before = self.comm.meter.bytes_sent
         t0 = time.perf_counter()
         fn()
@@ -468,8 +478,8 @@ class ABTraining:
         return {"param_compression_ratio": self.compression(), "ranks": dict(self.ranks),
                 "bytes_by_phase": dict(self.bytes_by_phase)}
 
-    def report(self) -> dict:
-        return {"method": describe_config(self.name, self.config), "groups": self.groups, "role": self.role,
+    def report(self) -> dict[str, Any]:
+        return {"method": self.spec, "groups": self.groups, "role": self.role,
                 "factored_layers": {n: {"kind": layer.kind, "shape": list(layer.shape), "rank": self.ranks.get(n)}
                                     for n, layer in self.layers.items()},
                 "factorisations": self.factorisations, "syncs": self.syncs,
@@ -499,6 +509,7 @@ class ABTraining:
         phase). Raises ``ValueError`` for a group-phase state loaded before the model's."""
         self._require_live("load_state_dict()")
         self.step, self.phase = int(state["step"]), str(state["phase"])
+        assert self._full_mean is not None  # dropped by finish() only
         self._full_mean.armed = self.phase == "warmup"
         self.phase_started = int(state["phase_started"])
         self.ranks = {k: int(v) for k, v in state["ranks"].items()}

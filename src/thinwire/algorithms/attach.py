@@ -17,15 +17,17 @@ Codecs and policies give a :class:`~thinwire.algorithms.sync.SyncReducer`, algor
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
 from thinwire.algorithms.averaging import comm_or_world
-from thinwire.algorithms.registry import build_method, resolve_method
+from thinwire.algorithms.base import Method
+from thinwire.algorithms.registry import build_method, is_gradient_codec, resolve_method
+from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
+from thinwire.policy import Policy
+from thinwire.timing import Timing
 
 
 class Attached:
@@ -36,12 +38,11 @@ class Attached:
     backward through (the user's model, or PyTorch's DDP wrapper around it for ``torch-*``).
     """
 
-    def __init__(self, method: Any, model: torch.nn.Module, spec: str, comm: Communicator) -> None:
+    def __init__(self, method: Method, model: torch.nn.Module) -> None:
         self.method = method
-        self.model = getattr(method, "module", model)
-        self.spec = spec
-        self.comm = comm
-        self._takes_scaler = "scaler" in inspect.signature(method.after_backward).parameters
+        self.model = method.forward_module(model)
+        self.spec = method.spec
+        self.comm = method.comm
         self.finished = False
 
     def after_backward(self, loss: float | torch.Tensor | None = None, *, scaler: Any = None) -> bool:
@@ -56,10 +57,7 @@ class Attached:
         (gossip), so each rank's scaler decides for itself."""
         self._check_open()
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        if self._takes_scaler:
-            return self.method.after_backward(loss=loss, scaler=scaler) is not False
-        self.method.after_backward(loss=loss)
-        return True
+        return self.method.after_backward(loss, scaler=scaler)
 
     def after_step(self) -> None:
         """Call after ``optimizer.step()`` (``scaler.step(optimizer)``), every step."""
@@ -72,8 +70,7 @@ class Attached:
         Model averaging and gossip (``localsgd``, ``dasgd``, ``dpsgd``, ``powergossip``)
         leave each rank with its own model, apart by the steps since the last average."""
         self._check_open()
-        if hasattr(self.method, "finish"):
-            self.method.finish()
+        self.method.finish()
         self.finished = True
 
     def _check_open(self) -> None:
@@ -90,15 +87,14 @@ class Attached:
         """Bytes this rank sent so far, as the byte meter counts them."""
         return self.comm.meter.bytes_sent
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The method's state (residuals, snapshots, schedules...) for a checkpoint, beside
         the model's and the optimizer's."""
-        return self.method.state_dict() if hasattr(self.method, "state_dict") else {}
+        return self.method.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model and the optimizer (AB-training's factors live in the model)."""
-        if hasattr(self.method, "load_state_dict"):
-            self.method.load_state_dict(state)
+        self.method.load_state_dict(state)
 
     def __repr__(self) -> str:
         return f"<thinwire.Attached {self.spec}>"
@@ -127,29 +123,15 @@ def attach(
     averaged while the backward pass goes on (see :class:`~thinwire.algorithms.sync.SyncReducer`
     for what a loop must then not do); False averages them in ``after_backward``.
     """
-    from thinwire.algorithms.sync import SyncReducer
-
     comm = comm_or_world(comm)
-    if not isinstance(method, str):  # a built codec or a Policy
-        reducer = SyncReducer(model, method, comm, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
-                              overlap=overlap)
-        return Attached(reducer, model, reducer.method, comm)
-    spec = resolve_method(method)
-    if find_unused_parameters and not _is_gradient_codec(spec):
-        raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to {spec.split(':')[0]}: "
-                         "its averaging assumes every rank's gradients cover the same parameters")
-    if optimizer is None and not _is_gradient_codec(spec):
-        raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
-                         f"thinwire.attach(model, optimizer, {method!r})")
+    spec: str | Policy | Codec
+    if isinstance(method, str):
+        spec = resolve_method(method)
+        if optimizer is None and not is_gradient_codec(spec):
+            raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
+                             f"thinwire.attach(model, optimizer, {method!r})")
+    else:  # a built codec or a Policy
+        spec = method
     built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb, overlap=overlap,
-                         **({"find_unused_parameters": find_unused_parameters} if _is_gradient_codec(spec) else {}))
-    return Attached(built, model, spec, comm)
-
-
-def _is_gradient_codec(spec: str) -> bool:
-    """Whether ``spec`` (resolved) runs as a :class:`SyncReducer` (a codec or policy preset)."""
-    from thinwire.algorithms.registry import _ALGORITHMS, algorithms
-    from thinwire.codecs.registry import parse_spec
-
-    name, _ = parse_spec(spec)
-    return name not in algorithms() and name not in _ALGORITHMS
+                         find_unused_parameters=find_unused_parameters)
+    return Attached(built, model)

@@ -10,14 +10,14 @@ vectors line up across ranks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from thinwire.aggregate import Timing
 from thinwire.algorithms.gradients import GradientReducer
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
+from thinwire.timing import Timing
 
 
 def comm_or_world(comm: Communicator | None) -> Communicator:
@@ -94,7 +94,8 @@ class ModelState:
         return out
 
     def _find_momentum(self) -> list[torch.Tensor]:
-        found = []
+        assert self.optimizer is not None  # average_momentum needs it (checked when built)
+        found: list[torch.Tensor] = []
         for p in self.params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):

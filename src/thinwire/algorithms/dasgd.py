@@ -23,7 +23,10 @@ After each step ``t`` (steps counted after the warm-up):
 
 The steps between launch and merge touch only the live model, never the snapshot or the
 buffer in flight. Memory: two flat fp32 copies of the averaged state (snapshot and buffer);
-a ``codec`` adds the delta, the anchor and, with error feedback, its residual.
+a ``codec`` adds the anchor and, with error feedback, its residual (the delta is encoded
+from the buffer, where its mean lands). Every average goes through an
+:class:`~thinwire.aggregate.Aggregator` (:meth:`~thinwire.aggregate.Aggregator.start`),
+as every other reduction in thinwire does.
 
 ``delay=auto`` measures, during the warm-up (synchronous gradient averaging, the same bytes
 as one model average), the mean time of one all_reduce and of one step's computation,
@@ -36,28 +39,29 @@ exact average (the anchor, identical on every rank), each launch sends
 anchor. ``identity`` sends the snapshots themselves.
 
 Overlap is measured: per launch, the time from launch to the collective's completion
-(watched by a helper thread that polls the handle) and the time the merge blocked in
+(watched by a helper thread that polls the reduction) and the time the merge blocked in
 ``wait()``; ``hidden_fraction = 1 - blocked / communication``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
+from thinwire.aggregate import Aggregator, Reduction
+from thinwire.algorithms.base import Loss, PeriodicAveraging
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.codecs.registry import build_codec
-from thinwire.comm.base import Communicator, Handle
-from thinwire.feedback import ErrorFeedback
-from thinwire.knobs import describe_config, knob, require
-from thinwire.payload import Aggregation, Payload
+from thinwire.comm.base import Communicator
+from thinwire.comm.link import Link
+from thinwire.knobs import knob, require
+from thinwire.payload import Aggregation
+from thinwire.timing import Timing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,80 +97,74 @@ class DaSGDConfig:
         object.__setattr__(self, "codec", codec.describe().replace(",", ";"))  # nests inside a method spec
 
 
-class DaSGD:
+class DaSGD(PeriodicAveraging):
     """Delayed model averaging: launched every ``period`` steps, merged ``delay`` steps later."""
 
     name = "dasgd"
     summary = "DaSGD: model averages launched every period steps run during the next delay steps, then merged"
+    Config = DaSGDConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: DaSGDConfig | None = None, *,
-                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
-        self.config = config if config is not None else DaSGDConfig(**knobs)
-        self.comm = comm = comm_or_world(comm)
-        self.state = ModelState(model, optimizer, self.config.average_momentum)
-        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb,
-                                    overlap=overlap, armed=self.config.warmup > 0)
-        self._sync = self._warmup
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self.codec = build_codec(self.config.codec.replace(";", ","))
-        self.codec.rank = comm.rank
-        self._exact = self.codec.describe() == Identity(IdentityConfig()).describe()  # send snapshots, not deltas
-        self.feedback = ErrorFeedback()
+        self._exact = self.codec.is_identity  # send the snapshots themselves, not deltas
         self.delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
-        self.step = 0  # optimizer steps completed; identical on every rank
         self.launches = 0
-        # flat fp32 vectors: snapshot, the buffer in flight, merge scratch, the codec's anchor
+        # flat fp32 vectors: the snapshot, the buffer the average lands in, the codec's anchor
         self._snap: torch.Tensor | None = None
         self._buf: torch.Tensor | None = None
-        self._work: torch.Tensor | None = None
         self._anchor: torch.Tensor | None = None
-        self._payload = None  # the launched payload (codec path), decoded at the merge
-        self._payload_step = 0  # the codec step it was encoded at
-        self._handle: Handle | None = None
+        # the averages' aggregators, built at the first launch: snapshots in fp32, deltas through the codec
+        self._plain: Aggregator | None = None
+        self._coded: Aggregator | None = None
+        self._pending: Reduction | None = None  # the average in flight
+        self._pending_coded = False  # whether it averages deltas (the anchor is added at the merge)
         self._merge_at: int | None = None  # local step of the pending merge; None: none pending
         self._watch = _Watch()
         # measurements
-        self._timing = Timing()
         self.blocked_seconds = 0.0
         self._warm = {"comm": 0.0, "step": 0.0, "n": 0}
         self._last_step_end: float | None = None
         self._backward_end: float | None = None
         self._in_flight: tuple[int, float] | None = None  # (wire bytes, launch time) of the pending average
-        self._windows: list[tuple[int, float]] = []  # per merged average: (wire bytes, seconds between launch and merge)
+        # per merged average: (wire bytes, seconds between launch and merge)
+        self._windows: list[tuple[int, float]] = []
 
     # -- the trainer's interface --------------------------------------------------------------
     @property
     def timing(self) -> Timing:
-        return Timing(self._timing.codec_seconds + self._sync.timing.codec_seconds,
-                      self._timing.comm_seconds + self._sync.timing.comm_seconds)
+        return Timing.total([self._timing, self.warmup.timing,
+                             *(a.timing for a in (self._plain, self._coded) if a is not None)])
 
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
-        """During the warm-up, replace every gradient with its mean over the ranks."""
-        if self.step >= self.config.warmup:
-            return
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
+        """During the warm-up, replace every gradient with its mean over the ranks (and time it)."""
+        if not self.warming_up:
+            return True
         now = time.perf_counter()
-        before = self._sync.timing.comm_seconds
-        self._warmup.reduce()
+        before = self.warmup.timing.comm_seconds
+        self.warmup.reduce()
         if self._last_step_end is not None:  # skip the first step (one-time costs)
-            self._warm["comm"] += self._sync.timing.comm_seconds - before
+            self._warm["comm"] += self.warmup.timing.comm_seconds - before
             self._warm["step"] += now - self._last_step_end
             self._warm["n"] += 1
         self._backward_end = time.perf_counter()
+        return True
 
     def after_step(self) -> None:
         """Count the step, merge an average that is due, launch the next one when it is time."""
-        self.step += 1
-        self._warmup.armed = self.step < self.config.warmup  # the warm-up's gradients overlap backward
+        super().after_step()
         if self.step <= self.config.warmup:
             if self._backward_end is not None and self._warm["n"]:
                 self._warm["step"] += time.perf_counter() - self._backward_end  # the optimizer step
             self._last_step_end = time.perf_counter()
             if self.step == self.config.warmup and self.delay is None:
                 self.delay = self._agree_delay()
-            return
+
+    def after_local_step(self, local: int) -> None:
         if self.delay is None:  # auto with no warm-up left to measure (resumed past it, or warmup=0)
             self.delay = self._agree_delay()
-        local = self.step - self.config.warmup
         if self._merge_at is not None and local == self._merge_at:
             self._merge()
         if local % self.config.period == 0:
@@ -175,32 +173,28 @@ class DaSGD:
     # -- averaging ----------------------------------------------------------------------------
     def _launch(self, local: int) -> None:
         t0 = time.perf_counter()
-        n = self.comm.world_size
         snap = self._snap = self.state.gather(self._snap)
-        self._buf = _like(self._buf, snap)
-        self.codec.step = self._payload_step = self.launches
-        if self._exact or self._anchor is None:  # the snapshot itself (the first launch sets the anchor)
-            self._payload = None
-            wire = self._buf
-            wire.copy_(snap).div_(n)
-        else:
-            delta = _like(self._work, snap)
-            self._work = torch.sub(snap, self._anchor, out=delta)
-            u = self.feedback.compensate("model", delta) if self.codec.config.ef else delta
-            payload = self.codec.encode(u, key="model")
-            wire = payload.tensors[0].clone() if len(payload.tensors) == 1 else None
-            if wire is None:
-                raise ValueError(f"codec {self.codec.name} sends {len(payload.tensors)} tensors; DaSGD sends one")
-            if self.codec.config.ef:
-                self.feedback.update_decoded("model", u, self.codec, payload)
-            wire.div_(n)
-            self._payload = payload.with_tensors((wire,))
+        buf = self._buf = _like(self._buf, snap)
+        self._pending_coded = not self._exact and self._anchor is not None
+        if self._pending_coded:  # the delta from the anchor, through the codec
+            assert self._anchor is not None  # _pending_coded needs one
+            torch.sub(snap, self._anchor, out=buf)
+            if self._coded is None:
+                self._coded = Aggregator.flat("model", buf, self.codec, self.comm)
+            agg = self._coded
+            agg.step = self.launches  # the codec's step (its seeds): the launch count, identical on every rank
+        else:  # the snapshot itself (the first launch sets the anchor)
+            buf.copy_(snap)
+            if self._plain is None:
+                self._plain = Aggregator.flat("model", buf, Identity(IdentityConfig()), self.comm)
+            agg = self._plain
         t1 = time.perf_counter()
-        self._handle = self.comm.all_reduce(wire, async_op=True)
-        self._watch.start(self._handle, t1)
-        self._in_flight = (wire.numel() * wire.element_size(), time.perf_counter())
+        self._pending = agg.start({"model": buf})
+        self._watch.start(self._pending, t1)
+        self._in_flight = (self._pending.wire_bytes, time.perf_counter())
         self.launches += 1
         self._timing.codec_seconds += t1 - t0
+        assert self.delay is not None  # agreed before the first local step
         self._merge_at = local + self.delay
         if self.delay == 0:
             self._merge()
@@ -210,28 +204,29 @@ class DaSGD:
         if self._in_flight is not None:  # bytes, and the seconds of work the transfer had to hide behind
             self._windows.append((self._in_flight[0], t0 - self._in_flight[1]))
             self._in_flight = None
-        self._handle.wait()
+        if self._pending is not None:
+            self._pending.settle()
+            self.blocked_seconds += time.perf_counter() - t0
+            self._pending.wait()  # decoded into the buffer
+            self._pending = None
         t1 = time.perf_counter()
-        self.blocked_seconds += t1 - t0
-        self._timing.comm_seconds += t1 - t0
         avg = self._average()
         if self.delay == 0:
             self.state.scatter(avg)  # w = the average: blocking local SGD exactly
         else:
             # w + (avg - snap): the correction is exactly 0 for one worker or identical models
+            assert self._snap is not None  # set at the launch
             self.state.add_(avg.sub_(self._snap))
-        self._handle, self._merge_at = None, None
+        self._merge_at = None
         self._timing.codec_seconds += time.perf_counter() - t1
 
     def _average(self) -> torch.Tensor:
-        """The mean of the snapshots, from the completed all_reduce (sets the next anchor)."""
-        if self._payload is None:
-            avg = self._buf
-        else:
-            avg = self._buf
-            self.codec.step = self._payload_step
-            self.codec.decode_sum([self._payload], avg)  # the mean delta (the wire was divided by n)
-            avg.add_(self._anchor)
+        """The mean of the snapshots, from the landed average (sets the next anchor)."""
+        avg = self._buf
+        assert avg is not None  # set at the launch
+        if self._pending_coded:
+            assert self._anchor is not None  # _pending_coded needs one
+            avg.add_(self._anchor)  # the buffer holds the mean delta
         if not self._exact:
             self._anchor = _like(self._anchor, avg)
             self._anchor.copy_(avg)
@@ -255,10 +250,11 @@ class DaSGD:
         """Launch-to-completion time of every model average so far."""
         return self._watch.total
 
-    def hidden_link_seconds(self, link, n: int) -> float:
+    def hidden_seconds(self, link: Link) -> float:
         """Modeled seconds of the averages' all_reduces on ``link`` that the steps between
         launch and merge hide: ``min(T_link(bytes), window)`` per merged average (what
         ``meter_seconds`` counts beyond the exposed part)."""
+        n = self.comm.world_size
         return sum(min(link.all_reduce_time(nbytes, n), window) for nbytes, window in self._windows)
 
     def hidden_fraction(self) -> float | None:
@@ -266,48 +262,45 @@ class DaSGD:
         total = self._watch.total
         return None if total <= 0 else max(0.0, 1.0 - self.blocked_seconds / total)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"delay": self.delay, "launches": self.launches, "hidden_fraction": self.hidden_fraction()}
 
-    def report(self) -> dict:
-        # snapshot and buffer; a codec adds the delta, the anchor and (with EF) the residual
-        flats = 2 if self._exact else 4 + int(bool(self.codec.config.ef))
+    def report(self) -> dict[str, Any]:
+        # snapshot and buffer; a codec adds the anchor and (with EF) the residual
+        flats = 2 if self._exact else 3 + int(bool(self.codec.config.ef))
         return {
-            "method": describe_config(self.name, self.config), "delay": self.delay, "launches": self.launches,
+            "method": self.spec, "delay": self.delay, "launches": self.launches,
             "blocked_seconds": self.blocked_seconds, "average_seconds": self._watch.total,
             "hidden_fraction": self.hidden_fraction(), "extra_memory_bytes": flats * 4 * self.state.numel(),
         }
 
     # -- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs; an average in flight is waited for first (its
-        result is stored, and merged at the same step after resuming)."""
-        if self._handle is not None:
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs; an average in flight is landed first (its mean is
+        stored, and merged at the same step after resuming)."""
+        if self._pending is not None:
             t0 = time.perf_counter()
-            self._handle.wait()
+            self._pending.settle()
             self.blocked_seconds += time.perf_counter() - t0
+            self._pending.wait()
+            self._pending = None
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         return {
-            "step": self.step, "launches": self.launches, "delay": self.delay, "merge_at": self._merge_at,
+            **super().state_dict(), "launches": self.launches, "delay": self.delay, "merge_at": self._merge_at,
             "snap": clone(self._snap), "buf": clone(self._buf), "anchor": clone(self._anchor),
-            "payload_wire": None if self._payload is None else self._payload.tensors[0].detach().clone(),
-            "payload_step": self._payload_step,
-            "feedback": self.feedback.state_dict(), "sync": self._sync.state_dict(), "warm": dict(self._warm),
+            "pending_coded": self._pending_coded,
+            "coded": None if self._coded is None else self._coded.state_dict(), "warm": dict(self._warm),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        from thinwire.comm.base import Done
-
-        self.step, self.launches, self.delay = int(state["step"]), int(state["launches"]), state["delay"]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.launches, self.delay = int(state["launches"]), state["delay"]
         self._merge_at = state["merge_at"]
         self._snap, self._buf, self._anchor = state["snap"], state["buf"], state["anchor"]
-        self._work = None
-        wire, self._payload_step = state["payload_wire"], int(state["payload_step"])
-        self._payload = None if wire is None else Payload((wire,), self._snap.shape, torch.float32)
-        self._handle = Done() if self._merge_at is not None else None
-        self.feedback.load_state_dict(state["feedback"])
-        self._sync.load_state_dict(state["sync"])
-        self._warmup.armed = self.step < self.config.warmup
+        self._pending, self._pending_coded = None, bool(state["pending_coded"])
+        if state["coded"] is not None:
+            self._coded = Aggregator.flat("model", self._snap, self.codec, self.comm)
+            self._coded.load_state_dict(state["coded"])
         self._warm = dict(state["warm"])
 
 
@@ -327,7 +320,7 @@ class _Watch:
         self.total = 0.0
         self._thread: threading.Thread | None = None
 
-    def start(self, handle: Handle, t_launch: float) -> None:
+    def start(self, handle: Reduction, t_launch: float) -> None:
         self.join()
         if handle.is_completed():  # a one-rank world or an in-process communicator
             self.total += time.perf_counter() - t_launch

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import ModelState, comm_or_world
+from thinwire.algorithms.averaging import ModelState
+from thinwire.algorithms.base import Gossip, Loss
 from thinwire.comm.base import Communicator
-from thinwire.knobs import describe_config, knob, require
-from thinwire.topology import NAMES, build_topology
+from thinwire.knobs import knob, require
+from thinwire.topology import NAMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,37 +40,23 @@ class DPSGDConfig:
         require(bool(self.topology.strip()), "topology must name a graph or a mixing matrix file")
 
 
-class DPSGD:
+class DPSGD(Gossip):
     """Gossip of the whole model with the topology's neighbours after every backward pass."""
 
     name = "dpsgd"
-    decentralized = True  # the ranks' models differ: the trainer evaluates their average
     summary = "D-PSGD: every step, mix the model with the graph neighbours' (sum_j W_ij x_j), then step"
-
-    @staticmethod
-    def check_world(config: DPSGDConfig, workers: int) -> None:
-        """Raise ``ValueError`` unless the topology fits ``workers`` (e.g. no torus of a prime)."""
-        build_topology(config.topology, workers)
+    Config = DPSGDConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: DPSGDConfig | None = None, *,
-                 bucket_mb: float = 25.0, **knobs) -> None:
-        self.config = config if config is not None else DPSGDConfig(**knobs)
-        self.comm = comm = comm_or_world(comm)
-        self.topology = build_topology(self.config.topology, comm.world_size)
-        self.neighbours = self.topology.neighbours(comm.rank)
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self.state = ModelState(model)
-        self.step = 0
         self._flat: torch.Tensor | None = None
         self._recv: dict[int, torch.Tensor] = {}
         self._mixed: torch.Tensor | None = None
-        self._timing = Timing()
 
-    @property
-    def timing(self) -> Timing:
-        return self._timing
-
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
         """Replace the model state with its mix over this worker and its neighbours."""
         t0 = time.perf_counter()
         flat = self._flat = self.state.gather(self._flat)
@@ -87,21 +74,12 @@ class DPSGD:
         self.step += 1
         self._timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self._timing.comm_seconds += t2 - t1
+        return True
 
-    def after_step(self) -> None:
-        """Nothing: the mix happened before the optimizer step (D-PSGD order)."""
-
-    def stats(self) -> dict:
-        return {}
-
-    def report(self) -> dict:
-        return {"method": describe_config(self.name, self.config), "topology": self.topology.describe(),
-                "neighbours": self.neighbours}
-
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
 
 

@@ -43,16 +43,18 @@ import time
 import weakref
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Aggregator, CodecChooser, Timing
+from thinwire.aggregate import Aggregator, CodecChooser
+from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
-
+from thinwire.timing import Timing
 
 MAX_SETS = 8  # distinct sets of parameters whose aggregators (and buffers) are kept
 
@@ -66,7 +68,7 @@ class _Window:
     next: int = 0  # the next bucket (index into agg.buckets) to launch
     launched: list[int] = field(default_factory=list)
     sent: set[str] = field(default_factory=set)  # names of launched buckets
-    futures: list = field(default_factory=list)
+    futures: list[torch.futures.Future] = field(default_factory=list)
     late: str | None = None  # a name whose gradient grew after its bucket was launched
     t_first: float | None = None  # when the first bucket was launched
     times: list[float] = field(default_factory=list)  # when each launched bucket was launched
@@ -120,9 +122,9 @@ class GradientReducer:
         self._params = dict(self.named)
         # cumulative; per launch position k: seconds from launch to reduce(), elements, steps
         # (summed): the cost model's queue of buckets (run/cost.py)
-        self.overlap_figures = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
-                                "early_elements": 0, "elements": 0, "reduces": 0,
-                                "lead_seconds": [], "lead_elements": [], "lead_steps": []}
+        self.overlap_figures: dict[str, Any] = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
+                                                "early_elements": 0, "elements": 0, "reduces": 0,
+                                                "lead_seconds": [], "lead_elements": [], "lead_steps": []}
         if overlap:
             ref = weakref.ref(self)  # a dropped reducer's hooks do nothing (the parameters outlive it)
 
@@ -134,7 +136,7 @@ class GradientReducer:
             self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in self.named]
 
     @property
-    def codecs(self):
+    def codecs(self) -> list[Codec]:
         return self.aggregator.codecs
 
     @property
@@ -213,13 +215,13 @@ class GradientReducer:
         self._scaled = scale is not None
         local = [p.requires_grad and p.grad is not None for _, p in self.named]
         for (name, p), has in zip(self.named, local):
-            if has and p.grad.is_sparse:
+            if has and p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"parameter {name!r} has a sparse gradient, which thinwire cannot average; "
                                  "build its layer with sparse=False (e.g. nn.Embedding(..., sparse=False))")
         found = None
         if scale is not None:
             held = [(name, p) for (name, p), has in zip(self.named, local) if has]
-            found = check_and_unscale([p.grad for _, p in held],
+            found = check_and_unscale([g for _, p in held if (g := p.grad) is not None],  # every one held
                                       [1.0 if self._is_plain(name, p) else 1.0 / scale for name, p in held])
         bad, used = False, local
         if scale is not None or self.find_unused_parameters:
@@ -232,17 +234,21 @@ class GradientReducer:
                     p.grad.fill_(float("nan"))  # every rank's scaler sees the overflow and skips
             self.skipped += 1
             return False
-        tensors, back = {}, []
+        tensors: dict[str, torch.Tensor] = {}
+        back: list[torch.Tensor] = []
         for (name, p), u, has in zip(self.named, used, local):
             if not u:
                 continue
             if not has and p.requires_grad:
                 p.grad = torch.zeros_like(p)  # used on another rank: DDP gives this rank the mean too
-            tensors[name] = p.grad if p.requires_grad else torch.zeros_like(p)  # frozen here: sent, not kept
+            grad = p.grad if p.requires_grad else torch.zeros_like(p)  # frozen here: sent, not kept
+            assert grad is not None  # requires_grad: held, or created just above
+            tensors[name] = grad
             if scale is not None and p.requires_grad and not self._is_plain(name, p):
-                back.append(p.grad)  # averaged unscaled on every rank, this one's zeros included
+                back.append(grad)  # averaged unscaled on every rank, this one's zeros included
         self._average(tensors, window, t_reduce)
         if back and scale != 1.0:
+            assert scale is not None  # back is filled under a scaler only
             torch._foreach_mul_(back, scale)  # back to the scaler's units: scaler.step unscales
         self.step += 1
         return True
@@ -280,6 +286,7 @@ class GradientReducer:
         figures["elements"] += total
         figures["reduces"] += 1
         if window.launched:
+            assert window.t_first is not None  # set with the first launch
             figures["steps"] += 1
             figures["window_seconds"] += t_reduce - window.t_first
             seconds, counts, steps = figures["lead_seconds"], figures["lead_elements"], figures["lead_steps"]
@@ -331,7 +338,7 @@ class GradientReducer:
             flat = self._flat_out.get((b.key, b.numel))
             if flat is None or flat.device != first.device:
                 flat = self._flat_out[(b.key, b.numel)] = torch.empty(b.numel, device=first.device)
-            outs = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in b.slots}
+            outs: dict[str, torch.Tensor] = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in b.slots}
             self._out.update(outs)
             return outs
         outs = {}
@@ -345,9 +352,15 @@ class GradientReducer:
 
     def _launch(self, w: _Window, i: int) -> None:
         params = self._params
-        slots = w.agg.buckets[i].slots
-        grads = {s.name: params[s.name].grad for s in slots}
-        outs = self._outs(w.agg, i, grads)
+        agg = w.agg
+        assert agg is not None  # set by _on_grad before any launch
+        slots = agg.buckets[i].slots
+        grads: dict[str, torch.Tensor] = {}
+        for s in slots:
+            grad = params[s.name].grad
+            assert grad is not None  # its post-accumulate-grad hook fired
+            grads[s.name] = grad
+        outs = self._outs(agg, i, grads)
         if self._worker is None:
             self._worker = Worker("thinwire-gradients")
             weakref.finalize(self, self._worker.close)  # the thread ends with the reducer
@@ -357,7 +370,6 @@ class GradientReducer:
         w.times.append(now)
         w.launched.append(i)
         w.sent.update(grads)
-        agg = w.agg
         if agg.pipelines:
             # identity and casts: launched here, in backward; the worker waits and decodes, so
             # the next bucket's collective starts while this one is on the wire. The gradients

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
+from thinwire.algorithms.base import PeriodicAveraging
 from thinwire.comm.base import Communicator
-from thinwire.knobs import describe_config, knob, require
+from thinwire.knobs import knob, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,43 +43,23 @@ class LocalSGDConfig:
         require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
 
 
-class LocalSGD:
+class LocalSGD(PeriodicAveraging):
     """Blocking periodic model averaging after ``warmup`` synchronous steps."""
 
     name = "localsgd"
     summary = "local SGD: every rank steps alone, models averaged (blocking all_reduce) every period steps"
+    Config = LocalSGDConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: LocalSGDConfig | None = None, *,
-                 bucket_mb: float = 25.0, overlap: bool = True, **knobs) -> None:
-        self.config = config if config is not None else LocalSGDConfig(**knobs)
-        self.comm = comm = comm_or_world(comm)
-        self.state = ModelState(model, optimizer, self.config.average_momentum)
-        self._warmup = GradientMean([(n, p) for n, p in model.named_parameters() if p.requires_grad], comm, bucket_mb,
-                                    overlap=overlap, armed=self.config.warmup > 0)
-        self._sync = self._warmup
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self._flat: torch.Tensor | None = None
-        self.step = 0  # optimizer steps completed; identical on every rank
         self.averages = 0
-        self._timing = Timing()
 
-    @property
-    def timing(self) -> Timing:
-        t = Timing(self._timing.codec_seconds + self._sync.timing.codec_seconds,
-                   self._timing.comm_seconds + self._sync.timing.comm_seconds)
-        return t
-
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
-        """During the warm-up, replace every gradient with its mean over the ranks."""
-        if self.step < self.config.warmup:
-            self._warmup.reduce()
-
-    def after_step(self) -> None:
-        """Count the step; at every ``period``-th step after the warm-up, average the models."""
-        self.step += 1
-        self._warmup.armed = self.step < self.config.warmup  # the warm-up's gradients overlap backward
-        local = self.step - self.config.warmup
-        if local > 0 and local % self.config.period == 0:
+    def after_local_step(self, local: int) -> None:
+        """At every ``period``-th local step, average the models."""
+        if local % self.config.period == 0:
             self.average()
 
     def average(self) -> None:
@@ -95,17 +75,15 @@ class LocalSGD:
         self._timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self._timing.comm_seconds += t2 - t1
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"averages": self.averages}
 
-    def report(self) -> dict:
-        return {"method": describe_config(self.name, self.config), "averages": self.averages,
-                "extra_memory_bytes": 4 * self.state.numel()}
+    def report(self) -> dict[str, Any]:
+        return {"method": self.spec, "averages": self.averages, "extra_memory_bytes": 4 * self.state.numel()}
 
-    def state_dict(self) -> dict:
-        return {"step": self.step, "averages": self.averages, "sync": self._sync.state_dict()}
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "averages": self.averages}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.averages = int(state["step"]), int(state["averages"])
-        self._sync.load_state_dict(state["sync"])
-        self._warmup.armed = self.step < self.config.warmup
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.averages = int(state["averages"])

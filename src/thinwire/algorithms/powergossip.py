@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import comm_or_world
+from thinwire.algorithms.base import Gossip, Loss
 from thinwire.comm.base import Communicator
-from thinwire.knobs import describe_config, knob, require
-from thinwire.topology import NAMES, build_topology
+from thinwire.knobs import knob, require
+from thinwire.topology import NAMES
 
 EPS = 1e-8
 
@@ -87,38 +87,24 @@ def _keep_live(product: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, previous, product)
 
 
-class PowerGossip:
+class PowerGossip(Gossip):
     """Low-rank gossip of model differences with each graph neighbour, every step."""
 
     name = "powergossip"
-    decentralized = True  # the ranks' models differ: the trainer evaluates their average
     summary = "PowerGossip: decentralized; each edge sends rank-r power-iteration projections of the model difference"
-
-    @staticmethod
-    def check_world(config: PowerGossipConfig, workers: int) -> None:
-        build_topology(config.topology, workers)
+    Config = PowerGossipConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: PowerGossipConfig | None = None, *,
-                 bucket_mb: float = 25.0, **knobs) -> None:
-        self.config = config if config is not None else PowerGossipConfig(**knobs)
-        self.comm = comm = comm_or_world(comm)
-        self.topology = build_topology(self.config.topology, comm.world_size)
-        self.neighbours = self.topology.neighbours(comm.rank)
-        self.state_module = model
+                 bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.matrices = [(n, p) for n, p in named if p.dim() >= 2]
         self.vectors = [p for _, p in named if p.dim() < 2]
         self.counter = 0  # half-iterations done; identical on every rank
-        self.step = 0
-        self.pq: dict[tuple[int, int], list[list[torch.Tensor]]] = {}  # neighbour -> per matrix [P, Q]
+        self.pq: dict[int, list[list[torch.Tensor]]] = {}  # neighbour -> per matrix [P, Q]
         for j in self.neighbours:
             self.pq[j] = [self._draw(j, k, p, 0) for k, (_, p) in enumerate(self.matrices)]
-        self._timing = Timing()
-
-    @property
-    def timing(self) -> Timing:
-        return self._timing
 
     def _edge(self, j: int) -> tuple[int, int]:
         return (min(self.comm.rank, j), max(self.comm.rank, j))
@@ -130,17 +116,16 @@ class PowerGossip:
         r = min(m, n, self.config.rank)
         g = torch.Generator().manual_seed(((self.config.seed * 1_000_003 + lo) * 1_000_003 + hi) * 7_919 + k * 131
                                           + counter * 1_000_000_007)
-        return [torch.randn(m, r, generator=g).to(p.device, p.dtype), torch.randn(n, r, generator=g).to(p.device, p.dtype)]
+        return [torch.randn(m, r, generator=g).to(p.device, p.dtype),
+                torch.randn(n, r, generator=g).to(p.device, p.dtype)]
 
     # -- the trainer's interface --------------------------------------------------------------
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
         """``iters`` half-iterations of compressed gossip (the first also mixes the vectors)."""
         for i in range(self.config.iters):
             self._half_iteration(with_vectors=i == 0)
         self.step += 1
-
-    def after_step(self) -> None:
-        """Nothing: the gossip happened before the optimizer step (D-PSGD order)."""
+        return True
 
     def _half_iteration(self, with_vectors: bool) -> None:
         t0 = time.perf_counter()
@@ -194,14 +179,10 @@ class PowerGossip:
     # -- figures and state ---------------------------------------------------------------------
     def bytes_per_step(self) -> float:
         """Bytes this worker sends per step on average (see :func:`bytes_per_step`)."""
-        return bytes_per_step(self.state_module, len(self.neighbours), self.config.rank, self.config.iters)
+        return bytes_per_step(self.model, len(self.neighbours), self.config.rank, self.config.iters)
 
-    def stats(self) -> dict:
-        return {}
-
-    def report(self) -> dict:
-        return {"method": describe_config(self.name, self.config), "topology": self.topology.describe(),
-                "neighbours": self.neighbours, "bytes_per_step_model": self.bytes_per_step()}
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "bytes_per_step_model": self.bytes_per_step()}
 
     def state_dict(self) -> dict:
         """The counter and every edge's P and Q, keyed by parameter name and edge."""

@@ -1,80 +1,87 @@
-"""Method specs: an algorithm name with knobs, a policy preset, or any codec spec.
+"""Method specs: a training method's name with knobs, a policy preset, or any codec spec.
 
-``build_method("topk:ratio=0.01", model, comm)`` gives a :class:`SyncReducer` over that
-codec; a policy preset (``"hylo"``) a :class:`SyncReducer` with a codec per parameter.
-Algorithms with their own schedule (local SGD, gossip, ...) register here under
-their own names and take precedence over codec names.
+``build_method("topk:ratio=0.01", model, optimizer, comm)`` gives a
+:class:`~thinwire.algorithms.sync.SyncReducer` over that codec; a policy preset
+(``"hylo"``) a :class:`~thinwire.algorithms.sync.SyncReducer` with a codec per parameter;
+a method of :data:`METHODS` (``"dasgd:period=4"``) that method. Methods take precedence
+over presets, presets over codecs.
+
+The built-in methods are the classes in :data:`BUILTIN`, imported and registered on the
+first lookup (name, ``Config`` and summary are read from the class), in that order. A
+method of a user's own module registers with ``METHODS.register(cls)`` (or as a class
+decorator) and is listed after the built-in ones.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from thinwire.codecs.registry import available as available_codecs
-from thinwire.codecs.registry import build_codec, parse_spec
+from thinwire.codecs.base import Codec
+from thinwire.codecs.registry import CODECS, build_codec, build_config, parse_spec
 from thinwire.comm.base import Communicator
 from thinwire.knobs import describe_config
+from thinwire.policy import PRESETS, Policy
+from thinwire.registry import Entry, Registry
 
-# name -> (validate(spec) -> resolved spec string, build(spec, model, optimizer, comm) -> method)
-_ALGORITHMS: dict[str, tuple[Callable[[str], str], Callable[..., Any]]] = {}
+if TYPE_CHECKING:
+    from thinwire.algorithms.base import Method
 
-
-def register_algorithm(name: str, validate: Callable[[str], str], build: Callable[..., Any]) -> None:
-    if name in _ALGORITHMS or name in available_codecs() or name in algorithms():
-        raise ValueError(f"method {name!r} registered twice")
-    _ALGORITHMS[name] = (validate, build)
-
-
-def algorithms() -> dict[str, type]:
-    """Built-in algorithms with their own schedule, by name: name -> class (``Config``-typed
-    knobs, built as ``cls(model, optimizer, comm, config, bucket_mb=...)``)."""
-    from thinwire.algorithms.ab import ABConfig, ABTraining
-    from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
-    from thinwire.algorithms.gossip import DPSGD, DPSGDConfig
-    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
-    from thinwire.algorithms.powergossip import PowerGossip, PowerGossipConfig
-
-    from thinwire.integrations.torch_builtins import BUILTINS
-
-    return {"localsgd": (LocalSGD, LocalSGDConfig), "dasgd": (DaSGD, DaSGDConfig), "dpsgd": (DPSGD, DPSGDConfig),
-            "powergossip": (PowerGossip, PowerGossipConfig), "ab": (ABTraining, ABConfig),
-            **{name: (cls, cls.config_cls) for name, cls in BUILTINS.items()}}
+# the built-in methods ("module:class"), in listing order
+BUILTIN = (
+    "thinwire.algorithms.local_sgd:LocalSGD",
+    "thinwire.algorithms.dasgd:DaSGD",
+    "thinwire.algorithms.gossip:DPSGD",
+    "thinwire.algorithms.powergossip:PowerGossip",
+    "thinwire.algorithms.ab:ABTraining",
+    "thinwire.integrations.torch_builtins:TorchBuiltin",
+    "thinwire.integrations.torch_builtins:TorchFP16",
+    "thinwire.integrations.torch_builtins:TorchBF16",
+    "thinwire.integrations.torch_builtins:TorchPowerSGD",
+    "thinwire.integrations.torch_builtins:TorchPostLocalSGD",
+)
 
 
-def check_world(spec: str, workers: int) -> None:
-    """Raise ``ValueError`` when a resolved method cannot run on ``workers`` ranks (a
-    topology that does not fit, for instance)."""
-    name, _ = parse_spec(spec)
-    if name in algorithms():
-        cls, config = _config_of(spec)
-        if hasattr(cls, "check_world"):
-            cls.check_world(config, workers)
+def _load_builtin() -> None:
+    for path in BUILTIN:
+        module, _, name = path.partition(":")
+        METHODS.register(getattr(importlib.import_module(module), name))
 
 
-def check_model(spec: str, model: torch.nn.Module) -> None:
-    """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
-    excluded layer names, for instance)."""
-    name, _ = parse_spec(spec)
-    if name in algorithms():
-        cls, config = _config_of(spec)
-        if hasattr(cls, "check_model"):
-            cls.check_model(config, model)
-
-
-def _config_of(spec: str):
-    from thinwire.codecs.registry import build_config
-
-    name, knobs = parse_spec(spec)
-    cls, config_cls = algorithms()[name]
-    return cls, build_config(config_cls, knobs, name)
+METHODS: Registry[type[Method]] = Registry("method", load=_load_builtin, package="thinwire")
 
 
 def method_names() -> list[str]:
-    from thinwire.policy import PRESETS
+    """Every name a spec may start with: codecs, policy presets, then methods."""
+    return [*CODECS, *PRESETS, *METHODS]
 
-    return list(available_codecs()) + list(PRESETS) + list(algorithms()) + list(_ALGORITHMS)
+
+def kind_of(spec: str) -> str:
+    """``"method"`` (a method of :data:`METHODS`), ``"preset"`` or ``"codec"``; an unknown
+    name raises ``ValueError`` listing every name."""
+    name, _ = parse_spec(spec)
+    if name in METHODS:
+        return "method"
+    if name in PRESETS:
+        return "preset"
+    if name in CODECS:
+        return "codec"
+    raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
+
+
+def is_gradient_codec(spec: str) -> bool:
+    """Whether ``spec`` runs as a :class:`~thinwire.algorithms.sync.SyncReducer` (a codec or
+    a policy preset), not as a method with a schedule of its own."""
+    return kind_of(spec) != "method"
+
+
+def method_config(spec: str) -> tuple[type[Method], Any]:
+    """The class and the validated config of a method spec of :data:`METHODS`."""
+    name, knobs = parse_spec(spec)
+    entry = METHODS.entry(name)
+    return entry.value, build_config(entry.Config, knobs, name)
 
 
 def resolve_method(spec: str) -> str:
@@ -82,38 +89,55 @@ def resolve_method(spec: str) -> str:
 
     Raises ``ValueError`` naming the problem (unknown method or knob, value out of range).
     """
-    from thinwire.policy import PRESETS, Policy
-
-    name, _ = parse_spec(spec)
-    if name in _ALGORITHMS:
-        return _ALGORITHMS[name][0](spec)
-    if name in algorithms():
-        cls, config = _config_of(spec)
+    kind = kind_of(spec)
+    if kind == "method":
+        cls, config = method_config(spec)
         return describe_config(cls.name, config)
-    if name in PRESETS:
+    if kind == "preset":
         return Policy.preset(spec).describe()
-    if name not in available_codecs():
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
     return build_codec(spec).describe()
 
 
-def build_method(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, *,
-                 overlap: bool = True, **kw: Any):
-    """The object the trainer drives: ``after_backward(loss=...)`` (this rank's loss of the
-    step), ``after_step()``, ``timing``,
-    ``state_dict()``; see :class:`thinwire.algorithms.sync.SyncReducer`. ``overlap``: built-in
-    methods that average gradients do so while the backward pass goes on (False: at
-    ``after_backward``)."""
-    name, _ = parse_spec(spec)
-    if name in _ALGORITHMS:
-        return _ALGORITHMS[name][1](spec, model, optimizer, comm, **kw)
-    if name in algorithms():
-        cls, config = _config_of(spec)
-        return cls(model, optimizer, comm, config, overlap=overlap, **kw)
+def check_world(spec: str | Policy | Codec, workers: int) -> None:
+    """Raise ``ValueError`` when a resolved method cannot run on ``workers`` ranks (a
+    topology that does not fit, for instance); a codec or policy runs on any world."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        cls, config = method_config(spec)
+        cls.check_world(config, workers)
+
+
+def skip_unsafe(spec: str) -> str | None:
+    """Why a step dropped after backward (``--on-nonfinite skip``) would leave the method of
+    ``spec`` unclean, or None when it would not (:attr:`Method.skip_unsafe`)."""
+    return METHODS[parse_spec(spec)[0]].skip_unsafe if kind_of(spec) == "method" else None
+
+
+def check_model(spec: str | Policy | Codec, model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
+    excluded layer names, for instance); a codec or policy runs on any model."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        cls, config = method_config(spec)
+        cls.check_model(config, model)
+
+
+def build_method(spec: str | Policy | Codec, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 comm: Communicator | None, *, bucket_mb: float = 25.0, overlap: bool = True,
+                 find_unused_parameters: bool = False) -> Method:
+    """The :class:`~thinwire.algorithms.base.Method` a spec (or a policy) names, built on
+    ``model``. ``overlap``: methods that average gradients do so while the backward pass
+    goes on (False: at ``after_backward``). ``find_unused_parameters`` applies to gradient
+    codecs and policies (see :class:`~thinwire.algorithms.sync.SyncReducer`)."""
     from thinwire.algorithms.sync import SyncReducer
 
-    return SyncReducer(model, spec, comm, overlap=overlap, **kw)
-
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        if find_unused_parameters:
+            raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to "
+                             f"{parse_spec(spec)[0]}: its averaging assumes every rank's gradients cover the "
+                             "same parameters")
+        cls, config = method_config(spec)
+        return cls(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap)
+    return SyncReducer(model, spec, comm, bucket_mb=bucket_mb, overlap=overlap,
+                       find_unused_parameters=find_unused_parameters)
 
 
 def refuse_schedule(spec: str, where: str) -> None:
@@ -123,6 +147,22 @@ def refuse_schedule(spec: str, where: str) -> None:
         name, _ = parse_spec(spec)
     except ValueError:
         return  # malformed: the codec parser says why
-    if name in algorithms() or name in _ALGORITHMS:
+    if name in METHODS:
         raise ValueError(f"{name!r} is a training method with its own schedule, not a gradient codec, so {where} "
                          f"cannot run it; attach it to your loop with thinwire.attach(model, optimizer, {spec!r})")
+
+
+def markdown_table() -> str:
+    """Every spec name with its kind, summary and knobs (defaults), as a markdown table: the
+    index in docs/methods.md (``thinwire methods --markdown`` prints it; a test keeps the
+    page in step)."""
+    from thinwire.codecs.registry import knob_table
+
+    rows = ["| name | kind | what it does | knobs (default) |", "|---|---|---|---|"]
+    kinds: list[tuple[Entry[Any], str]] = [(e, f"codec ({e.value.aggregation.value})") for e in CODECS.entries()]
+    kinds += [(e, "policy preset") for e in PRESETS.entries()]
+    kinds += [(e, "PyTorch peer" if e.value.peer else "method") for e in METHODS.entries()]
+    for e, kind in kinds:
+        knobs = ", ".join(f"`{name}` ({default})" for name, default, _, _ in knob_table(e.Config)) or "—"
+        rows.append(f"| `{e.name}` | {kind} | {e.summary.replace('|', chr(92) + '|')} | {knobs} |")
+    return "\n".join(rows) + "\n"

@@ -10,21 +10,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Timing
-from thinwire.algorithms.averaging import comm_or_world
+from thinwire.aggregate import CodecChooser
+from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.gradients import GradientReducer, refuse_sparse
 from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.policy import Assignment, Policy, as_policy
+from thinwire.registry import NoKnobs
+from thinwire.timing import Timing
 
 
-class SyncReducer:
+class SyncReducer(Method):
     """Averages the gradients of ``model`` over all ranks through one codec or a policy.
 
     ``method`` is a codec spec (``"powersgd:rank=2"``), a built codec, a policy preset spec
@@ -87,18 +90,21 @@ class SyncReducer:
             raise ValueError("SyncReducer needs at least one parameter with requires_grad=True")
         if isinstance(method, str):
             refuse_schedule(method, "SyncReducer")
+        super().__init__(model if isinstance(model, torch.nn.Module) else None, None, comm, NoKnobs(),
+                         bucket_mb=bucket_mb, overlap=overlap)
         self.policy = as_policy(method)
+        chooser: CodecChooser
         if self.policy is not None:
             self.assignment: Assignment | None = self.policy.assign(model)
             chooser = self._policy_chooser
             self.method = self.policy.describe()
         else:
             self.assignment = None
+            assert not isinstance(method, Policy)  # as_policy took every Policy
             codec = build_codec(method) if isinstance(method, str) else method
             chooser = lambda name, t: codec  # noqa: E731
             self.method = codec.describe()
-        self.comm = comm = comm_or_world(comm)
-        self.reducer = GradientReducer(named, chooser, comm, bucket_mb=bucket_mb,
+        self.reducer = GradientReducer(named, chooser, self.comm, bucket_mb=bucket_mb,
                                        find_unused_parameters=find_unused_parameters, overlap=overlap)
         self.params = [(n, p) for n, p in named if p.requires_grad]  # trainable when built
         self.aggregator = self.reducer.aggregator
@@ -110,6 +116,7 @@ class SyncReducer:
         self._loss_sum = 0.0  # this rank's training loss summed over the current window
 
     def _policy_chooser(self, name: str, tensor: torch.Tensor) -> Codec:
+        assert self.assignment is not None  # the chooser of a reducer built from a policy
         if name not in self.assignment.rule_of:
             raise ValueError(f"parameter {name!r} was frozen when the reducer was built, so the policy gave it "
                              "no codec; build the reducer after unfreezing it")
@@ -145,6 +152,7 @@ class SyncReducer:
         if not self.reducer.reduce(scaler):
             return False  # nothing reduced: the loss window waits too
         if window:
+            assert loss is not None  # refused above
             self._loss_sum += float(loss)
             if self.step % window == 0:
                 self._agree_loss(window)
@@ -160,8 +168,14 @@ class SyncReducer:
                 codec.observe_loss(mean)
         self._loss_sum = 0.0
 
-    # -- the trainer's interface (see algorithms/registry.py) -------------------------------
-    def after_backward(self, loss: float | torch.Tensor | None = None, *, scaler: Any = None) -> bool:
+    # -- the Method interface (see algorithms/base.py) ---------------------------------------
+    @property
+    def spec(self) -> str:
+        """The codec's or the policy's spec with every knob filled in."""
+        return self.method
+
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
+        """:meth:`reduce`."""
         return self.reduce(loss, scaler=scaler)
 
     def after_step(self) -> None:
@@ -181,7 +195,7 @@ class SyncReducer:
                 out[k if seen[k] == 1 else f"{k}@{c.name}"] = v
         return out
 
-    def overlap_report(self) -> dict:
+    def overlap_report(self) -> dict[str, Any]:
         """How much of the averaging ran beside the backward pass, over the run so far:
         ``steps`` that launched buckets in backward, ``window_seconds`` (from the first
         launch to ``reduce()``: the backward time communication could hide behind),
@@ -197,7 +211,7 @@ class SyncReducer:
                 "leads": [[seconds / max(n, 1), count / elements if elements else 0.0]
                           for seconds, count, n in zip(f["lead_seconds"], f["lead_elements"], f["lead_steps"])]}
 
-    def summary_fields(self) -> dict:
+    def summary_fields(self) -> dict[str, Any]:
         return {"overlap": self.overlap_report()}
 
     def report(self) -> dict:

@@ -24,6 +24,7 @@ Contract (tested for every registered codec):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, ClassVar
 
@@ -50,6 +51,12 @@ class Codec:
     # DDP hook and the gradient reducer then launch such buckets from the backward pass itself
     # and land them on their worker thread (thinwire.aggregate.pipelines)
     concurrent: bool = False
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether this codec sends every value as it is, in fp32, keeping no state (the
+        uncompressed baseline: callers may take the plain fp32 path instead)."""
+        return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -115,7 +122,7 @@ class Codec:
         layouts = [[(tuple(s), d) for s, d in self.wire_spec(shape, payload.dtype, r)] for r in range(self.rounds)]
         if got not in layouts:
             raise PayloadError(f"{self.name}: payload for a {list(shape)} {payload.dtype} tensor has wire tensors "
-                               f"{_layout(got)}, expected {' or '.join(_layout(l) for l in layouts)}")
+                               f"{_layout(got)}, expected {' or '.join(_layout(layout) for layout in layouts)}")
         self.check_fields(payload)
 
     def check_fields(self, payload: Payload) -> None:
@@ -187,10 +194,10 @@ def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
     return "[" + ", ".join(f"{list(s)} {_dtype(d)}" for s, d in specs) + "]"
 
 
-def _checked(fn, many: bool):
+def _checked(fn: Callable[..., Any], many: bool) -> Callable[..., Any]:
     """``fn`` (a decoding method) preceded by ``self.check`` of its payload(s)."""
 
-    def decode(self, payload, *args, **kwargs):
+    def decode(self: Codec, payload: Any, *args: Any, **kwargs: Any) -> Any:
         for p in (payload if many else (payload,)):
             self.check(p)
         return fn(self, payload, *args, **kwargs)

@@ -48,9 +48,10 @@ import functools
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -457,10 +458,10 @@ class FFT(Codec):
         """The sum of the payloads' sparse spectra, in scratch."""
         plan = self._plan(math.prod(payloads[0].shape))
         if device.type == "cpu" and all(p.tensors[2].device.type == "cpu" for p in payloads):
-            spec = self._scratch("sum", plan.bins, np.complex64)
+            total = self._scratch("sum", plan.bins, np.complex64)
             with np.errstate(over="ignore", invalid="ignore"):  # sums past fp32's range: inf, as torch gives
-                self._spectrum_cpu(payloads, plan, spec)
-            return torch.from_numpy(spec)
+                self._spectrum_cpu(payloads, plan, total)
+            return torch.from_numpy(total)
         spec = self._buffer("sum", plan.bins, torch.complex64, device)
         spec.zero_()
         for p in payloads:
@@ -476,12 +477,13 @@ class FFT(Codec):
         bits, kept = self.config.bits, plan.kept
         fused = bits in (8, 16, 32)  # values decode chunk by chunk
         for g, group in enumerate([payloads] if fused else [[p] for p in payloads]):
-            sources = []  # (positions, values: codes or decoded parts, E_max) per payload
+            # (positions, values: codes or decoded parts, E_max) per payload
+            sources: list[tuple[np.ndarray, np.ndarray, int]] = []
             for p in group:
-                header, pos, wire = p.tensors
-                e_max = header.item()
+                header, positions, wire = p.tensors
+                e_max = int(header.item())  # an int32 tensor: already an int
                 vals = wire.numpy() if fused else self._dequantize(e_max, wire, 2 * kept).numpy()
-                sources.append((pos.numpy(), vals, e_max))
+                sources.append((positions.numpy(), vals, e_max))
             if not plan.bitmap:
                 if g == 0:
                     out.fill(0)
@@ -502,7 +504,8 @@ class FFT(Codec):
                         _add_at(out, at, v)
                 continue
 
-            def add(a0: int, a1: int, sources=sources, first=g == 0) -> None:
+            def add(a0: int, a1: int, sources: list[tuple[np.ndarray, np.ndarray, int]] = sources,
+                    first: bool = g == 0) -> None:
                 work = np.empty(2 * min(a1 - a0, _CHUNK), np.float32)  # decoded values, this part's own
                 done = [_bitmap_count(pos, a0) if a0 else 0 for pos, _, _ in sources]  # values before a0
                 for a in range(a0, a1, _CHUNK):

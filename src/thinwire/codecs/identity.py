@@ -28,6 +28,12 @@ class Identity(Codec):
     fusable = True
     concurrent = True
 
+    @property
+    def is_identity(self) -> bool:
+        # this class itself (a subclass may do more in encode), without error feedback (which
+        # keeps residuals, zero but state of its own)
+        return type(self) is Identity and not self.config.ef
+
     def compresses(self, shape: torch.Size) -> bool:
         return True  # nothing to skip: identity is already the fallback
 

@@ -73,7 +73,8 @@ class Kernels(Codec):
     """Sends the highest-scoring kernels (or filters) of a conv gradient whole."""
 
     name = "kernels"
-    summary = "conv gradients: send the top-scoring kernels whole (share falls with layer size) + positions (all_gather), EF on"
+    summary = ("conv gradients: send the top-scoring kernels whole (share falls with layer size) + positions "
+               "(all_gather), EF on")
     Config = KernelsConfig
     aggregation = Aggregation.GATHER
 

@@ -32,7 +32,9 @@ no dense temporary. A step on ResNet-18's gradients (11.2M floats: encode, then 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +44,9 @@ from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 MAX_LEVELS = 32767  # the largest level an int16 word holds
 CHUNK = 1 << 16  # CPU values per pass: a chunk's temporaries stay in cache
@@ -185,20 +190,20 @@ class QSGD(Codec):
         n, s = out.size, self.config.levels
         d, nb = self._layout(n)
         bits = 1 + self.level_bits
-        prepared = []
+        prepared: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
         for p in payloads:
-            norms, codes = p.tensors
-            scale = norms.detach().numpy() / np.float32(s)  # (nb,) fp32, as norms / s in torch
-            codes = codes.detach()
+            norms, wire = p.tensors
+            per_bucket = norms.detach().numpy() / np.float32(s)  # (nb,) fp32, as norms / s in torch
+            wire = wire.detach()
             if bits < 8:
-                codes = unpack(codes, n, bits)  # (N,) uint8 codes
-            codes = codes.numpy()
+                wire = unpack(wire, n, bits)  # (N,) uint8 codes
+            codes = wire.numpy()
             if bits > 8:
-                prepared.append((codes, None, scale))
+                prepared.append((codes, None, per_bucket))
             elif nb == 1:
-                prepared.append((codes, (self._signed_table() * scale[0]).astype(np.float32), None))
+                prepared.append((codes, (self._signed_table() * per_bucket[0]).astype(np.float32), None))
             else:
-                prepared.append((codes, self._signed_table(), scale))
+                prepared.append((codes, self._signed_table(), per_bucket))
         idx_buf, tmp_buf = self._scratch.get("idx", np.int64), self._scratch.get("values", np.float32)
         with np.errstate(invalid="ignore", over="ignore"):
             for lo, hi, r0 in _chunks(n, d):
@@ -246,7 +251,7 @@ class Scratch:
     def __init__(self) -> None:
         self._bufs: dict[str, np.ndarray] = {}
 
-    def get(self, role: str, dtype, size: int = 0) -> np.ndarray:
+    def get(self, role: str, dtype: DTypeLike, size: int = 0) -> np.ndarray:
         size = size or CHUNK
         buf = self._bufs.get(role)
         if buf is None or buf.size < size or buf.dtype != dtype:
@@ -275,7 +280,7 @@ def table_decode(parts: list[tuple[np.ndarray, np.ndarray]], out: np.ndarray, sc
         dst = out[lo * m : hi * m]
         tmp = tmp_buf[: (hi - lo) * m]
         idx = idx_buf[: hi - lo]
-        for i, (table, (_, packed)) in enumerate(zip(rows, parts)):
+        for i, (table, (_, packed)) in enumerate(zip(rows, parts, strict=True)):
             first = i == 0 and not add
             np.copyto(idx, packed[lo:hi], casting="unsafe")
             into = dst if first else tmp
@@ -315,7 +320,7 @@ def cpu_fp32_out(payload: Payload, out: torch.Tensor) -> bool:
             and payload.dtype == torch.float32 and all(t.device.type == "cpu" for t in payload.tensors))
 
 
-def _chunks(n: int, d: int):
+def _chunks(n: int, d: int) -> Iterator[tuple[int, int, int]]:
     """(lo, hi, r0) spans of ``range(n)`` of about ``CHUNK`` values: inside bucket ``r0`` when
     buckets are at least a chunk long, else whole buckets from bucket ``r0`` on (the last
     span may end inside one)."""
@@ -330,7 +335,7 @@ def _chunks(n: int, d: int):
             yield lo, min(n, lo + step), lo // d
 
 
-def _rowwise(op, y: np.ndarray, vec: np.ndarray, lo: int, r0: int, d: int) -> None:
+def _rowwise(op: np.ufunc, y: np.ndarray, vec: np.ndarray, lo: int, r0: int, d: int) -> None:
     """``y = op(y, vec[bucket of each value])`` in place, for the span of :func:`_chunks`."""
     if d >= CHUNK or y.size <= d - lo % d:  # the span lies inside one bucket
         op(y, vec[r0], out=y)

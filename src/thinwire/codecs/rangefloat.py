@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,15 +37,30 @@ class RangeFloatConfig(CodecConfig):
         resolve_layout(self)
 
 
-def resolve_layout(cfg: CodecConfig) -> None:
+class _Layout(Protocol):
+    """A config with a range-float layout (``RangeFloatConfig``, ``FFTConfig``)."""
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def exp_bits(self) -> int: ...
+
+    @property
+    def man_bits(self) -> int | None: ...
+
+
+def resolve_layout(cfg: _Layout) -> None:
     """Check ``exp_bits`` and fill or check ``man_bits`` of a frozen config with ``bits``."""
-    bits, exp_bits = cfg.bits, cfg.exp_bits  # type: ignore[attr-defined]
+    bits, exp_bits = cfg.bits, cfg.exp_bits
     require(1 <= exp_bits <= bits - 2, f"exp_bits must be in 1..{bits - 2}, got {exp_bits}")
-    if cfg.man_bits is None:  # type: ignore[attr-defined]
+    if cfg.man_bits is None:
         object.__setattr__(cfg, "man_bits", bits - 1 - exp_bits)  # resolved, so the config shows it
+    man_bits = cfg.man_bits
+    assert man_bits is not None  # filled just above
     require(
-        exp_bits + cfg.man_bits + 1 == bits,  # type: ignore[attr-defined]
-        f"exp_bits + man_bits + 1 must equal bits: {exp_bits} + {cfg.man_bits} + 1 != {bits}",  # type: ignore[attr-defined]
+        exp_bits + man_bits + 1 == bits,
+        f"exp_bits + man_bits + 1 must equal bits: {exp_bits} + {man_bits} + 1 != {bits}",
     )
 
 

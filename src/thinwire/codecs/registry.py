@@ -3,33 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import typing
 from typing import Any, TypeVar
 
 from thinwire.codecs.base import Codec
 from thinwire.knobs import convert
+from thinwire.registry import Registry
 
-_CODECS: dict[str, type[Codec]] = {}
 C = TypeVar("C", bound=type[Codec])
 
 
+def _load_builtin() -> None:
+    """Import every codec module of this package (each registers itself), in listing order."""
+    import importlib
+    import pkgutil
+
+    import thinwire.codecs as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
+        if info.name not in _NOT_CODECS:
+            importlib.import_module(f"thinwire.codecs.{info.name}")
+
+
+CODECS: Registry[type[Codec]] = Registry("codec", load=_load_builtin, package=__package__)
+
+
 def register(cls: C) -> C:
-    """Class decorator: make a codec available by ``cls.name``. A codec from outside this
-    package (a user's module) registers after the built-in ones, so it is listed after them
-    and cannot take a built-in name."""
-    if not cls.__module__.startswith(f"{__package__}."):
-        _load_builtin()
-    if cls.name in _CODECS:
-        raise ValueError(f"codec {cls.name!r} registered twice")
-    _CODECS[cls.name] = cls
-    return cls
+    """Class decorator: make a codec available by ``cls.name`` (its ``Config`` and
+    ``summary`` go with it). A codec from outside this package (a user's module) registers
+    after the built-in ones, so it is listed after them and cannot take a built-in name."""
+    return CODECS.register(cls)
 
 
 def available() -> dict[str, type[Codec]]:
     """Registered codecs by name (in registration order)."""
-    _load_builtin()
-    return dict(_CODECS)
+    return {e.name: e.value for e in CODECS.entries()}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -64,10 +72,7 @@ def build_config(config_cls: type, knobs: dict[str, str], owner: str) -> Any:
 def build_codec(spec: str) -> Codec:
     """Build a codec from a spec such as ``topk:ratio=0.01,ef=false``; errors name the rule."""
     name, knobs = parse_spec(spec)
-    codecs = available()
-    if name not in codecs:
-        raise ValueError(f"unknown codec {name!r}; available: {', '.join(codecs)}")
-    cls = codecs[name]
+    cls = CODECS[name]
     return cls(build_config(cls.Config, knobs, name))
 
 
@@ -82,31 +87,6 @@ def knob_table(config_cls: type) -> list[tuple[str, str, str, str]]:
 
 def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-_loaded = False
-_load_lock = threading.Lock()
-
-
-def _load_builtin() -> None:
-    """Import every codec module in this package (each registers itself); lazily, not at import.
-
-    Thread-safe: ranks simulated on threads may ask for their first codec at the same time."""
-    global _loaded
-    if _loaded:
-        return
-    with _load_lock:
-        if _loaded:
-            return
-        import importlib
-        import pkgutil
-
-        import thinwire.codecs as package
-
-        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
-            if info.name not in _NOT_CODECS:
-                importlib.import_module(f"thinwire.codecs.{info.name}")
-        _loaded = True  # only once every module registered
 
 
 _NOT_CODECS = {"base", "config", "registry"}

@@ -45,9 +45,10 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ from thinwire.codecs.qsgd import Scratch, check_not_negative, table_decode
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 _CHUNK = 1 << 18  # CPU values per encoding pass (1 MB of fp32): the chunk and its codes stay in cache
 _DECODE_BYTES = 1 << 18  # CPU packed bytes per decoding span handed to a thread (1M values)
@@ -218,13 +222,13 @@ class TwoBit(Codec):
                 packed[(n + 3) // 4 :] = 0  # the word padding
                 self._encode_numpy(a, t, packed)
             return Payload((torch.from_numpy(np.array([t], np.float32)), torch.from_numpy(packed)), x.shape, x.dtype)
-        t = self.threshold(flat)  # (1,)
-        packed = torch.zeros(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
-        if n and 0 < float(t.item()) < math.inf:  # else (t == 0, inf or NaN) every code stays 0
-            code = ((flat >= t) * 3 + (flat <= -t) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
+        threshold = self.threshold(flat)  # (1,)
+        words = torch.zeros(packed_words_nbytes(n), dtype=torch.uint8, device=x.device)  # (4*ceil(N/16),)
+        if n and 0 < float(threshold.item()) < math.inf:  # else (t == 0, inf or NaN) every code stays 0
+            code = ((flat >= threshold) * 3 + (flat <= -threshold) * 2).to(torch.uint8)  # (N,) 0b11 / 0b10 / 0
             codes = pack(code, 2)
-            packed[: codes.numel()] = codes
-        return Payload((t, packed), x.shape, x.dtype)
+            words[: codes.numel()] = codes
+        return Payload((threshold, words), x.shape, x.dtype)
 
     def _encode_numpy(self, a: np.ndarray, t: np.float32, out: np.ndarray) -> None:
         def part(j: int, lo: int, hi: int) -> None:
@@ -305,7 +309,8 @@ class TwoBit(Codec):
 
         _in_parts(part, (n + 3) // 4, _DECODE_BYTES)
 
-    def _np(self, role: str, dtype, size: int = _CHUNK, extra: int = 0, fill: float | None = None) -> np.ndarray:
+    def _np(self, role: str, dtype: DTypeLike, size: int = _CHUNK, extra: int = 0,
+            fill: float | None = None) -> np.ndarray:
         buf = self._scratch.get(role)
         if buf is None or buf.size < size + extra or buf.dtype != dtype:
             buf = np.empty(size + extra, dtype)

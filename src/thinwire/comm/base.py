@@ -8,7 +8,8 @@ keeps them from deadlocking); callers derive the order from the explicit step co
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -82,7 +83,7 @@ class Communicator:
     def barrier(self) -> None:
         self._barrier()
 
-    def subgroup(self, ranks: Sequence[int]) -> "Communicator | None":
+    def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
         """A communicator over ``ranks`` (all ranks must call this, in the same order).
 
         Returns ``None`` on ranks outside ``ranks``. Its ranks are positions in ``ranks``;
@@ -111,7 +112,7 @@ class Communicator:
     def _barrier(self) -> None:
         raise NotImplementedError
 
-    def _subgroup(self, ranks: list[int]) -> "Communicator | None":
+    def _subgroup(self, ranks: list[int]) -> Communicator | None:
         raise NotImplementedError
 
     # -- helpers -------------------------------------------------------------------------

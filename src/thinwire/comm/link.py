@@ -28,8 +28,8 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -42,6 +42,10 @@ _BANDWIDTH_UNITS = {"gbit": 125_000_000.0, "mbit": 125_000.0, "kbit": 125.0, "bi
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 _PART = re.compile(r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]+)\s*", re.IGNORECASE)
 _GRAMMAR = "link must look like 1gbit,50us (bandwidth <number>bit|kbit|mbit|gbit, latency <number>s|ms|us|ns)"
+# The clock and the wait of every emulated delay: module-level so a test can record the waits
+# the link asks for instead of measuring wall time.
+_now = time.perf_counter
+_sleep = time.sleep
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,16 @@ class Link:
             raise ValueError(f"link bandwidth must be a finite number of bytes/s > 0, got {self.bandwidth_Bps}")
 
     @classmethod
-    def parse(cls, text: str) -> "Link":
+    def parse(cls, text: str) -> Link:
         """Parse ``"1gbit,50us"`` (see the module docstring for the grammar)."""
         parts = text.split(",") if isinstance(text, str) else []
         bandwidth = latency = None
         for part in parts:
             m = _PART.fullmatch(part)
             unit = m.group(2).lower() if m else ""
-            if unit in _BANDWIDTH_UNITS and bandwidth is None:
+            if m is not None and unit in _BANDWIDTH_UNITS and bandwidth is None:
                 bandwidth = float(m.group(1)) * _BANDWIDTH_UNITS[unit]
-            elif unit in _LATENCY_UNITS and latency is None:
+            elif m is not None and unit in _LATENCY_UNITS and latency is None:
                 latency = float(m.group(1)) / _LATENCY_UNITS[unit]
             else:
                 bandwidth = latency = None
@@ -159,7 +163,7 @@ class _LinkClock:
     def book(self, seconds: float) -> float:
         """Queue ``seconds`` of transfer issued now; returns its completion deadline."""
         with self._lock:
-            start = max(time.perf_counter(), self.free_at)
+            start = max(_now(), self.free_at)
             self.free_at = start + seconds
             self.modeled_seconds += seconds
             return self.free_at
@@ -174,12 +178,12 @@ class _Delayed:
     def wait(self) -> None:
         self.inner.wait()
         if self.deadline is not None:
-            remaining = self.deadline - time.perf_counter()
+            remaining = self.deadline - _now()
             if remaining > 0:
-                time.sleep(remaining)
+                _sleep(remaining)
 
     def is_completed(self) -> bool:
-        return self.inner.is_completed() and (self.deadline is None or time.perf_counter() >= self.deadline)
+        return self.inner.is_completed() and (self.deadline is None or _now() >= self.deadline)
 
 
 class EmulatedLink(Communicator):
@@ -248,7 +252,7 @@ class EmulatedLink(Communicator):
     def _barrier(self) -> None:
         self.inner._barrier()  # control traffic: not modeled
 
-    def _subgroup(self, ranks: list[int]) -> "Communicator | None":
+    def _subgroup(self, ranks: list[int]) -> Communicator | None:
         sub = self.inner._subgroup(ranks)
         if sub is None:
             return None

@@ -18,7 +18,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,7 +45,7 @@ class LocalWorld:
         self.n = n
         self.timeout_s = timeout_s  # longest a rank waits in one rendezvous before TimeoutError
 
-    def run(self, fn: Callable[["LocalComm"], T]) -> list[T]:
+    def run(self, fn: Callable[[LocalComm], T]) -> list[T]:
         """``fn(comm)`` on every rank, concurrently; the results by rank, or the first error."""
         state = _WorldState(self.n, self.timeout_s)
         group = _Group(state, list(range(self.n)))
@@ -225,7 +226,7 @@ class LocalComm(Communicator):
     def _barrier(self) -> None:
         self._group.rendezvous(self.rank, None, "barrier")
 
-    def _subgroup(self, ranks: list[int]) -> "LocalComm | None":
+    def _subgroup(self, ranks: list[int]) -> LocalComm | None:
         # Every rank proposes a group; all adopt rank 0's, so members share one rendezvous.
         proposal = _Group(self._group.state, [self._group.members[r] for r in ranks])
         values = self._group.rendezvous(self.rank, (tuple(ranks), proposal), "subgroup")

@@ -70,7 +70,7 @@ class ByteMeter:
         self.ops.clear()
         self.by_group.clear()
 
-    def paused(self) -> "_Paused":
+    def paused(self) -> _Paused:
         return _Paused(self)
 
 

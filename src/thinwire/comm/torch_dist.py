@@ -15,8 +15,8 @@ import atexit
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ def _settle() -> None:
 
 
 @contextlib.contextmanager
-def _launching():
+def _launching() -> Iterator[None]:
     """Launch a collective without the Python object that ``backward()`` stashes in torch's
     thread-local state (its ``contextvars`` context): a gloo work keeps the state it was
     created in, and releasing that object on gloo's thread during shutdown aborts as above."""
@@ -75,7 +75,8 @@ class _Works:
         for w in self.works:
             w.wait()
         if self.after is not None:
-            self.after, after = None, self.after
+            after = self.after
+            self.after = None
             after()
         self.keep = ()
 
@@ -186,7 +187,7 @@ class TorchComm(Communicator):
             with _launching():
                 dist.barrier(group=self.group)
 
-    def _subgroup(self, ranks: list[int]) -> "TorchComm | None":
+    def _subgroup(self, ranks: list[int]) -> TorchComm | None:
         # dist.new_group must be entered by every process of the job (members or not), in
         # the same order; this communicator's subgroup() is called by all of its ranks, so
         # that holds only when this communicator spans the whole job.

@@ -13,11 +13,12 @@ import atexit
 import queue
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
 EXIT_WAIT_S = 5.0  # how long interpreter exit waits for a worker still busy with a collective
 
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.aggregate import Aggregator, Timing, pipelines
+from thinwire.aggregate import Aggregator, pipelines
 from thinwire.algorithms.gradients import check_and_unscale, is_plain, loss_scale, refuse_sparse
 from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
@@ -53,6 +53,10 @@ from thinwire.comm.base import Communicator
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.policy import Assignment, Policy, as_policy
+from thinwire.timing import Timing
+
+# a bucket held until the step's last one (under a scaler): buffer, names, gradients, aggregator, future
+_Pending = tuple[torch.Tensor, tuple[str, ...], list[torch.Tensor], Aggregator, torch.futures.Future]
 
 
 @dataclass
@@ -71,7 +75,7 @@ class HookState:
     step: int = 0  # iterations completed; identical on all ranks
     scaler: Any = None  # a torch.amp.GradScaler: buckets averaged in unscaled units, overflows agreed
     skipped: int = 0  # steps dropped on every rank for a non-finite gradient (under a scaler)
-    pending: list = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
+    pending: list[_Pending] = field(default_factory=list)  # under a scaler: this step's buckets, landed with the last
     overlap: bool = True  # average buckets on the worker thread while backward goes on (False: in the hook)
     worker: Worker | None = None
 
@@ -82,15 +86,20 @@ class HookState:
         hook, so every rank issues every collective from the same thread, in bucket order."""
         return all(pipelines(c) for c in self.codecs)
 
+    def _single(self) -> Codec:
+        """The one codec of every parameter (when there is no ``assignment``)."""
+        assert self.codec is not None  # None only beside a policy's assignment
+        return self.codec
+
     def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
-        return self.codec if self.assignment is None else self.assignment.codec_for(name)
+        return self._single() if self.assignment is None else self.assignment.codec_for(name)
 
     @property
     def codecs(self) -> list[Codec]:
-        return [self.codec] if self.assignment is None else self.assignment.codecs
+        return [self._single()] if self.assignment is None else self.assignment.codecs
 
     def describe(self) -> str:
-        return self.codec.describe() if self.assignment is None else self.assignment.policy.describe()
+        return self._single().describe() if self.assignment is None else self.assignment.policy.describe()
 
     def state_dict(self) -> dict:
         """Step, residuals by parameter name, and the codecs' state (for checkpoints)."""
@@ -174,6 +183,7 @@ def _land_scaled(state: HookState) -> None:
     back. Completes every pending future."""
     pending, state.pending = state.pending, []
     scale = loss_scale(state.scaler)
+    assert scale is not None  # pending only under an enabled scaler
     plain = [[is_plain(state.codec_for(n, g), g.shape) for n, g in zip(names, grads)]
              for _, names, grads, _, _ in pending]
     found = check_and_unscale([g for _, _, grads, _, _ in pending for g in grads],
@@ -226,8 +236,10 @@ def register(
     if isinstance(method, str):
         refuse_schedule(method, "a DDP communication hook")
     policy = as_policy(method)
-    codec, assignment = None, None
+    codec: Codec | None = None
+    assignment: Assignment | None = None
     if policy is None:
+        assert not isinstance(method, Policy)  # as_policy took every Policy
         codec = build_codec(method) if isinstance(method, str) else method
         _refuse_loss_window([codec])
     if not isinstance(model, DistributedDataParallel):

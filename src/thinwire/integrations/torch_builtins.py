@@ -29,21 +29,18 @@ import inspect
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire.aggregate import Timing
+from thinwire.algorithms.base import Loss, Method
 from thinwire.comm.base import Communicator
-from thinwire.knobs import describe_config, knob, require
-
-
-@dataclass(frozen=True, kw_only=True)
-class NoKnobs:
-    pass
+from thinwire.knobs import knob, require
+from thinwire.timing import Timing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +52,8 @@ class TorchPowerSGDConfig:
 
     def __post_init__(self) -> None:
         require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
-        require(self.start_iter >= 2, f"start_iter must be >= 2 (PyTorch's error feedback needs it), got {self.start_iter}")
+        require(self.start_iter >= 2,
+                f"start_iter must be >= 2 (PyTorch's error feedback needs it), got {self.start_iter}")
         require(self.min_compression_rate >= 1, f"min_compression_rate must be >= 1, got {self.min_compression_rate}")
 
 
@@ -88,12 +86,13 @@ class _Done:
 
 
 @contextmanager
-def routed_all_reduce(comm: Communicator, timing: Timing):
+def routed_all_reduce(comm: Communicator, timing: Timing) -> Iterator[None]:
     """While active, ``torch.distributed.all_reduce`` (SUM, world group) runs through ``comm``:
     metered, emulated where ``comm`` is, and complete on return."""
     original = dist.all_reduce
 
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> _Done | None:
         if op != dist.ReduceOp.SUM or (group is not None and group is not dist.group.WORLD
                                        and dist.get_world_size(group) != comm.world_size):
             raise RuntimeError("thinwire meters PyTorch's hooks only for SUM all_reduce over the world group")
@@ -114,7 +113,7 @@ def routed_all_reduce(comm: Communicator, timing: Timing):
 
 
 @contextmanager
-def _timed(comm: Communicator, timing: Timing):
+def _timed(comm: Communicator, timing: Timing) -> Iterator[None]:
     """Route the all_reduces through ``comm``; the time outside them is codec time."""
     t0, before = time.perf_counter(), timing.comm_seconds
     with routed_all_reduce(comm, timing):
@@ -135,31 +134,31 @@ def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
     return metered
 
 
-class TorchBuiltin:
-    """A model wrapped in DDP with one of PyTorch's communication hooks; the trainer runs
-    forward and backward through :attr:`module`."""
+class TorchBuiltin(Method):
+    """A model wrapped in DDP with one of PyTorch's communication hooks (``hook`` names one
+    of ``default_hooks``); the trainer runs forward and backward through the wrapper."""
 
     name = "torch-ddp"
-    config_cls: type = NoKnobs
     summary = "PyTorch DDP, default all_reduce (allreduce_hook), fp32"
-    builtin = True
+    averages_in_backward = True
+    peer = True
+    hook = "allreduce_hook"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0, **knobs) -> None:
-        self.config = config if config is not None else self.config_cls(**knobs)
+                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, **knobs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(f"{self.name} runs PyTorch's DDP and needs torch.distributed (thinwire train starts it)")
-        if comm is None:
-            from thinwire.comm.torch_dist import TorchComm
-
-            comm = TorchComm()
-        self.comm, self.model, self.optimizer = comm, model, optimizer
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
+        self.model: torch.nn.Module = model
         self._timing = Timing()
         self.step = 0
         from torch.nn.parallel import DistributedDataParallel
 
-        local = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                 else {"broadcast_buffers": False})  # BatchNorm statistics stay local, as under thinwire's methods
+        # BatchNorm statistics stay local, as under thinwire's methods
+        local: dict[str, Any] = ({"forward_sync_buffers": False}
+                                 if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                                 else {"broadcast_buffers": False})
         self.module = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **local)
         state, hook = self._hook()
         check = getattr(self.module, "_check_comm_hook", None)
@@ -168,72 +167,68 @@ class TorchBuiltin:
                 check(hook)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{self.name} is unavailable here: {e}") from None
-        self.module.register_comm_hook(state, _wrap(hook, comm, self._timing))
+        self.module.register_comm_hook(state, _wrap(hook, self.comm, self._timing))
         self.hook_state = state
 
     def _hook(self) -> tuple[Any, Callable]:
+        """The hook's state and the hook (DDP's ``register_comm_hook`` arguments)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        return None, default_hooks.allreduce_hook
+        return None, getattr(default_hooks, self.hook)
+
+    def forward_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.module
 
     @property
     def timing(self) -> Timing:
         return self._timing
 
-    def after_backward(self, loss: float | torch.Tensor | None = None) -> None:
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
         """Nothing: DDP averaged the gradients during the backward pass."""
+        return True
 
     def after_step(self) -> None:
         self.step += 1
 
-    def stats(self) -> dict:
-        return {}
+    def report(self) -> dict[str, Any]:
+        return {"method": self.spec, "peer": "PyTorch DDP communication hook"}
 
-    def report(self) -> dict:
-        return {"method": describe_config(self.name, self.config), "peer": "PyTorch DDP communication hook"}
-
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
 
 
 class TorchFP16(TorchBuiltin):
     name = "torch-fp16"
     summary = "PyTorch DDP with fp16_compress_hook (gradients cast to fp16 for the all_reduce)"
-
-    def _hook(self):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        return None, default_hooks.fp16_compress_hook
+    hook = "fp16_compress_hook"
 
 
 class TorchBF16(TorchBuiltin):
     name = "torch-bf16"
     summary = ("PyTorch DDP with bf16_compress_hook (gradients cast to bf16 for the all_reduce); PyTorch "
                "accepts it only with CUDA + NCCL 2.10+ (or XPU), so not on CPU/gloo")
+    hook = "bf16_compress_hook"
 
-    @staticmethod
-    def check_world(config: Any, workers: int) -> None:
+    @classmethod
+    def check_world(cls, config: Any, workers: int) -> None:
         """Refuse locally spawned runs up front: they use gloo, where PyTorch's DDP rejects
         this hook (under torchrun the rank checks the backend it got)."""
         if "RANK" not in os.environ:
             raise ValueError("torch-bf16 is unavailable on CPU/gloo: PyTorch's DDP accepts bf16_compress_hook only "
                              "with CUDA 11+ and NCCL 2.10+ (or XPU and XCCL); use bf16 (thinwire's cast codec) here")
 
-    def _hook(self):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        return None, default_hooks.bf16_compress_hook
-
 
 class TorchPowerSGD(TorchBuiltin):
     name = "torch-powersgd"
-    config_cls = TorchPowerSGDConfig
+    Config = TorchPowerSGDConfig
+    skip_unsafe = ("PyTorch's hook folds a gradient into its error feedback inside the backward pass, before the "
+                   "check, and would resend a NaN every later step")
     summary = "PyTorch DDP with powerSGD_hook (rank-r P/Q all_reduces, error feedback, warm start)"
 
-    def _hook(self):
+    def _hook(self) -> tuple[Any, Callable]:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         cfg = self.config
@@ -245,7 +240,7 @@ class TorchPowerSGD(TorchBuiltin):
         self._layout: dict[int, list[str]] = {}  # bucket index -> its parameters, in the order last seen
         self._pieces: dict[str, dict[str, torch.Tensor]] | None = None  # per parameter, while buckets change
 
-        def hook(st, bucket):  # unannotated: DDP checks the annotations it finds against its own types
+        def hook(st: ps.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             index = bucket.index()
             names = [self._names[id(p)] for p in bucket.parameters()]
             if self._layout.get(index) != names:
@@ -255,6 +250,9 @@ class TorchPowerSGD(TorchBuiltin):
                 self._pieces = None  # every bucket has its layout for this iteration
             return future
 
+        # DDP checks the annotations it finds against its own types: the real classes, not strings
+        hook.__annotations__ = {"st": ps.PowerSGDState, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
         return state, hook
 
     def _relayout(self, index: int, names: list[str]) -> None:
@@ -282,8 +280,9 @@ class TorchPowerSGD(TorchBuiltin):
         for kind, store in stores:
             segments = self._segments(names, kind)
             parts = [self._pieces[kind].get(name) for name, _ in segments]
-            if segments and all(part is not None for part in parts):
-                store[index] = torch.cat(parts)
+            found = [part for part in parts if part is not None]
+            if segments and len(found) == len(parts):
+                store[index] = torch.cat(found)
             else:
                 store.pop(index, None)  # PowerSGD allocates afresh (zeros, or a new random Q)
         mine = set(names)
@@ -346,10 +345,10 @@ class TorchPowerSGD(TorchBuiltin):
 
 class TorchPostLocalSGD(TorchBuiltin):
     name = "torch-postlocalsgd"
-    config_cls = TorchPostLocalSGDConfig
+    Config = TorchPostLocalSGDConfig
     summary = "PyTorch post-local SGD: post_localSGD_hook + PeriodicModelAverager (parameters every period steps)"
 
-    def _hook(self):
+    def _hook(self) -> tuple[Any, Callable]:
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
@@ -372,7 +371,3 @@ class TorchPostLocalSGD(TorchBuiltin):
         super().load_state_dict(state)
         self.hook_state.iter = int(state["iter"])
         self.averager.step = int(state["averager_step"])
-
-
-BUILTINS: dict[str, type[TorchBuiltin]] = {c.name: c for c in (TorchBuiltin, TorchFP16, TorchBF16, TorchPowerSGD,
-                                                                 TorchPostLocalSGD)}

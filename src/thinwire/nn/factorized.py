@@ -21,7 +21,8 @@ wrappers (mode ``full``, no factors).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +37,18 @@ PLAIN_MISSING = ("a", "b", "_extra_state")  # the keys a wrapper saves that a pl
 class Factorized(nn.Module):
     """A Linear or Conv layer whose weight is ``W`` (mode ``full``) or ``A·B`` (``a``, ``b``)."""
 
+    _layer: nn.Linear | _ConvNd  # set past Module.__setattr__: not registered as a submodule
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
     def __init__(self, layer: nn.Linear | _ConvNd) -> None:
         super().__init__()
         if not _supported(layer):
             raise TypeError(f"Factorized wraps nn.Linear or a (non-transposed) Conv layer, got {type(layer).__name__}")
         object.__setattr__(self, "_layer", layer)  # its config (stride, padding, ...), not a submodule
-        self.weight = layer.weight
-        self.bias = layer.bias
+        # The layer's registered Parameters (its class annotates them as plain tensors).
+        self.weight = cast(nn.Parameter, layer.weight)
+        self.bias = cast("nn.Parameter | None", layer.bias)
         w = layer.weight
         self.rows, self.cols = w.shape[0], w[0].numel()  # the (out, -1) view
         self.transposed = self.rows < self.cols  # factor the tall view
@@ -82,7 +88,12 @@ class Factorized(nn.Module):
         keeping ``rank`` singular values, or those above ``cutoff · σ_1`` (default: all).
         Returns the rank kept."""
         u, s, vh = torch.linalg.svd(self.tall(), full_matrices=False)
-        r = s.numel() if rank is None and cutoff is None else rank if rank is not None else rank_for(s, cutoff)
+        if rank is not None:
+            r = rank
+        elif cutoff is not None:
+            r = rank_for(s, cutoff)
+        else:
+            r = s.numel()
         r = max(1, min(int(r), s.numel()))
         root = s[:r].sqrt()
         self.set_factors(u[:, :r] * root, root[:, None] * vh[:r])
@@ -156,8 +167,9 @@ class Factorized(nn.Module):
         self.mode = mode
         self._flags()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
         if prefix + "weight" in state_dict and not any(prefix + k in state_dict for k in PLAIN_MISSING):
             state_dict = {**state_dict, **self._as_full(prefix)}  # a plain layer's state (an exported model)
         for name in ("a", "b"):  # the saved rank decides the factors' shapes

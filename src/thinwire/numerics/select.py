@@ -23,7 +23,8 @@ sampled path; inputs with NaN belong to the caller.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,9 +188,27 @@ def sampled_scan(
     lo = part[m - j_lo] if j_lo <= m else -np.inf  # more than k lie at or above lo
     if np.isnan(hi) or np.isnan(lo):
         return None
+    return _take_band(split(_band_scan(scorer, mask, chunk, hi, lo), n), k, mask)
 
-    def scan(a0: int, a1: int) -> tuple[int, list[np.ndarray], list[np.ndarray]]:
-        scores_of, above, where, band = scorer(), 0, [], []
+
+_Part = tuple[int, list[np.ndarray], list[np.ndarray]]  # (scores above hi, band positions, band scores)
+
+
+def _band_scan(
+    scorer: Callable[[], Callable[[int, int], np.ndarray]],
+    mask: np.ndarray,
+    chunk: int,
+    hi: np.floating[Any] | float,
+    lo: np.floating[Any] | float,
+) -> Callable[[int, int], _Part]:
+    """The scan of one part ``[a0, a1)`` of :func:`sampled_scan`: writes ``score > hi`` into
+    ``mask`` and returns (how many, positions and scores of the band ``[lo, hi]``)."""
+
+    def scan(a0: int, a1: int) -> _Part:
+        scores_of = scorer()
+        above = 0
+        where: list[np.ndarray] = []
+        band: list[np.ndarray] = []
         inband = np.empty(min(a1 - a0, chunk), np.bool_)
         for a in range(a0, a1, chunk):
             c, mc = scores_of(a, min(a1, a + chunk)), mask[a : a + chunk]
@@ -204,10 +223,15 @@ def sampled_scan(
             above += int(np.count_nonzero(mc))
         return above, where, band
 
-    parts = split(scan, n)
+    return scan
+
+
+def _take_band(parts: list[_Part], k: int, mask: np.ndarray) -> np.ndarray | None:
+    """Complete ``mask`` (holding the scores above ``hi``) from the band the parts collected:
+    the top ``k`` overall, ties lowest index first; None when the sample misjudged."""
     need = k - sum(p[0] for p in parts)
-    where = [w for p in parts for w in p[1]]  # the band's positions (ascending) and scores
-    where = np.concatenate(where) if where else np.empty(0, np.int64)  # (b,) every score equal to
+    found = [w for p in parts for w in p[1]]  # the band's positions (ascending) and scores
+    where = np.concatenate(found) if found else np.empty(0, np.int64)  # (b,) every score equal to
     # the k-th largest is in the band
     if need < 0 or need > where.size:
         return None  # the sample misjudged: the exact path

@@ -33,11 +33,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from thinwire.codecs.base import Codec
 
 FLAT_NUMEL = 25_000_000  # large input, full run (5000 x 5000)
 FLAT_NUMEL_QUICK = 2_000_000  # large input with quick (1414 x 1414)
@@ -131,7 +135,7 @@ def build_inputs(names: Sequence[str], numel: int) -> dict[str, list[Item]]:
 
 
 # -- work ------------------------------------------------------------------------------------------
-def codec_for_each(codec, items: list[Item]) -> list:
+def codec_for_each(codec: Codec, items: list[Item]) -> list[Codec]:
     """The codec each tensor travels with: the codec, or fp32 identity where it declines."""
     from thinwire.codecs.identity import Identity, IdentityConfig
 
@@ -139,10 +143,10 @@ def codec_for_each(codec, items: list[Item]) -> list:
     return [codec if codec.compresses(x.shape) else fallback for _, x in items]
 
 
-def roundtrip(codecs: list, items: list[Item], *, update: bool) -> tuple[list[torch.Tensor], int]:
+def roundtrip(codecs: list[Codec], items: list[Item], *, update: bool) -> tuple[list[torch.Tensor], int]:
     """Encode (all rounds, world size 1) and decode every tensor; returns (decoded, wire bytes)."""
     outs, wire = [], 0
-    for c, (key, x) in zip(codecs, items):
+    for c, (key, x) in zip(codecs, items, strict=True):
         p = c.encode(x, key=key)
         wire += p.nbytes
         for _ in range(1, c.rounds):
@@ -155,7 +159,7 @@ def roundtrip(codecs: list, items: list[Item], *, update: bool) -> tuple[list[to
 
 
 def rel_error(items: list[Item], outs: list[torch.Tensor]) -> float:
-    num = sum(float((x.double() - y.double()).pow(2).sum()) for (_, x), y in zip(items, outs))
+    num = sum(float((x.double() - y.double()).pow(2).sum()) for (_, x), y in zip(items, outs, strict=True))
     den = sum(float(x.double().pow(2).sum()) for _, x in items)
     return math.sqrt(num / den) if den > 0 else 0.0
 
@@ -181,7 +185,7 @@ def measure(spec: str, items: list[Item], input_name: str, repeats: int, min_s: 
     codecs = codec_for_each(codec, items)
     outs, wire = roundtrip(codecs, items, update=False)
     err = rel_error(items, outs)
-    predicted = sum(c.nbytes(x.shape, x.dtype) for c, (_, x) in zip(codecs, items))
+    predicted = sum(c.nbytes(x.shape, x.dtype) for c, (_, x) in zip(codecs, items, strict=True))
     del outs
 
     fp32_bytes = sum(4 * x.numel() for _, x in items)
@@ -201,7 +205,7 @@ def measure(spec: str, items: list[Item], input_name: str, repeats: int, min_s: 
         compressed=sum(c is codec for c in codecs), fp32_bytes=fp32_bytes, wire_bytes=wire, nbytes=predicted,
         compression=fp32_bytes / max(1, wire), rel_error=err, seconds=sec, copy_seconds=copy_sec,
         gbps=fp32_bytes / sec / 1e9, copy_gbps=fp32_bytes / copy_sec / 1e9,
-        x_copy=statistics.median(w / c for w, c in zip(works, copies)), repeats=repeats,
+        x_copy=statistics.median(w / c for w, c in zip(works, copies, strict=True)), repeats=repeats,
     )
 
 
@@ -301,26 +305,8 @@ def main(
     mnist1d, charlm, large. ``threads``: torch threads for the run (default: torch's; the
     setting is process-wide and stays in force afterwards).
     """
-    from thinwire.codecs.registry import build_codec
-
     try:
-        specs = split_specs(methods) if methods else default_specs()
-        if not specs:
-            raise ValueError("--methods gave no codec spec")
-        for s in specs:
-            build_codec(s)  # validate every spec before any work
-        repeats = repeats if repeats is not None else (REPEATS_QUICK if quick else REPEATS)
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
-        inputs = tuple(inputs) if inputs else INPUTS
-        unknown = [i for i in inputs if i not in INPUTS]
-        if unknown:
-            raise ValueError(f"unknown input {unknown[0]!r}; inputs: {', '.join(INPUTS)}")
-        numel = size if size is not None else (FLAT_NUMEL_QUICK if quick else FLAT_NUMEL)
-        if numel < 1:
-            raise ValueError(f"size must be >= 1, got {numel}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+        specs, repeats, inputs, numel = _checked(quick, methods, repeats, size, inputs, threads)
     except ValueError as e:
         _note(f"thinwire: error: {e}")
         return 2
@@ -351,6 +337,32 @@ def main(
         _note(f"wrote {', '.join(map(str, paths))}")
     _note(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+def _checked(quick: bool, methods: str | None, repeats: int | None, size: int | None,
+             inputs: Sequence[str] | None, threads: int | None) -> tuple[list[str], int, tuple[str, ...], int]:
+    """``main``'s arguments checked, defaults filled in: (specs, repeats, inputs, floats in the
+    large input). Raises ``ValueError`` naming the first bad one."""
+    from thinwire.codecs.registry import build_codec
+
+    specs = split_specs(methods) if methods else default_specs()
+    if not specs:
+        raise ValueError("--methods gave no codec spec")
+    for s in specs:
+        build_codec(s)  # validate every spec before any work
+    repeats = repeats if repeats is not None else (REPEATS_QUICK if quick else REPEATS)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = tuple(inputs) if inputs else INPUTS
+    unknown = [i for i in names if i not in INPUTS]
+    if unknown:
+        raise ValueError(f"unknown input {unknown[0]!r}; inputs: {', '.join(INPUTS)}")
+    numel = size if size is not None else (FLAT_NUMEL_QUICK if quick else FLAT_NUMEL)
+    if numel < 1:
+        raise ValueError(f"size must be >= 1, got {numel}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return specs, repeats, names, numel
 
 
 def _note(text: str) -> None:

@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-from thinwire.comm.local import LocalWorld
+from thinwire.comm.local import LocalComm, LocalWorld
 
 LEVELS = (1e-2, 1e-4)
 DEFAULT_METHODS = ("dpsgd", "powergossip:rank=1", "powergossip:rank=2", "powergossip:rank=4")
@@ -41,11 +41,12 @@ def curve(spec: str, workers: int, size: int, topology: str, max_steps: int) -> 
     full = f"{name}:topology={topology}" + (f",{knobs}" if knobs else "")
     every = 10  # steps between checks of the stopping level (all ranks take the same decision)
 
-    def fn(comm):
+    def fn(comm: LocalComm) -> list[tuple[int, float, float]]:
         model = _Matrix(comm.rank, size)
         method = build_method(full, model, None, comm)
         total = torch.zeros(1, dtype=torch.float64)
-        rows, start = [], None
+        rows: list[tuple[int, float, float]] = []
+        start: float | None = None
         for step in range(max_steps + 1):
             if step:
                 method.after_backward()

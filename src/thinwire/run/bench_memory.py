@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Documented overhead per rank, in fp32 model copies, by method name: (figure, what it is).
 DOCUMENTED: dict[str, tuple[float, str]] = {
@@ -46,7 +47,8 @@ DOCUMENTED: dict[str, tuple[float, str]] = {
 }
 # warm-ups short enough that the state exists within the run (DaSGD's first average at step 12)
 SPECS = {"ab": "ab:warmup=4", "dasgd": "dasgd:warmup=4"}
-TASK_OPTIONS = {"dim": 512, "hidden": 2048, "depth": 2, "classes": 10, "samples": 4096, "test_samples": 256}
+TASK_OPTIONS: dict[str, Any] = {"dim": 512, "hidden": 2048, "depth": 2, "classes": 10, "samples": 4096,
+                                "test_samples": 256}
 DEFAULT_STEPS = 12
 
 
@@ -57,7 +59,9 @@ def measure(specs: list[str], *, workers: int = 2, steps: int = DEFAULT_STEPS, l
     from thinwire.tasks import get as get_task
 
     if launch is None:
-        from thinwire.run.launch import launch
+        from thinwire.run.launch import launch as default_launch
+
+        launch = default_launch
     model = get_task("synthetic")(seed=0, **TASK_OPTIONS).build_model()
     params = sum(p.numel() for p in model.parameters())
     base = TrainConfig(task="synthetic", workers=workers, steps=steps, eval_every=steps, batch_size=32,
@@ -69,7 +73,7 @@ def measure(specs: list[str], *, workers: int = 2, steps: int = DEFAULT_STEPS, l
         t0 = time.perf_counter()
         try:
             cfg = dataclasses.replace(base, method=spec).resolve()
-            summary = launch(cfg, show_progress=False)
+            summary: Any = launch(cfg, show_progress=False)  # None (off rank 0) fails here like any error
             peak, state, error = summary["peak_rss_bytes"], summary["method_state_bytes"], ""
         except Exception as e:  # noqa: BLE001  (reported in the table; the others still run)
             peak, state, error = None, None, f"{type(e).__name__}: {e}".splitlines()[0][:200]

@@ -235,8 +235,8 @@ def read_meta(d: Path) -> dict[str, Any]:
             raise CheckpointError(f"{where} is damaged: it has no {key!r}")
         value = meta[key]
         if not (_is_int(value) if kind is int else isinstance(value, kind)):
-            raise CheckpointError(f"{where} is damaged: {key} must be {'an integer' if kind is int else kind.__name__}, "
-                                  f"got {value!r:.40}")
+            expected = "an integer" if kind is int else kind.__name__
+            raise CheckpointError(f"{where} is damaged: {key} must be {expected}, got {value!r:.40}")
     if meta["step"] < 0 or meta["world_size"] < 1:
         raise CheckpointError(f"{where} is damaged: step {meta['step']}, world size {meta['world_size']}")
     n = meta["world_size"]
@@ -256,8 +256,8 @@ def verify(d: Path, meta: dict[str, Any], ranks: list[int] | None = None) -> Non
     ``meta`` (size, then SHA-256): raises :class:`CheckpointError` naming the first file that
     differs. The launcher runs it before any rank starts (under torchrun, each rank for its
     own file)."""
-    ranks = range(meta["world_size"]) if ranks is None else ranks
-    for name, record in ((f"rank-{r}.pt", meta["files"].get(f"rank-{r}.pt")) for r in ranks):
+    wanted = range(meta["world_size"]) if ranks is None else ranks
+    for name, record in ((f"rank-{r}.pt", meta["files"].get(f"rank-{r}.pt")) for r in wanted):
         if record is None:
             raise CheckpointError(f"checkpoint {d}: meta.json records no {name} (a {meta['world_size']}-rank run)")
         path = d / name

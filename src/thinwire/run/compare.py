@@ -20,8 +20,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from thinwire.run.config import TrainConfig
 
@@ -141,7 +142,9 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
     """Run every method; returns one result per method: ``label``, ``spec``, ``status``
     (``ok`` / ``failed``), ``error``, ``summary``, ``rows`` (metrics.jsonl), ``seconds``."""
     if launch is None:
-        from thinwire.run.launch import launch
+        from thinwire.run.launch import launch as default_launch
+
+        launch = default_launch
     results = []
     n = len(race.specs)
     t_race = time.perf_counter()
@@ -251,11 +254,11 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
     links = race.links
     best = best_per_link(records, links)
     b = race.base
+    target_note = "" if race.target is not None else f" ({int(TARGET_SHARE * 100)}% of the best final accuracy)"
     lines = [f"# thinwire compare: {b.task}, {b.workers} workers, {b.steps} steps", "",
              f"- command: `{command}`",
              f"- seed {b.seed}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker",
-             f"- target test accuracy: {_num(target, '.4f')}" + ("" if race.target is not None
-                                                                   else f" ({int(TARGET_SHARE * 100)}% of the best final accuracy)"),
+             f"- target test accuracy: {_num(target, '.4f')}" + target_note,
              "- modeled time = measured compute + codec time + the link's alpha-beta time for the bytes sent", ""]
     headers = ["method", "final acc", "final loss", "MB sent / worker", "compression", "wall s"]
     headers += [f"modeled s @ {link}" for link in links] + [f"to target @ {link}" for link in links]
@@ -264,8 +267,9 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
         if r["status"] != "ok":
             lines.append(f"| {r['method']} | failed: {r['error']} |" + " - |" * (len(headers) - 2))
             continue
-        cells = [r["method"], _num(r["final_accuracy"], ".4f"),
-                 _num(r["final_bpc"], ".4f") + " bpc" if r.get("final_bpc") is not None else _num(r["final_loss"], ".4f"),
+        final_loss = (_num(r["final_bpc"], ".4f") + " bpc" if r.get("final_bpc") is not None
+                      else _num(r["final_loss"], ".4f"))
+        cells = [r["method"], _num(r["final_accuracy"], ".4f"), final_loss,
                  _num((r["bytes_sent_per_worker"] or 0) / 1e6, ".2f"), _num(r["compression_ratio"], ".1f") + "x",
                  _num(r["wall_seconds"], ".1f")]
         cells += [_num(r[f"modeled_seconds@{link}"], ".1f") for link in links]

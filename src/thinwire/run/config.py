@@ -8,10 +8,11 @@ import importlib.util
 import math
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from thinwire.algorithms.registry import check_world, resolve_method
+from thinwire.algorithms.registry import check_world, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
 
 
@@ -44,31 +45,34 @@ class TrainConfig:
     imports: tuple[str, ...] = ()  # modules (dotted names or .py files) imported before methods resolve: user codecs
     max_workers: int | None = None  # the most local ranks to spawn; None: what this machine can hold (worker_limit)
 
-    def resolve(self) -> "TrainConfig":
+    def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
         :class:`RunFinished` when a resume in place finds its run already at ``steps``.
 
-        ``imports`` are imported first (here and in every rank), so a method they register
-        resolves like a built-in one."""
-        from thinwire.comm.link import Link
-        from thinwire.tasks import get as get_task
+        Three steps: :func:`plan` reads what the checks need from outside the config (the
+        ``imports``, imported here and in every rank so that a method they register
+        resolves like a built-in one; the environment; the files: a policy, a checkpoint's
+        metadata, ``--out``), :meth:`validate` checks the config against those facts alone,
+        and last the checkpoint's files are verified against their checksums."""
+        facts = plan(self)
+        resolved = self.validate(facts)
+        facts.verify()
+        return resolved
 
-        imports = tuple(_stored(name) for name in self.imports)
-        import_modules(imports)
-        task_cls = get_task(self.task)
-        d = task_cls.defaults
+    def validate(self, facts: Facts) -> TrainConfig:
+        """The config with every default filled, checked against ``facts`` (no file, module
+        or environment is read here)."""
+        from thinwire.comm.link import Link
+
+        d = facts.defaults
         require(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
-        if "RANK" not in os.environ:  # local ranks: bounded by the machine (torchrun's world is torchrun's)
-            check_workers(self.workers, self.max_workers)
-        steps = d.steps if self.steps is None else self.steps
+        if not facts.torchrun:  # local ranks: bounded by the machine (torchrun's world is torchrun's)
+            check_workers(self.workers, self.max_workers, limit=facts.worker_limit)
+        steps, batch, lr, opt, eval_every = _filled(self, d)
         require(steps >= 1, f"steps must be >= 1, got {steps}")
-        batch = d.batch_size if self.batch_size is None else self.batch_size
         require(batch >= 1, f"batch-size must be >= 1, got {batch}")
-        lr = d.lr if self.lr is None else self.lr
         require(math.isfinite(lr) and lr >= 0, f"lr must be a finite number >= 0, got {lr}")
-        opt = d.optimizer if self.optimizer is None else self.optimizer
         require(opt in ("adam", "sgd"), f"optimizer must be adam or sgd, got {opt!r}")
-        eval_every = d.eval_every if self.eval_every is None else self.eval_every
         require(eval_every >= 1, f"eval-every must be >= 1, got {eval_every}")
         require(math.isfinite(self.bucket_mb) and self.bucket_mb > 0,
                 f"bucket-mb must be a finite number > 0, got {self.bucket_mb}")
@@ -76,72 +80,73 @@ class TrainConfig:
         links = tuple(str(Link.parse(s)) for s in self.links)
         require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        require(self.on_nonfinite in ("raise", "skip"), f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
-        from thinwire.run.launch import collective_timeout
-
-        collective_timeout()  # a bad THINWIRE_COLLECTIVE_TIMEOUT is refused here, before any rank starts
-        out = self.out
-        resume_dir = meta = own = None
-        if self.resume is not None:
-            from thinwire.run import checkpoint
-
-            resume_dir = checkpoint.locate(self.resume)  # CheckpointError (a ValueError) names what is missing
-            meta = checkpoint.read_meta(resume_dir)  # its schema
-            own = checkpoint.run_dir(resume_dir)
-            if out is None:
-                require(own is not None, f"--resume {self.resume} is not inside a run's checkpoints/ directory: "
-                        "say where to write with --out")
-                out = str(own)  # continue in the run's own directory
-        require(not self.checkpoint_every or out is not None, "--checkpoint-every needs --out (where to write them)")
-        if out is not None:
-            check_out(out)
-        continuing = resume_dir is not None and checkpoint.in_place(resume_dir, out)  # back into its own run
-        if continuing and os.environ.get("RANK", "0") == "0":
-            later = checkpoint.later_results(own, meta["step"])
-            require(self.overwrite or later is None,
-                    f"--resume {self.resume}: continuing in {own} from step {meta['step']} would replace {later}; "
-                    "pass --overwrite, or write elsewhere with --out")
-        if out is not None and not continuing and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 decides
-            require(
-                self.overwrite or not _holds_run(out),
-                f"--out {out} already holds a run (summary.json, metrics.jsonl or thinwire's checkpoints); "
-                "pass --overwrite to replace it or choose another directory",
-            )
-        method, rules = self.method, self.policy_rules
-        if self.policy is not None:
-            from thinwire.policy import Policy
-
-            require(self.method == "identity", "--policy and --method are exclusive: the policy gives every "
-                    "parameter its codec (leave --method out)")
-            policy = Policy.from_toml(self.policy)
-            method, rules = policy.describe(), tuple(policy.to_dicts())
-        elif rules:
-            from thinwire.policy import Policy
-
-            method = Policy(rules).describe()
-        else:
-            method = resolve_method(self.method)
-            require(not (self.on_nonfinite == "skip" and method.startswith("torch-powersgd")),
-                    "--on-nonfinite skip cannot keep torch-powersgd clean: PyTorch's hook folds a gradient into its "
-                    "error feedback inside the backward pass, before the check, and would resend a NaN every later "
-                    "step; use --on-nonfinite raise")
-            # under torchrun the world is torchrun's, not --workers
-            check_world(method, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers)
-        if meta is not None:
-            world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else self.workers
-            checkpoint.check_same_run(meta, workers=world, task=self.task, method=method,
-                                      task_options=self.task_options, seed=self.seed, batch_size=batch,
-                                      optimizer=opt, lr=lr)
-            if continuing and checkpoint.finished(own, meta["step"], steps):
-                raise RunFinished(f"{own} already finished its {steps} steps (summary.json): nothing to do; "
-                                  "raise --steps to train longer")
-            checkpoint.check_steps(meta, steps)
-            # the files against their checksums, before any rank starts (under torchrun, each its own)
-            checkpoint.verify(resume_dir, meta, [int(os.environ["RANK"])] if "RANK" in os.environ else None)
+        require(self.on_nonfinite in ("raise", "skip"),
+                f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
+        self._check_outputs(facts)
+        method, rules = self._method(facts)
+        if facts.meta is not None:
+            self._check_resume(facts, method, steps=steps, batch=batch, opt=opt, lr=lr)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
-            optimizer=opt, eval_every=eval_every, links=links, out=out, imports=imports,
+            optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,
         )
+
+    def _check_outputs(self, facts: Facts) -> None:
+        """Where the run writes: somewhere for checkpoints, nothing of another run replaced."""
+        require(not self.checkpoint_every or facts.out is not None,
+                "--checkpoint-every needs --out (where to write them)")
+        if facts.continuing and facts.decides and facts.meta is not None:
+            require(self.overwrite or facts.later is None,
+                    f"--resume {self.resume}: continuing in {facts.own} from step {facts.meta['step']} would replace "
+                    f"{facts.later}; pass --overwrite, or write elsewhere with --out")
+        if facts.out is not None and not facts.continuing and facts.decides:  # under torchrun, rank 0 decides
+            require(
+                self.overwrite or not facts.holds_run,
+                f"--out {facts.out} already holds a run (summary.json, metrics.jsonl or thinwire's checkpoints); "
+                "pass --overwrite to replace it or choose another directory",
+            )
+
+    def _method(self, facts: Facts) -> tuple[str, tuple[dict[str, Any], ...]]:
+        """The resolved method spec and a policy's rules (a ``--policy`` file's, read by :func:`plan`)."""
+        from thinwire.policy import Policy
+
+        if self.policy is not None:
+            require(self.method == "identity", "--policy and --method are exclusive: the policy gives every "
+                    "parameter its codec (leave --method out)")
+            assert facts.policy is not None  # plan() read it
+            return facts.policy.describe(), tuple(facts.policy.to_dicts())
+        if self.policy_rules:
+            return Policy(self.policy_rules).describe(), self.policy_rules
+        method = resolve_method(self.method)
+        if self.on_nonfinite == "skip":
+            why = skip_unsafe(method)
+            require(why is None, f"--on-nonfinite skip cannot keep {method.split(':')[0]} clean: {why}; "
+                    "use --on-nonfinite raise")
+        check_world(method, facts.world)  # under torchrun the world is torchrun's, not --workers
+        return method, ()
+
+    def _check_resume(self, facts: Facts, method: str, **settings: Any) -> None:
+        """The checkpoint belongs to this run and has steps left to train."""
+        from thinwire.run import checkpoint
+
+        meta = facts.meta
+        assert meta is not None  # the caller's condition
+        checkpoint.check_same_run(meta, workers=facts.world, task=self.task, method=method,
+                                  task_options=self.task_options, seed=self.seed, batch_size=settings["batch"],
+                                  optimizer=settings["opt"], lr=settings["lr"])
+        if facts.continuing and facts.finished:
+            raise RunFinished(f"{facts.own} already finished its {settings['steps']} steps (summary.json): nothing to "
+                              "do; raise --steps to train longer")
+        checkpoint.check_steps(meta, settings["steps"])
+
+    def method_spec(self) -> Any:
+        """What :func:`~thinwire.algorithms.registry.build_method` builds: the policy of a
+        ``--policy`` file (its rules, read once), else the method spec."""
+        if self.policy_rules:
+            from thinwire.policy import Policy
+
+            return Policy(self.policy_rules)
+        return self.method
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -149,6 +154,93 @@ class TrainConfig:
         d["policy_rules"] = list(self.policy_rules)
         d["imports"] = list(self.imports)
         return d
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What checking a config needs from outside it, read once by :func:`plan`."""
+
+    defaults: Any  # the task's TaskDefaults
+    imports: tuple[str, ...]  # the --import modules, .py paths made absolute (all imported)
+    torchrun: bool  # RANK is set: the world is torchrun's
+    world: int  # the run's ranks: torchrun's WORLD_SIZE, else --workers
+    decides: bool  # this process decides for the run (rank 0 under torchrun; the launcher otherwise)
+    worker_limit: tuple[int, str] | None  # the most local ranks this machine holds, and why (None: torchrun)
+    out: str | None  # where the run writes (a resume without --out: its own run directory)
+    policy: Any = None  # the --policy file's Policy
+    resume_dir: Any = None  # the checkpoint directory --resume means, its metadata and its run directory
+    meta: dict[str, Any] | None = None
+    own: Any = None
+    continuing: bool = False  # the resume writes back into its own run
+    later: str | None = None  # what continuing would replace (a newer checkpoint or summary)
+    holds_run: bool = False  # --out already holds a run's files
+    finished: bool = False  # the run to continue already finished the steps asked for
+
+    def verify(self) -> None:
+        """The checkpoint's files against their checksums (under torchrun, this rank's own)."""
+        if self.resume_dir is not None and self.meta is not None:
+            from thinwire.run import checkpoint
+
+            ranks = [int(os.environ["RANK"])] if self.torchrun else None
+            checkpoint.verify(self.resume_dir, self.meta, ranks)
+
+
+def plan(cfg: TrainConfig) -> Facts:
+    """Read what :meth:`TrainConfig.validate` needs: import the ``--import`` modules, look
+    up the task, read the environment (torchrun's world, the collective timeout, the
+    machine's room for local ranks), the ``--policy`` file, a ``--resume`` checkpoint's
+    metadata and what ``--out`` holds. Raises ValueError naming what cannot be read."""
+    from thinwire.run.launch import collective_timeout
+    from thinwire.tasks import get as get_task
+
+    imports = tuple(_stored(name) for name in cfg.imports)
+    import_modules(imports)
+    defaults = get_task(cfg.task).defaults
+    torchrun = "RANK" in os.environ
+    collective_timeout()  # a bad THINWIRE_COLLECTIVE_TIMEOUT is refused here, before any rank starts
+    facts = Facts(defaults=defaults, imports=imports, torchrun=torchrun,
+                  world=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.workers,
+                  decides=os.environ.get("RANK", "0") == "0", worker_limit=None if torchrun else worker_limit(),
+                  out=cfg.out)
+    if cfg.policy is not None and cfg.method == "identity":  # with a --method too, validate() refuses the pair
+        from thinwire.policy import Policy
+
+        facts = dataclasses.replace(facts, policy=Policy.from_toml(cfg.policy))
+    if cfg.resume is not None:
+        facts = _resume_facts(cfg, facts)
+    if facts.out is not None:
+        check_out(facts.out)
+        if not facts.continuing:
+            facts = dataclasses.replace(facts, holds_run=_holds_run(facts.out))
+    return facts
+
+
+def _resume_facts(cfg: TrainConfig, facts: Facts) -> Facts:
+    """The checkpoint ``--resume`` means: its metadata, its run, where the run writes."""
+    from thinwire.run import checkpoint
+
+    assert cfg.resume is not None  # the caller's condition
+    resume_dir = checkpoint.locate(cfg.resume)  # CheckpointError (a ValueError) names what is missing
+    meta = checkpoint.read_meta(resume_dir)  # its schema
+    own = checkpoint.run_dir(resume_dir)
+    out = facts.out
+    if out is None:
+        require(own is not None, f"--resume {cfg.resume} is not inside a run's checkpoints/ directory: "
+                "say where to write with --out")
+        out = str(own)  # continue in the run's own directory
+    continuing = checkpoint.in_place(resume_dir, out)  # back into its own run
+    steps = _filled(cfg, facts.defaults)[0]
+    return dataclasses.replace(
+        facts, resume_dir=resume_dir, meta=meta, own=own, out=out, continuing=continuing,
+        later=checkpoint.later_results(own, meta["step"]) if continuing and own is not None else None,
+        finished=continuing and checkpoint.finished(own, meta["step"], steps))
+
+
+def _filled(cfg: TrainConfig, d: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """steps, batch size, lr, optimizer and eval interval, the task's defaults where unset."""
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return (pick(cfg.steps, d.steps), pick(cfg.batch_size, d.batch_size), pick(cfg.lr, d.lr),
+            pick(cfg.optimizer, d.optimizer), pick(cfg.eval_every, d.eval_every))
 
 
 class RunFinished(Exception):
@@ -230,6 +322,8 @@ def _import_file(path: str) -> None:
     if not os.path.isfile(path):
         raise ImportError(f"no such file {path}")
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} cannot be imported as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and typing look the module up by name while it runs
     try:
@@ -286,15 +380,15 @@ def _available_memory() -> float | None:
         return None
 
 
-def check_workers(workers: int, max_workers: int | None = None) -> None:
-    """Refuse more local ranks than :func:`worker_limit` allows (or ``max_workers``, the
-    user's own bound, which replaces it)."""
+def check_workers(workers: int, max_workers: int | None = None, limit: tuple[int, str] | None = None) -> None:
+    """Refuse more local ranks than :func:`worker_limit` allows (``limit``: its answer, read
+    already), or than ``max_workers``, the user's own bound, which replaces it."""
     if max_workers is not None:
         require(max_workers >= 1, f"max-workers must be >= 1, got {max_workers}")
         require(workers <= max_workers, f"workers must be <= --max-workers {max_workers}, got {workers}")
         return
-    limit, why = worker_limit()
-    require(workers <= limit, f"--workers {workers} is more local ranks than this machine can hold (at most {limit}: "
+    most, why = limit if limit is not None else worker_limit()
+    require(workers <= most, f"--workers {workers} is more local ranks than this machine can hold (at most {most}: "
             f"{why}); pass --max-workers N to allow up to N")
 
 

@@ -67,9 +67,10 @@ import dataclasses
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from thinwire.comm.link import Link
 from thinwire.run.config import TrainConfig
@@ -105,7 +106,8 @@ def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s
     return _hidden(busy, _groups(leads, window_s, early_share))
 
 
-def _groups(leads, window_s: float, early_share: float) -> tuple[tuple[float, float], ...]:
+def _groups(leads: tuple[tuple[float, float], ...], window_s: float,
+            early_share: float) -> tuple[tuple[float, float], ...]:
     """The launched buckets as (lead seconds, share), in launch order: ``leads`` when known,
     else one group (the window, the early share), else none."""
     if leads:
@@ -115,7 +117,7 @@ def _groups(leads, window_s: float, early_share: float) -> tuple[tuple[float, fl
     return ()
 
 
-def _tails(groups) -> list[tuple[float, float]]:
+def _tails(groups: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
     """(lead_i, S_i): each launched bucket's lead and the share of it and every bucket after it."""
     out, after = [], 0.0
     for lead, share in reversed(groups):
@@ -124,7 +126,7 @@ def _tails(groups) -> list[tuple[float, float]]:
     return out[::-1]
 
 
-def _hidden(busy: float, groups) -> float:
+def _hidden(busy: float, groups: tuple[tuple[float, float], ...]) -> float:
     """Seconds of ``busy`` (a step's codec and communication work) hidden behind backward."""
     if not groups:
         return 0.0
@@ -204,7 +206,7 @@ def crossings_Bps(m: StepCost, ref: StepCost, latency_s: float) -> list[float]:
     equal throughout has no single crossing and gives none."""
     bounds = [0.0, *sorted({*m._kinks(latency_s), *ref._kinks(latency_s)}), math.inf]
     found: list[float] = []
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
         inside = (lo + hi) / 2 if hi < math.inf else 2 * lo + 1.0
         (a_m, c_m), (a_r, c_r) = m._active(latency_s, inside), ref._active(latency_s, inside)
         if c_m == c_r:
@@ -239,7 +241,7 @@ def verdict(m: StepCost, ref: StepCost, latency_s: float) -> str:
 
     if not roots:
         return "always" if faster(1e9) else "never"
-    edges = [roots[0] / 2, *[math.sqrt(a * b) for a, b in zip(roots, roots[1:])], roots[-1] * 2]
+    edges = [roots[0] / 2, *[math.sqrt(a * b) for a, b in zip(roots, roots[1:], strict=False)], roots[-1] * 2]
     wins = [faster(beta) for beta in edges]  # one probe per stretch between crossings
     # stretches: (lower bound or None, upper bound or None, faster there), touching points merged
     stretches: list[list[Any]] = [[None, roots[0], wins[0]]]
@@ -320,7 +322,9 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
     costs of the timed steps by spec, and the error of each probe that failed (the others
     still run)."""
     if launch is None:
-        from thinwire.run.launch import launch
+        from thinwire.run.launch import launch as default_launch
+
+        launch = default_launch
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
     for i, spec in enumerate(specs, 1):
@@ -328,7 +332,7 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
             cfg = dataclasses.replace(base, method=spec, steps=2 * steps, eval_every=steps, out=tmp, overwrite=True)
             try:
-                summary = launch(cfg, show_progress=False)
+                summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
                 if summary is not None and summary.get("stopped_at") is not None:
                     raise KeyboardInterrupt  # a signal stopped the probe: so does thinwire cost
                 rows = _rows(Path(tmp) / "metrics.jsonl")

@@ -28,11 +28,14 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from thinwire.comm.base import Communicator
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
@@ -76,7 +79,7 @@ def _beat_key(rank: int) -> str:
     return f"thinwire/heartbeat/{rank}"
 
 
-def _store():
+def _store() -> torch.distributed.Store | None:
     try:
         return torch.distributed.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001  (no group, or a torch without it: no heartbeats)
@@ -98,7 +101,7 @@ def start_heartbeat(rank: int, beats: Any = None) -> threading.Event:
             try:
                 if beats is not None:
                     beats[rank] += 1  # only this rank writes its slot
-                else:
+                elif store is not None:  # always, without beats (checked above)
                     store.add(_beat_key(rank), 1)
             except Exception:  # noqa: BLE001  (the group was torn down: the rank is leaving)
                 return
@@ -119,8 +122,10 @@ def silent_ranks(rank: int, world: int, beats: Any = None, wait: float = SILENT_
         return []
 
     def counts() -> list[int]:
-        return [int(beats[r]) for r in range(world)] if beats is not None else \
-            [store.add(_beat_key(r), 0) for r in range(world)]
+        if beats is not None:
+            return [int(beats[r]) for r in range(world)]
+        assert store is not None  # checked above: there is one or the other
+        return [store.add(_beat_key(r), 0) for r in range(world)]
 
     found: list[int] = []
 
@@ -174,6 +179,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     def report(kind: str, **fields: Any) -> None:
         if kind == "step":
             step[0] = fields["step"]
+        assert view is not None  # train_rank gets this callback only with a view
         view.handle(kind, **fields)
 
     # torchrun forwards the signal it gets to every rank, so a scheduler that signals every
@@ -211,7 +217,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _maybe_emulate(comm, cfg: TrainConfig):
+def _maybe_emulate(comm: Communicator, cfg: TrainConfig) -> Communicator:
     if not cfg.emulate_link:
         return comm
     from thinwire.comm.link import EmulatedLink, Link
@@ -323,48 +329,56 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
 
     restore = _on_stop_signals(ask, received)
     view = ProgressView(cfg) if show_progress else None
-    summary = None
-    done: set[int] = set()
-    errors: dict[int, dict] = {}
     last_step = _start_step(cfg)
     try:
         for p in procs:
             p.start()
         if view:
             view.start()
-        while len(done) < cfg.workers:
-            try:
-                kind, rank, fields = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                kind = None
-            if kind == "step":
-                last_step = fields["step"]
-            if kind in ("step", "eval") and view:
-                view.handle(kind, **fields)
-            elif kind == "done":
-                done.add(rank)
-                summary = fields if rank == 0 else summary
-            elif kind == "error":
-                errors.setdefault(rank, fields)
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-            if (errors or failed) and received:
-                # asked to stop, and a rank ended: a signal to the whole group that reached a rank
-                # still starting up, before its handlers were in place, ends it; that is the stop asked for
-                _terminate(procs)
-                return {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
-            if errors or failed:
-                raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
-        for p in procs:
-            p.join(timeout=30)
-        if summary is not None and received:
-            summary["signal"] = received[0]
-        return summary
+        return _watch_ranks(cfg, procs, q, view, received, last_step)
     finally:
         restore()
         if view:
             view.stop()
         _terminate(procs)
         tmp.cleanup()
+
+
+def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: ProgressView | None,
+                 received: list[str], last_step: int) -> dict[str, Any] | None:
+    """Relay the started ranks' reports until every rank is done; returns rank 0's summary,
+    or the stop record when a signal ended the run. Raises :class:`RunFailed` when a rank
+    fails. ``last_step``: the step the run starts after."""
+    summary: dict[str, Any] | None = None
+    done: set[int] = set()
+    errors: dict[int, dict] = {}
+    while len(done) < cfg.workers:
+        try:
+            kind, rank, fields = q.get(timeout=0.2)
+        except queue_mod.Empty:
+            kind = None
+        if kind == "step":
+            last_step = fields["step"]
+        if kind in ("step", "eval") and view:
+            view.handle(kind, **fields)
+        elif kind == "done":
+            done.add(rank)
+            summary = fields if rank == 0 else summary
+        elif kind == "error":
+            errors.setdefault(rank, fields)
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+        if (errors or failed) and received:
+            # asked to stop, and a rank ended: a signal to the whole group that reached a rank
+            # still starting up, before its handlers were in place, ends it; that is the stop asked for
+            _terminate(procs)
+            return {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
+        if errors or failed:
+            raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
+    for p in procs:
+        p.join(timeout=30)
+    if summary is not None and received:
+        summary["signal"] = received[0]
+    return summary
 
 
 def _start_step(cfg: TrainConfig) -> int:
@@ -412,7 +426,8 @@ def _on_stop_signals(ask: Callable[[int], None], received: list[str], escalate: 
     return restore
 
 
-def _failure_message(procs, q, errors: dict[int, dict], failed: list[int], last_step: int) -> str:
+def _failure_message(procs: Sequence[BaseProcess], q: Any, errors: dict[int, dict], failed: list[int],
+                     last_step: int) -> str:
     """Name the rank that failed first: one killed by a signal, else the first to report."""
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:  # collect the failing rank's own report if it is coming
@@ -454,7 +469,7 @@ def _first_line(e: BaseException | str) -> str:
     return text[0][:300] if text else (type(e).__name__ if isinstance(e, BaseException) else "")
 
 
-def _terminate(procs) -> None:
+def _terminate(procs: Sequence[BaseProcess]) -> None:
     """Kill the ranks still alive (SIGKILL: a rank takes SIGTERM as a request to stop after
     its step, and these ones must end now) and reap them."""
     for p in procs:

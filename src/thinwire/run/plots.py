@@ -13,15 +13,16 @@ report lists them).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 STYLES = ("-", "--", "-.", ":")
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a training node
@@ -50,8 +51,8 @@ def plot_all(out: Path, results: list[dict[str, Any]], links: tuple[str, ...], t
     return [str(p) for p in paths]
 
 
-def _curves(path: Path, runs: list[dict[str, Any]], x_of, xlabel: str, title: str, target: float | None,
-            log: bool = False) -> Path:
+def _curves(path: Path, runs: list[dict[str, Any]], x_of: Callable[..., Any], xlabel: str, title: str,
+            target: float | None, log: bool = False) -> Path:
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -60,7 +61,7 @@ def _curves(path: Path, runs: list[dict[str, Any]], x_of, xlabel: str, title: st
         points = [(x_of(row), row.get("test_accuracy")) for row in r["rows"]]
         points = [(x, y) for x, y in points if x is not None and y is not None and (not log or x > 0)]
         if points:
-            xs, ys = zip(*points)
+            xs, ys = zip(*points, strict=True)
             # styles cycle too, so that methods with identical curves (torch-ddp, identity) stay visible
             ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=4, linewidth=1.5,
                     linestyle=STYLES[i % len(STYLES)], label=r["label"])
@@ -97,7 +98,7 @@ def _breakdown(path: Path, runs: list[dict[str, Any]], link: str | None) -> Path
     ys = range(len(labels))
     ax.barh(ys, compute, label="compute (measured)")
     ax.barh(ys, codec, left=compute, label="codec (measured)")
-    ax.barh(ys, comm, left=[a + b for a, b in zip(compute, codec)],
+    ax.barh(ys, comm, left=[a + b for a, b in zip(compute, codec, strict=True)],
             label=f"communication ({'modeled at ' + link if link else 'measured'})")
     ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()

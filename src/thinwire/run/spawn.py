@@ -14,7 +14,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

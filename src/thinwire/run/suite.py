@@ -22,9 +22,10 @@ from __future__ import annotations
 import csv
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TypeGuard
 
 from thinwire.run import compare
 from thinwire.run.config import TrainConfig
@@ -135,10 +136,13 @@ def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch:
         show_progress: bool = True, say: Callable[[str], None] = print) -> list[list[dict[str, Any]]]:
     """Run every race; a spec an earlier race already ran (same settings) is copied, not rerun."""
     if launch is None:
-        from thinwire.run.launch import launch
+        from thinwire.run.launch import launch as default_launch
+
+        launch = default_launch
     done: dict[str, tuple[str, Any]] = {}  # spec -> (its run directory, its summary)
 
     def cached(cfg: TrainConfig, show_progress: bool = True) -> Any:
+        assert cfg.out is not None  # compare.run gives every run its own directory
         if cfg.method in done:
             src, summary = done[cfg.method]
             shutil.copytree(src, cfg.out, dirs_exist_ok=True)
@@ -149,8 +153,9 @@ def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch:
 
     t0 = time.perf_counter()
     out = []
-    for i, (race, group) in enumerate(zip(races, groups), 1):
-        say(f"== race {i}/{len(races)}: {group.title} ({', '.join(s.split(':')[0] for s in race.specs)}); suite {time.perf_counter() - t0:.0f} s so far")
+    for i, (race, group) in enumerate(zip(races, groups, strict=False), 1):
+        methods = ", ".join(s.split(":")[0] for s in race.specs)
+        say(f"== race {i}/{len(races)}: {group.title} ({methods}); suite {time.perf_counter() - t0:.0f} s so far")
         out.append(compare.run(race, launch=cached, show_progress=show_progress, say=say))
     return out
 
@@ -159,7 +164,7 @@ def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any
            groups: tuple[Group, ...] = SEEDS) -> dict[str, Any]:
     """Each race's report, then ``out/report.md`` and ``out/claims.csv``."""
     rows = []
-    for race, res, group in zip(races, results, groups):
+    for race, res, group in zip(races, results, groups, strict=False):
         compare.finish(race, res, command + f"  (race {group.key})")
         rows += measure(group, res, race.links)
     path = Path(out)
@@ -184,11 +189,11 @@ def measure(group: Group, results: list[dict[str, Any]], links: tuple[str, ...])
     return rows
 
 
-def _ok(r: dict[str, Any] | None) -> bool:
+def _ok(r: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return r is not None and r["status"] == "ok" and r["summary"] is not None
 
 
-def _value(claim: Claim, seed: dict | None, by_label: dict[str, dict], group: Group,
+def _value(claim: Claim, seed: dict[str, Any] | None, by_label: dict[str, dict[str, Any]], group: Group,
            link: str | None) -> tuple[float | None, str]:
     if not _ok(seed):
         return None, "the seed method's run failed"
@@ -198,6 +203,7 @@ def _value(claim: Claim, seed: dict | None, by_label: dict[str, dict], group: Gr
         hidden = s["hidden_seconds_by_link"][link]
         return (hidden / comm if comm > 0 else None), f"{hidden:.2f} of {comm:.2f} s modeled communication hidden"
     peer_label = claim.peer
+    peer: dict[str, Any] | None
     if peer_label == "best-uniform":  # the fastest peer other than the uncompressed reference
         uniform = [p.split(":")[0] for p in group.peers if p != "identity"]
         timed = [by_label[p] for p in uniform if _ok(by_label.get(p))]
@@ -206,7 +212,7 @@ def _value(claim: Claim, seed: dict | None, by_label: dict[str, dict], group: Gr
         peer = min(timed, key=lambda r: r["summary"]["modeled_seconds_by_link"][link])
         peer_label = peer["label"]
     else:
-        peer = by_label.get(peer_label)
+        peer = by_label.get(peer_label) if peer_label is not None else None
     if not _ok(peer):
         return None, f"{peer_label}'s run failed"
     p = peer["summary"]
@@ -270,8 +276,9 @@ def _write_report(path: Path, race: compare.Race, groups: tuple[Group, ...], row
              "- speedup = the peer's modeled time over the seed method's for the same steps (measured compute and "
              "codec time + the link's alpha-beta time); bytes = the peer's bytes per worker over the seed's; "
              "accuracy = the seed's final test accuracy minus the peer's",
-             f"- reading: holds = the paper's figure is reached (accuracy: to within {ACCURACY_NOISE_PTS} pts, what one "
-             "seed moves by here); partly = the effect shows, smaller; not here = it does not show at this scale",
+             "- reading: holds = the paper's figure is reached (accuracy: to within "
+             f"{ACCURACY_NOISE_PTS} pts, what one seed moves by here); partly = the effect shows, smaller; "
+             "not here = it does not show at this scale",
              "- the papers measured large models on GPU clusters; this is a small task on a 2-core machine, so a "
              "ratio says whether the paper's effect shows here, not whether its size carries over", ""]
     for g in groups:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from thinwire.algorithms.base import Method
 from thinwire.algorithms.registry import build_method
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
@@ -22,6 +24,7 @@ from thinwire.comm.meter import sent_bytes
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter, finite
+from thinwire.timing import Timing
 
 Report = Callable[..., None]  # report(kind, **fields): progress to the launcher (rank 0 only)
 STOP_POLL_SECONDS = 1.0  # how often (in training time) the ranks agree on a stop request
@@ -52,6 +55,40 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
+@dataclass
+class _Run:
+    """One rank's training run: what the loop's parts share."""
+
+    cfg: TrainConfig
+    comm: Communicator
+    task: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    method: Method
+    device: torch.device | str
+    report: Report | None
+    stop_requested: Callable[[], int | bool] | None
+    fp32_per_step: float  # bytes an fp32 all_reduce of the trained parameters sends per step
+    model_bytes: int  # the model's state before the method changed it (AB-training's factors)
+    steps: int  # cfg.steps and cfg.eval_every, filled by TrainConfig.resolve()
+    eval_every: int
+    clock: Clock = field(default_factory=Clock)
+    start: int = 0  # the step a resumed run continues after
+    last_eval: dict[str, Any] = field(default_factory=dict)
+    writer: MetricsWriter | None = None
+    t_start: float = 0.0
+    # stop requests: agreed about once a second from the first whole step
+    poll_every: int = 1
+    step_seconds: float = 0.0
+    stop_signal: int = 0
+    stopped_at: int | None = None
+
+    @property
+    def skip_mode(self) -> bool:
+        """``--on-nonfinite skip``: a step is agreed on before anything is encoded."""
+        return self.cfg.on_nonfinite == "skip"
+
+
 def train_rank(
     cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu",
     stop_requested: Callable[[], int | bool] | None = None,
@@ -75,10 +112,33 @@ def train_rank(
     The summary's ``status`` is ``ok``, ``stopped``, or ``diverged`` (with ``failure`` saying
     why) for a run that skipped most of its steps for non-finite gradients or whose final
     loss is not finite; nothing non-finite is written to JSON (see :mod:`thinwire.run.metrics`)."""
-    from thinwire import __version__
+    run = _setup(cfg, comm, report, device, stop_requested)
+    batches = run.task.train_batches(comm.rank, comm.world_size, cfg.batch_size, start=run.start)  # batch b: any start
+    net = run.method.forward_module(run.model)  # PyTorch's DDP peers run forward and backward through their wrapper
+    run.t_start = time.perf_counter()
+    for step in range(run.start + 1, run.steps + 1):
+        loss, stop = _train_step(run, net, next(batches), step)
+        last = step == run.steps
+        _record(run, loss, step, last)
+        if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
+            t5 = time.perf_counter()
+            _save(cfg, comm, step, run.model, run.optimizer, run.method, run.clock, run.last_eval, device)
+            run.clock.checkpoints += 1
+            run.clock.checkpoint_seconds += time.perf_counter() - t5
+        if stop:
+            run.stopped_at = step
+            break
+    return _finish(run)
+
+
+def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: torch.device | str,
+           stop_requested: Callable[[], int | bool] | None) -> _Run:
+    """The task, an identical model on every rank, the optimizer and the method; a resumed
+    run's every state; the metrics writer (rank 0)."""
     from thinwire.tasks import get as get_task
 
-    rank, n = comm.rank, comm.world_size
+    if cfg.steps is None or cfg.eval_every is None or cfg.optimizer is None or cfg.lr is None:
+        raise ValueError("train_rank needs a resolved config (TrainConfig.resolve() fills every default)")
     task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
     model = task.build_model().to(device)
     with comm.meter.paused():  # set-up traffic is not the method's
@@ -86,121 +146,134 @@ def train_rank(
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
+    model_bytes = _tensor_bytes(model.state_dict())
     # gradients are averaged while backward goes on, except where a step must be agreed on
     # before anything is encoded (--on-nonfinite skip)
-    skip_mode = cfg.on_nonfinite == "skip"
-    overlap = not skip_mode
-    model_bytes = _tensor_bytes(model.state_dict())
-    if cfg.policy_rules:  # a policy file: a codec per parameter
-        from thinwire.algorithms.sync import SyncReducer
-        from thinwire.policy import Policy
-
-        method = SyncReducer(model, Policy(cfg.policy_rules), comm, bucket_mb=cfg.bucket_mb, overlap=overlap)
-    else:
-        method = build_method(cfg.method, model, optimizer, comm, bucket_mb=cfg.bucket_mb, overlap=overlap)
-    fp32_per_step = sent_bytes("all_reduce", 4 * trained, n)  # the uncompressed reference
-    clock = Clock()
-    last_eval: dict[str, Any] = {}
-    start, history = 0, []
+    method = build_method(cfg.method_spec(), model, optimizer, comm, bucket_mb=cfg.bucket_mb,
+                          overlap=cfg.on_nonfinite != "skip")
+    run = _Run(cfg, comm, task, model, optimizer, method, device, report, stop_requested,
+               fp32_per_step=sent_bytes("all_reduce", 4 * trained, comm.world_size), model_bytes=model_bytes,
+               steps=cfg.steps, eval_every=cfg.eval_every)
     if cfg.resume:
-        start, last_eval, history = _resume(cfg, comm, model, optimizer, method, clock, device)
+        run.start, run.last_eval, history = _resume(cfg, comm, model, optimizer, method, run.clock, device)
         with comm.meter.paused():
             comm.barrier()  # every rank loaded its file before rank 0 touches the run's outputs
-    batches = task.train_batches(rank, n, cfg.batch_size, start=start)  # batch b is the same for any start
-    writer = MetricsWriter(cfg.out, history) if (rank == 0 and cfg.out) else None
-    continuing = bool(cfg.resume) and checkpoint.in_place(checkpoint.locate(cfg.resume), cfg.out)
-    if rank == 0 and cfg.out and not continuing:
-        checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
-    net = getattr(method, "module", model)  # PyTorch's DDP peers run forward and backward through their wrapper
-    stopped_at, stop_signal, poll_every, step_seconds = None, 0, 1, 0.0
-    t_start = time.perf_counter()
-    for step in range(start + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        before = _spent(method)
-        loss = task.loss(net(x), y)
-        optimizer.zero_grad(set_to_none=False)
-        tb = time.perf_counter()
-        loss.backward()
-        t1 = time.perf_counter()
-        clock.backward += t1 - tb
-        # PyTorch's DDP peers average inside backward, blocking it: their codec and
-        # communication time is theirs, not compute (thinwire's overlapping buckets run beside it)
-        in_backward = _spent(method) - before if hasattr(method, "module") else 0.0
-        params = list(model.named_parameters())  # each step: AB-training swaps weights for factors
-        idx, stop = _nonfinite(params), False  # this rank's own gradients: means land at after_backward
-        bad = None if idx is None else (rank, params[idx][0])
-        if bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
-            raise FloatingPointError(f"non-finite gradient in {bad[1]} on rank {rank} at step {step} "
-                                     "(--on-nonfinite skip drops such steps on every rank instead)")
-        polling = stop_requested is not None and (step <= start + 2 or (step - start) % poll_every == 0)
+    else:
+        history = []
+    if comm.rank == 0 and cfg.out:
+        run.writer = MetricsWriter(cfg.out, history)
+        if not (cfg.resume and checkpoint.in_place(checkpoint.locate(cfg.resume), cfg.out)):
+            checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
+    return run
 
-        def agree() -> None:
-            nonlocal idx, stop, stop_signal, bad, poll_every
-            who, idx, stop_signal, seconds = _agree(comm, idx, _signum(stop_requested()) if polling else 0,
-                                                    step_seconds, device)
-            stop = stop_signal != 0
-            bad = None if who is None else (who, params[idx][0])
-            if polling and step == start + 2:  # from the first whole step: ask about once a second
-                poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
 
-        if skip_mode:
-            agree()  # before anything is encoded: every rank drops a bad step alike
-        if bad is None:
-            method.after_backward(loss=loss.detach())
-            if polling and not skip_mode:
-                agree()  # after the method's collectives, which may still be in flight until after_backward
-            t2 = time.perf_counter()
-            optimizer.step()
-            t3 = time.perf_counter()
-            method.after_step()
-        else:  # skipped on every rank alike, before anything is encoded or stepped
-            optimizer.zero_grad(set_to_none=False)
-            clock.skipped += 1
-            if not clock.first_nonfinite:
-                clock.first_nonfinite = {"step": step, "rank": bad[0], "parameter": bad[1]}
-            t2 = t3 = time.perf_counter()
-        stop = stop and step < cfg.steps  # a stop agreed on the last step: the run simply finishes
-        last = step == cfg.steps  # a stopped run is not over: its checkpoint holds the method mid-schedule
-        if last and hasattr(method, "finish"):
-            method.finish()  # e.g. AB-training's final sync: one model on every rank
-        t4 = time.perf_counter()
-        step_seconds = t4 - t0  # the whole step, codec and communication included
-        clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
-        clock.train_wall += t4 - t0
-        clock.steps_run += 1
-        loss_value = loss.item()
-        if bad is None and not math.isfinite(loss_value):
-            raise FloatingPointError(f"training loss is {loss_value} at step {step} on rank {rank}")
-        if report is not None and rank == 0:
-            report("step", step=step, loss=loss_value)
-        if step % cfg.eval_every == 0 or last:
-            last_eval = _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start)
-            if writer:
-                writer.write(last_eval)
-            if report is not None and rank == 0:
-                report("eval", **last_eval)
-        if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
-            t5 = time.perf_counter()
-            _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device)
-            clock.checkpoints += 1
-            clock.checkpoint_seconds += time.perf_counter() - t5
-        if stop:
-            stopped_at = step
-            break
-    summary = _summary(cfg, comm, method, clock, fp32_per_step, last_eval, __version__, device, model_bytes, model,
-                       done=stopped_at or cfg.steps)
-    summary.update(resumed_from=start or None, stopped_at=stopped_at)
-    if stopped_at is not None:  # not over: no verdict on a run that may yet train
+def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                step: int) -> tuple[torch.Tensor, bool]:
+    """Forward, backward, the non-finite check and the stop agreement, the method's calls
+    and the optimizer's step; the clocks. Returns the loss and whether the ranks agreed to
+    stop after this step."""
+    cfg, clock, method = run.cfg, run.clock, run.method
+    t0 = time.perf_counter()
+    x, y = (t.to(run.device, non_blocking=True) for t in batch)
+    before = _spent(method)
+    loss = run.task.loss(net(x), y)
+    run.optimizer.zero_grad(set_to_none=False)
+    tb = time.perf_counter()
+    loss.backward()
+    t1 = time.perf_counter()
+    clock.backward += t1 - tb
+    # PyTorch's DDP peers average inside backward, blocking it: their codec and
+    # communication time is theirs, not compute (thinwire's overlapping buckets run beside it)
+    in_backward = _spent(method) - before if method.averages_in_backward else 0.0
+    params = list(run.model.named_parameters())  # each step: AB-training swaps weights for factors
+    verdict = _Verdict(run, step, params, _nonfinite(params))  # this rank's own gradients: means land later
+    if verdict.bad is not None and cfg.on_nonfinite == "raise":  # the launcher stops the other ranks
+        raise FloatingPointError(f"non-finite gradient in {verdict.bad[1]} on rank {run.comm.rank} at step {step} "
+                                 "(--on-nonfinite skip drops such steps on every rank instead)")
+    if run.skip_mode:
+        verdict.agree()  # before anything is encoded: every rank drops a bad step alike
+    if verdict.bad is None:
+        method.after_backward(loss.detach())
+        if not run.skip_mode:
+            verdict.agree()  # after the method's collectives, which may still be in flight until after_backward
+        t2 = time.perf_counter()
+        run.optimizer.step()
+        t3 = time.perf_counter()
+        method.after_step()
+    else:  # skipped on every rank alike, before anything is encoded or stepped
+        run.optimizer.zero_grad(set_to_none=False)
+        clock.skipped += 1
+        if not clock.first_nonfinite:
+            clock.first_nonfinite = {"step": step, "rank": verdict.bad[0], "parameter": verdict.bad[1]}
+        t2 = t3 = time.perf_counter()
+    if step == run.steps:  # a stopped run is not over: its checkpoint holds the method mid-schedule
+        method.finish()  # e.g. AB-training's final sync: one model on every rank
+    t4 = time.perf_counter()
+    run.step_seconds = t4 - t0  # the whole step, codec and communication included
+    clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
+    clock.train_wall += t4 - t0
+    clock.steps_run += 1
+    if verdict.bad is None and not math.isfinite(loss.item()):
+        raise FloatingPointError(f"training loss is {loss.item()} at step {step} on rank {run.comm.rank}")
+    return loss, verdict.stop and step < run.steps  # a stop agreed on the last step: the run simply finishes
+
+
+class _Verdict:
+    """One step's agreement among the ranks: who holds a non-finite gradient (``bad``: rank
+    and parameter name, or None) and whether any rank asked to stop, in one small
+    all_reduce, only where one is needed (``--on-nonfinite skip``, or a stop poll)."""
+
+    def __init__(self, run: _Run, step: int, params: list[tuple[str, torch.nn.Parameter]], idx: int | None) -> None:
+        self.run, self.step, self.params, self.idx = run, step, params, idx
+        self.bad = None if idx is None else (run.comm.rank, params[idx][0])
+        self.stop = False
+        self.polling = run.stop_requested is not None and (
+            step <= run.start + 2 or (step - run.start) % run.poll_every == 0)
+
+    def agree(self) -> None:
+        run = self.run
+        if not (self.polling or run.skip_mode):
+            return
+        asked = _signum(run.stop_requested()) if (self.polling and run.stop_requested is not None) else 0
+        who, self.idx, run.stop_signal, seconds = _agree(run.comm, self.idx, asked, run.step_seconds, run.device)
+        self.stop = run.stop_signal != 0
+        self.bad = None if who is None else (who, self.params[self.idx][0])
+        if self.polling and self.step == run.start + 2:  # from the first whole step: ask about once a second
+            run.poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
+
+
+def _record(run: _Run, loss: torch.Tensor, step: int, last: bool) -> None:
+    """Progress to the launcher and, every ``eval_every`` steps and at the last, an evaluation
+    (metrics.jsonl on rank 0)."""
+    cfg = run.cfg
+    if run.report is not None and run.comm.rank == 0:
+        run.report("step", step=step, loss=loss.item())
+    if step % run.eval_every == 0 or last:
+        run.last_eval = _evaluate(run.task, run.model, run.comm, loss, step, cfg, run.clock, run.method,
+                                  run.fp32_per_step, run.t_start)
+        if run.writer:
+            run.writer.write(run.last_eval)
+        if run.report is not None and run.comm.rank == 0:
+            run.report("eval", **run.last_eval)
+
+
+def _finish(run: _Run) -> dict[str, Any] | None:
+    """The summary (rank 0's is written and returned)."""
+    from thinwire.version import __version__
+
+    cfg = run.cfg
+    summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
+                       run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps)
+    summary.update(resumed_from=run.start or None, stopped_at=run.stopped_at)
+    if run.stopped_at is not None:  # not over: no verdict on a run that may yet train
         summary.pop("failure", None)
-        summary.update(status="stopped", signal=_signal_name(stop_signal))
+        summary.update(status="stopped", signal=_signal_name(run.stop_signal))
     summary = finite(summary)  # strict JSON: a NaN loss is null, and non_finite says so
-    if writer:
-        if stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
-            writer.write_summary(summary)
-        writer.close()
-    return summary if rank == 0 else None
+    if run.writer:
+        if run.stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
+            run.writer.write_summary(summary)
+        run.writer.close()
+    return summary if run.comm.rank == 0 else None
 
 
 def _nonfinite(params) -> int | None:
@@ -264,7 +337,7 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="c
         state = {
             "format": checkpoint.FORMAT, "rank": comm.rank, "step": step,
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "method": method.state_dict() if hasattr(method, "state_dict") else {},
+            "method": method.state_dict(),
             "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
             "seconds": {"compute": clock.compute, "backward": clock.backward, "train_wall": clock.train_wall,
                         "skipped": clock.skipped,
@@ -308,8 +381,7 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     state = checkpoint.load_rank(d, comm.rank, map_location=device, meta=meta)
     model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
     optimizer.load_state_dict(state["optimizer"])
-    if hasattr(method, "load_state_dict"):
-        method.load_state_dict(state["method"])
+    method.load_state_dict(state["method"])
     _load_meter(comm.meter, state["meter"])
     checkpoint.set_rng_state(state["rng"])
     sec = state["seconds"]
@@ -358,8 +430,6 @@ def _peak_rss() -> int | None:
 
 def _timing(method, clock: Clock):
     """The method's codec and communication seconds, a resumed run's earlier ones included."""
-    from thinwire.aggregate import Timing
-
     t = method.timing
     return Timing(codec_seconds=t.codec_seconds + clock.codec_before, comm_seconds=t.comm_seconds + clock.comm_before)
 
@@ -378,14 +448,13 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         agreed = loss.detach().reshape(1).to(torch.float32).clone()
         comm.all_reduce(agreed)
         record: dict[str, Any] = {"step": step, "train_loss": agreed.item() / comm.world_size}
-        if getattr(method, "decentralized", False):
+        if method.decentralized:
             record.update(_decentralized_eval(task, model, comm))
         else:
             ev = task.evaluate(model)
             record.update({f"test_{k}": v for k, v in ev.items()})
         comm.barrier()  # evaluation skew is not charged to the next timed collective
-    if hasattr(method, "stats"):
-        record.update(method.stats())  # e.g. the theta FFT used at this step
+    record.update(method.stats())  # e.g. the theta FFT used at this step
     t = _timing(method, clock)
     record.update(
         bytes_sent=comm.meter.bytes_sent,
@@ -399,8 +468,8 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         comm_seconds=t.comm_seconds,
         skipped_steps=clock.skipped,
     )
-    if hasattr(method, "overlap_report"):  # cumulative, as the other clocks: the cost model reads them
-        o = method.overlap_report()
+    o = method.overlap_report()
+    if o is not None:  # cumulative, as the other clocks: the cost model reads them
         record.update(overlap_steps=o["steps"], overlap_window_seconds=o["window_seconds"],
                       overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"],
                       overlap_lead_seconds_and_shares=o["leads"])
@@ -441,26 +510,26 @@ def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) 
     """compute + codec + modeled communication: the run's time on ``link``. Communication a
     method overlaps with computation (DaSGD's delayed averages) counts only where it
     outlasts the computation it ran behind."""
-    return clock.compute + timing.codec_seconds + meter_seconds(link, comm.meter, comm.world_size) - _hidden(link, comm, method)
+    comm_s = meter_seconds(link, comm.meter, comm.world_size)
+    return clock.compute + timing.codec_seconds + comm_s - _hidden(link, comm, method)
 
 
-def _hidden(link: Link, comm: Communicator, method) -> float:
+def _hidden(link: Link, comm: Communicator, method: Method) -> float:
     """Modeled codec and communication seconds the method overlaps with computation on
-    ``link``: DaSGD's averages behind whole steps, gradient buckets behind the backward pass
+    ``link``: what the method hides itself (DaSGD's averages behind whole steps) and the
+    gradient buckets it averaged beside the backward pass
     (:func:`thinwire.run.cost.overlap_hidden_seconds`)."""
-    if hasattr(method, "hidden_link_seconds"):
-        return method.hidden_link_seconds(link, comm.world_size)
-    if hasattr(method, "overlap_report"):
-        from thinwire.run.cost import overlap_hidden_seconds
+    from thinwire.run.cost import overlap_hidden_seconds
 
-        o = method.overlap_report()
-        n = o["reduces"]
-        if not n:
-            return 0.0
-        return n * overlap_hidden_seconds(link, bytes=comm.meter.bytes_sent / n, messages=comm.meter.messages / n,
-                                          codec_s=method.timing.codec_seconds / n, window_s=o["window_seconds"] / n,
-                                          early_share=o["early_share"], leads=tuple(map(tuple, o["leads"])))
-    return 0.0
+    hidden = method.hidden_seconds(link)
+    o = method.overlap_report()
+    n = o["reduces"] if o is not None else 0
+    if o is None or not n:
+        return hidden
+    return hidden + n * overlap_hidden_seconds(
+        link, bytes=comm.meter.bytes_sent / n, messages=comm.meter.messages / n,
+        codec_s=method.timing.codec_seconds / n, window_s=o["window_seconds"] / n, early_share=o["early_share"],
+        leads=tuple(map(tuple, o["leads"])))
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -523,15 +592,15 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "checkpoints_written": clock.checkpoints,
         "checkpoint_seconds": clock.checkpoint_seconds,
         "steps_run": clock.steps_run,
-        "method_report": method.report() if hasattr(method, "report") else {},
+        "method_report": method.report(),
         "per_parameter": _per_parameter(method, done - clock.skipped, comm.world_size),
-        "hidden_fraction": method.hidden_fraction() if hasattr(method, "hidden_fraction") else None,
-        **(method.summary_fields() if hasattr(method, "summary_fields") else {}),
+        "hidden_fraction": method.hidden_fraction(),
+        **method.summary_fields(),
         "config": cfg.to_dict(),
         "peak_rss_bytes": _peak_rss(),  # this rank's (rank 0's) peak resident memory so far
         # what the method keeps across steps (residuals, snapshots, factors...): its own state
         # plus what it added to the model (AB-training's factors), rank 0's
-        "method_state_bytes": _tensor_bytes(method.state_dict() if hasattr(method, "state_dict") else {})
+        "method_state_bytes": _tensor_bytes(method.state_dict())
         + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         "version": version,
     }
@@ -561,8 +630,6 @@ def _per_parameter(method, steps: int, n: int) -> list[dict[str, Any]]:
     """Per parameter: name, shape, codec and the bytes this rank sent for it over the run,
     next to what an fp32 all_reduce would have sent in the ``steps`` that communicated (rank
     0's figures: every rank of a synchronous method sends the same)."""
-    if not hasattr(method, "per_parameter"):
-        return []
     rows = []
     for r in method.per_parameter():
         fp32 = sent_bytes("all_reduce", 4 * math.prod(r["shape"]), n) * steps

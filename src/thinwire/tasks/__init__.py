@@ -6,23 +6,21 @@ contract every task keeps (deterministic models, disjoint per-rank shards, fixed
 
 from __future__ import annotations
 
+from thinwire.registry import Registry
 from thinwire.tasks.base import Task, TaskDefaults, TaskError
 from thinwire.tasks.charlm import CharLM
 from thinwire.tasks.cifar10 import CIFAR10
 from thinwire.tasks.mnist1d import MNIST1D
 from thinwire.tasks.synthetic import Synthetic
 
-__all__ = ["Task", "TaskDefaults", "TaskError", "available", "get", "register"]
+__all__ = ["TASKS", "Task", "TaskDefaults", "TaskError", "available", "get", "register"]
 
-_TASKS: dict[str, type[Task]] = {}
+TASKS: Registry[type[Task]] = Registry("task")
 
 
 def register(cls: type[Task]) -> type[Task]:
     """Make a task available by ``cls.name`` (also usable as a class decorator)."""
-    if cls.name in _TASKS:
-        raise ValueError(f"task {cls.name!r} registered twice")
-    _TASKS[cls.name] = cls
-    return cls
+    return TASKS.register(cls)
 
 
 for _cls in (MNIST1D, CharLM, CIFAR10, Synthetic):
@@ -31,11 +29,11 @@ for _cls in (MNIST1D, CharLM, CIFAR10, Synthetic):
 
 def available() -> dict[str, type[Task]]:
     """Registered tasks by name, in listing order."""
-    return dict(_TASKS)
+    return {e.name: e.value for e in TASKS.entries()}
 
 
 def get(name: str) -> type[Task]:
     """The task class called ``name``; an unknown name raises TaskError listing the choices."""
-    if name not in _TASKS:
-        raise TaskError(f"unknown task {name!r}; available: {', '.join(_TASKS)}")
-    return _TASKS[name]
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; available: {', '.join(TASKS)}")
+    return TASKS[name]

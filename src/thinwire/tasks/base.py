@@ -23,8 +23,9 @@ import math
 import numbers
 import threading
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +70,19 @@ class Task:
     name: ClassVar[str]
     defaults: ClassVar[TaskDefaults]
     metric: ClassVar[str]  # "accuracy" or "bpc": the number a report leads with
-    Options: ClassVar[type]  # frozen dataclass of the task's knobs (``**options``)
+    Config: ClassVar[type]  # frozen dataclass of the task's knobs (``**options``)
     summary: ClassVar[str] = ""  # one line for listings
+
+    seed: int
+    data_dir: str | None
+    options: Any  # an instance of ``Config``
 
     def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise TaskError(f"{self.name}: seed must be an integer >= 0, got {seed!r}")
         self.seed = int(seed)
         self.data_dir = data_dir
-        self.options = parse_options(self.name, self.Options, options)
+        self.options = parse_options(self.name, self.Config, options)
 
     # -- hooks ------------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -219,7 +224,9 @@ def parse_options(task: str, options_cls: type, options: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(options_cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise TaskError(f"unknown option {unknown[0]!r} for task {task}; options: {', '.join(sorted(fields)) or 'none'}")
+        raise TaskError(
+            f"unknown option {unknown[0]!r} for task {task}; options: {', '.join(sorted(fields)) or 'none'}"
+        )
     hints = typing.get_type_hints(options_cls)
     try:
         values = {k: convert(v, hints[k], f"{task} option {k}") for k, v in options.items()}

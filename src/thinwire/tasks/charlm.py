@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,10 @@ class CharLMOptions:
         for knob in ("context", "layers", "d_model", "heads"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"{knob} must be >= 1, got {getattr(self, knob)}")
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model must be a multiple of heads, got {self.d_model} and {self.heads}")
+        d_model, heads = self.d_model, self.heads
+        assert d_model is not None and heads is not None  # filled from the preset above
+        if d_model % heads:
+            raise ValueError(f"d_model must be a multiple of heads, got {d_model} and {heads}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -74,7 +77,7 @@ class CharLM(Task):
 
     name: ClassVar[str] = "charlm"
     metric: ClassVar[str] = "bpc"
-    Options: ClassVar[type] = CharLMOptions
+    Config: ClassVar[type] = CharLMOptions
     summary: ClassVar[str] = "char-level transformer (tiny or gpt-small) on Python's pydoc text, bits per character"
     # Measured on 2 shards x 32 windows per step, seeds 0-2: test bpc 6.7 (init) -> ~3.2 at
     # step 100 -> 2.04-2.06 at step 600 (next-char accuracy ~0.62); lr 2e-3 / 3e-3 were worse
@@ -82,7 +85,7 @@ class CharLM(Task):
     # gpt-small: ~4.8 s per forward+backward of 32x64 characters on 1 CPU thread.
     defaults: ClassVar[TaskDefaults] = TaskDefaults(steps=600, batch_size=32, lr=1e-3, optimizer="adam", eval_every=100)
 
-    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options) -> None:
+    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
         super().__init__(seed=seed, data_dir=data_dir, **options)
         if data_dir is not None:
             raise TaskError("charlm reads text shipped with Python; it takes no data_dir")

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -48,20 +49,24 @@ class CIFAR10(Task):
 
     name: ClassVar[str] = "cifar10"
     metric: ClassVar[str] = "accuracy"
-    Options: ClassVar[type] = CIFAR10Options
+    Config: ClassVar[type] = CIFAR10Options
     summary: ClassVar[str] = "CIFAR-10 from a local binary copy (--data-dir), ResNet-20 or small VGG"
     # A CPU-sized budget (the paper trains 64k steps of 128); accuracy at this budget is
     # not measured here: the machines this was written on hold no CIFAR-10 copy.
     defaults: ClassVar[TaskDefaults] = TaskDefaults(
         steps=2000, batch_size=64, lr=0.1, optimizer="sgd", eval_every=500, weight_decay=5e-4
     )
+    options: CIFAR10Options
 
-    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options) -> None:
+    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
         super().__init__(seed=seed, data_dir=data_dir, **options)
         self.x, self.y, self.x_test, self.y_test = load(data_dir)
 
     def describe(self) -> str:
-        return f"cifar10 ({self.options.model}): {len(self.y)} train / {len(self.y_test)} test images from {self.data_dir}"
+        return (
+            f"cifar10 ({self.options.model}): {len(self.y)} train / {len(self.y_test)} test images "
+            f"from {self.data_dir}"
+        )
 
     def build_model(self) -> torch.nn.Module:
         with self.seeded("model", self.options.model):
@@ -97,14 +102,20 @@ def augment(images: Tensor, gen: torch.Generator) -> Tensor:
     rows = dy[:, None] + torch.arange(32)  # (B, 32)
     cols = dx[:, None] + torch.arange(32)  # (B, 32)
     cols = torch.where(flip[:, None], cols.flip(1), cols)
-    return padded[torch.arange(b)[:, None, None, None], torch.arange(3)[None, :, None, None], rows[:, None, :, None], cols[:, None, None, :]]
+    return padded[
+        torch.arange(b)[:, None, None, None],
+        torch.arange(3)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
 
 
 def resolve_dir(data_dir: str | None) -> str:
     """The folder holding the .bin files: ``data_dir`` or its ``cifar-10-batches-bin``."""
     if data_dir is None:
         raise TaskError(
-            "cifar10 needs --data-dir: a folder with the CIFAR-10 binary files data_batch_1.bin..data_batch_5.bin and test_batch.bin"
+            "cifar10 needs --data-dir: a folder with the CIFAR-10 binary files "
+            "data_batch_1.bin..data_batch_5.bin and test_batch.bin"
         )
     if not os.path.isdir(data_dir):
         raise TaskError(f"cifar10 data dir {data_dir} does not exist or is not a folder")
@@ -135,7 +146,10 @@ def read_batch(path: str) -> tuple[Tensor, Tensor]:
     """One binary batch file -> uint8 images (N, 3, 32, 32) and int64 labels (N,)."""
     size = os.path.getsize(path)
     if size == 0 or size % RECORD:
-        raise TaskError(f"cifar10: {path} has {size} bytes, not a positive multiple of {RECORD} (1 label byte + 3072 pixel bytes per record)")
+        raise TaskError(
+            f"cifar10: {path} has {size} bytes, not a positive multiple of {RECORD} "
+            "(1 label byte + 3072 pixel bytes per record)"
+        )
     records = np.fromfile(path, dtype=np.uint8).reshape(-1, RECORD)  # (N, 3073)
     labels = records[:, 0].astype(np.int64)
     if labels.max() > 9:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -46,11 +47,12 @@ class Synthetic(Task):
 
     name: ClassVar[str] = "synthetic"
     metric: ClassVar[str] = "accuracy"
-    Options: ClassVar[type] = SyntheticOptions
+    Config: ClassVar[type] = SyntheticOptions
     summary: ClassVar[str] = "random data and an MLP of any size (dim, hidden, depth, classes, samples)"
     defaults: ClassVar[TaskDefaults] = TaskDefaults(steps=300, batch_size=64, lr=0.05, optimizer="sgd", eval_every=100)
+    options: SyntheticOptions
 
-    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options) -> None:
+    def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
         super().__init__(seed=seed, data_dir=data_dir, **options)
         if data_dir is not None:
             raise TaskError("synthetic generates its data; it takes no data_dir")
@@ -61,7 +63,10 @@ class Synthetic(Task):
 
     def describe(self) -> str:
         o = self.options
-        return f"synthetic: {o.samples} train / {o.test_samples} test, dim {o.dim}, MLP {o.depth}x{o.hidden}, {o.classes} classes"
+        return (
+            f"synthetic: {o.samples} train / {o.test_samples} test, dim {o.dim}, "
+            f"MLP {o.depth}x{o.hidden}, {o.classes} classes"
+        )
 
     def build_model(self) -> nn.Module:
         o = self.options

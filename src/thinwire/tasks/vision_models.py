@@ -74,6 +74,7 @@ def vgg_small(classes: int = 10) -> nn.Module:
         if item == "M":
             layers.append(nn.MaxPool2d(2))
         else:
+            assert isinstance(item, int)  # every entry but "M" is a channel count
             layers += [nn.Conv2d(c_in, item, 3, padding=1, bias=False), nn.BatchNorm2d(item), nn.ReLU()]
             c_in = item
     return nn.Sequential(

@@ -1,0 +1,260 @@
+"""The contract of a training method: what the trainer, the CLI and ``thinwire.attach`` call.
+
+A method is built on every rank with the same arguments, after the model is on its device
+and before the first step, and is then driven by two calls around the optimizer's step::
+
+    loss.backward()
+    method.after_backward(loss)   # gradients averaged (or nothing: averaging on a schedule)
+    optimizer.step()
+    method.after_step()           # models averaged, mixed or synced on the method's schedule
+    ...
+    method.finish()               # once, after the last step
+
+Everything else has a documented default here, so a method states only what it does
+differently. Every rank must issue the same collectives in the same order: a method keeps
+its schedule in counters that every rank advances alike.
+
+:class:`Method` is the base; :class:`PeriodicAveraging` (local SGD, DaSGD: a synchronous
+warm-up, then local steps and model averages every ``period`` steps) and :class:`Gossip`
+(D-PSGD, PowerGossip: neighbours on a graph, no all_reduce) hold what their families share.
+Methods are registered by name in :data:`thinwire.algorithms.registry.METHODS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
+from thinwire.comm.base import Communicator
+from thinwire.comm.link import Link
+from thinwire.knobs import describe_config
+from thinwire.registry import NoKnobs
+from thinwire.timing import Timing
+from thinwire.topology import Topology, build_topology
+
+Loss = float | torch.Tensor | None
+
+
+class Method(ABC):
+    """A training method: averaging, mixing or syncing around a user's optimizer steps.
+
+    Class attributes: ``name`` (its spec name), ``summary`` (one line for ``thinwire
+    methods``), ``Config`` (the frozen dataclass of its knobs, parsed from the spec),
+    ``decentralized`` (the ranks' models differ between averages for good: the trainer
+    evaluates their mean), ``averages_in_backward`` (the averaging runs inside
+    ``loss.backward()`` and blocks it, as PyTorch's DDP does: its seconds there are not
+    compute), ``peer`` (PyTorch's own implementation, listed apart as a peer to compare
+    against), ``skip_unsafe`` (why a step dropped on every rank after its backward pass,
+    for a non-finite gradient, would leave the method's state unclean; None: it would not).
+
+    The constructor takes the model, the optimizer (None where the method has no schedule
+    of its own), the communicator (default: the default ``torch.distributed`` group) and a
+    config, or the config's knobs as keywords; ``bucket_mb`` and ``overlap`` apply to the
+    methods that average gradients.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    Config: ClassVar[type] = NoKnobs
+    decentralized: ClassVar[bool] = False
+    averages_in_backward: ClassVar[bool] = False
+    peer: ClassVar[bool] = False
+    skip_unsafe: ClassVar[str | None] = None
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, **knobs: Any) -> None:
+        if config is not None and knobs:
+            raise TypeError(f"{self.name}: pass a config or its knobs, not both (got {', '.join(knobs)})")
+        self.config = config if config is not None else self.Config(**knobs)
+        self.model: torch.nn.Module | None = model
+        self.optimizer = optimizer
+        self.comm = comm_or_world(comm)
+        self.bucket_mb = bucket_mb
+        self.overlap = overlap
+
+    # -- checks before any rank starts ---------------------------------------------------
+    @classmethod  # noqa: B027
+    def check_world(cls, config: Any, workers: int) -> None:
+        """Raise ``ValueError`` when the method cannot run on ``workers`` ranks (a topology
+        that does not fit, groups that do not divide the world). Default: any world."""
+
+    @classmethod  # noqa: B027
+    def check_model(cls, config: Any, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` when the method cannot run on ``model``. Default: any model."""
+
+    # -- the training loop -----------------------------------------------------------------
+    def forward_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to run forward and backward through: ``model`` itself, or a wrapper
+        around it (PyTorch's DDP for its peers)."""
+        return model
+
+    @abstractmethod
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
+        """Called after ``loss.backward()`` with this rank's loss of the step (detached) and
+        the ``GradScaler`` if there is one. Returns False when every rank skips the step (a
+        scaler's overflow); methods that do not read the scaler return True and leave the
+        decision to each rank's scaler."""
+
+    @abstractmethod
+    def after_step(self) -> None:
+        """Called after ``optimizer.step()``, every step: the method's schedule advances."""
+
+    def finish(self) -> torch.nn.Module | None:
+        """Called once after the last step: work the method ends with (AB-training's final
+        sync, which gives the model back with plain layers and returns it). Default: none."""
+        return None
+
+    @property
+    @abstractmethod
+    def timing(self) -> Timing:
+        """Seconds in codecs and in communication so far (this rank's host clock)."""
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs beside the model and the optimizer. Default: none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave, after the model and the optimizer (strict:
+        a state this method does not keep raises ``ValueError``)."""
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got {', '.join(map(str, state))}")
+
+    # -- figures -----------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """The method's spec with every knob filled in."""
+        return describe_config(self.name, self.config)
+
+    def stats(self) -> dict[str, Any]:
+        """Figures logged with every evaluation in metrics.jsonl. Default: none."""
+        return {}
+
+    def report(self) -> dict[str, Any]:
+        """The ``method_report`` of summary.json. Default: the spec."""
+        return {"method": self.spec}
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Top-level fields added to summary.json. Default: none."""
+        return {}
+
+    def per_parameter(self) -> list[dict[str, Any]]:
+        """Per parameter: ``name``, ``shape``, ``codec`` and ``bytes_sent`` so far, for
+        methods that send each parameter through a codec. Default: none."""
+        return []
+
+    def overlap_report(self) -> dict[str, Any] | None:
+        """How much gradient averaging ran beside the backward pass (see
+        :meth:`~thinwire.algorithms.sync.SyncReducer.overlap_report`); None for methods
+        that do not overlap buckets with backward."""
+        return None
+
+    def hidden_seconds(self, link: Link) -> float:
+        """Modeled seconds of this rank's codec and communication work on ``link`` that ran
+        behind computation (and so do not add to the step time). Default: none."""
+        return 0.0
+
+    def hidden_fraction(self) -> float | None:
+        """The measured share of communication time hidden behind computation, where the
+        method measures it. Default: None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec}>"
+
+
+class PeriodicAveraging(Method):
+    """Model averaging on a schedule: ``config.warmup`` synchronous steps (fp32 gradient
+    averaging, overlapped with backward), then local steps with an average of the model
+    state (:class:`~thinwire.algorithms.averaging.ModelState`) on the subclass's schedule.
+
+    ``config`` has ``period``, ``warmup`` and ``average_momentum``. A subclass implements
+    :meth:`after_local_step`, called after every step past the warm-up with the count of
+    local steps, and adds its own seconds to ``self._timing``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
+        self.model: torch.nn.Module = model
+        self.state = ModelState(model, optimizer, self.config.average_momentum)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.warmup = GradientMean(trainable, self.comm, bucket_mb, overlap=overlap, armed=self.config.warmup > 0)
+        self.step = 0  # optimizer steps completed; identical on every rank
+        self._timing = Timing()
+
+    @property
+    def timing(self) -> Timing:
+        return self._timing + self.warmup.timing
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next step is a synchronous warm-up step."""
+        return self.step < self.config.warmup
+
+    def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
+        """During the warm-up, replace every gradient with its mean over the ranks."""
+        if self.warming_up:
+            self.warmup.reduce()
+        return True
+
+    def after_step(self) -> None:
+        """Count the step; past the warm-up, run the subclass's schedule."""
+        self.step += 1
+        self.warmup.armed = self.warming_up  # the warm-up's gradients overlap backward
+        local = self.step - self.config.warmup
+        if local > 0:
+            self.after_local_step(local)
+
+    @abstractmethod
+    def after_local_step(self, local: int) -> None:
+        """The schedule after local step ``local`` (1, 2, ... after the warm-up)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "sync": self.warmup.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.warmup.load_state_dict(state["sync"])
+        self.warmup.armed = self.warming_up
+
+
+class Gossip(Method):
+    """Decentralized training on a graph (``config.topology``): each rank mixes its model
+    with its neighbours' through point-to-point exchanges, with no all_reduce. The ranks'
+    models differ, so the trainer evaluates their mean (:attr:`decentralized`). Mixing
+    happens in :meth:`after_backward`, before the optimizer applies the gradient computed
+    at the old model (the D-PSGD order); :meth:`after_step` does nothing."""
+
+    decentralized = True
+
+    @classmethod
+    def check_world(cls, config: Any, workers: int) -> None:
+        """Raise ``ValueError`` unless the topology fits ``workers`` (e.g. no torus of a prime)."""
+        build_topology(config.topology, workers)
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, **knobs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
+        self.model: torch.nn.Module = model
+        self.topology: Topology = build_topology(self.config.topology, self.comm.world_size)
+        self.neighbours: Sequence[int] = self.topology.neighbours(self.comm.rank)
+        self.step = 0
+        self._timing = Timing()
+
+    @property
+    def timing(self) -> Timing:
+        return self._timing
+
+    def after_step(self) -> None:
+        """Nothing: the mix happened before the optimizer step (D-PSGD order)."""
+
+    def report(self) -> dict[str, Any]:
+        return {"method": self.spec, "topology": self.topology.describe(), "neighbours": list(self.neighbours)}

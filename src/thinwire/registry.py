@@ -1,0 +1,124 @@
+"""Names to things: the one registry type behind codecs, methods, presets, tasks and topologies.
+
+Every entry has a name, the thing it names (a class or a builder), the frozen dataclass of
+its knobs (``Config``; :class:`NoKnobs` for none) and a one-line summary. ``thinwire
+methods`` and the documentation tables are generated from the entries.
+
+A registry may be filled lazily: ``load`` runs once, under a lock, before the first lookup
+(ranks simulated on threads may ask at the same time), and imports the modules whose
+entries register themselves. An entry added from outside (a user's module) waits for the
+built-in ones, so it is listed after them and cannot take a built-in name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar, cast
+
+
+class _Named(Protocol):
+    """What :meth:`Registry.register` takes: anything (a class) with a ``name``."""
+
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T")
+V = TypeVar("V", bound=_Named)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoKnobs:
+    """The config of an entry without knobs."""
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    name: str
+    value: T
+    Config: type
+    summary: str
+
+
+class Registry(Generic[T]):
+    """``kind`` names what is registered, in errors (``unknown codec 'x'; available: ...``)."""
+
+    def __init__(self, kind: str, load: Callable[[], None] | None = None, package: str = "") -> None:
+        self.kind = kind
+        self.package = package  # classes defined under it are built-in: they never wait for ``load``
+        self._entries: dict[str, Entry[T]] = {}
+        self._load = load
+        self._state = "empty" if load is not None else "loaded"  # empty -> loading -> loaded
+        self._lock = threading.RLock()
+
+    def add(self, name: str, value: T, *, Config: type = NoKnobs, summary: str = "",  # noqa: N803
+            builtin: bool = False) -> T:
+        """Register ``value`` under ``name``; a name registered twice raises ``ValueError``."""
+        if not builtin and self._state != "loading":
+            self._ensure_loaded()
+        with self._lock:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._entries[name] = Entry(name, value, Config, summary)
+        return value
+
+    def register(self, value: V) -> V:
+        """Class decorator: register a class by its ``name``, ``Config`` and ``summary``."""
+        module = getattr(value, "__module__", "")
+        builtin = bool(self.package) and (module == self.package or module.startswith(self.package + "."))
+        # a V is the registry's T (a type variable cannot be bounded by another one)
+        self.add(value.name, cast(T, value), Config=getattr(value, "Config", NoKnobs),
+                 summary=getattr(value, "summary", ""), builtin=builtin)
+        return value
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (a test's or a user's own entry)."""
+        with self._lock:
+            self._entries.pop(name, None)
+
+    def entry(self, name: str) -> Entry[T]:
+        """The entry called ``name``; an unknown name raises ``ValueError`` listing the choices."""
+        self._ensure_loaded()
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} {name!r}; available: {', '.join(self._entries)}")
+        return self._entries[name]
+
+    def __getitem__(self, name: str) -> T:
+        return self.entry(name).value
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure_loaded()
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        self._ensure_loaded()
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        self._ensure_loaded()
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        """Every name, in registration order."""
+        return list(self)
+
+    def entries(self) -> list[Entry[T]]:
+        self._ensure_loaded()
+        return list(self._entries.values())
+
+    def _ensure_loaded(self) -> None:
+        if self._state == "loaded":
+            return
+        with self._lock:
+            if self._state != "empty":  # loaded meanwhile, or this thread is loading
+                return
+            self._state = "loading"
+            try:
+                assert self._load is not None
+                self._load()
+            except BaseException:
+                self._state = "empty"
+                raise
+            self._state = "loaded"
