@@ -244,6 +244,15 @@ def distinct(name: str, what: str, t: torch.Tensor) -> None:
         raise PayloadError(f"{name}: {what} must be distinct, index {int(v)} appears {int((a == v).sum())} times")
 
 
+def zero_(out: torch.Tensor) -> None:
+    """``out.zero_()``; a contiguous fp32 CPU tensor as a memset, with no OpenMP region (they
+    stall on shared cores)."""
+    if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+        out.detach().numpy().fill(0)
+    else:
+        out.zero_()
+
+
 def generator_for(seed: int, step: int, key: str, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from (seed, step, key): identical on every rank that asks the same."""
     h = 1469598103934665603

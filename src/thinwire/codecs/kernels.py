@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec, distinct, generator_for, in_range
+from thinwire.codecs.base import Codec, distinct, generator_for, in_range, zero_
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
@@ -204,10 +204,7 @@ class Kernels(Codec):
     def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
         """``out = sum of decode(p)``: zeros, then each payload's units added (the payloads
         are checked once, on entry)."""
-        if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
-            out.detach().numpy().fill(0)  # a memset: no OpenMP region (they stall on shared cores)
-        else:
-            out.zero_()
+        zero_(out)
         for p in payloads:
             self._add(p, out)
 

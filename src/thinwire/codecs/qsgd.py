@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,8 +64,40 @@ class QSGDConfig(CodecConfig):
         require(self.bucket >= 0, f"bucket must be >= 0 (0 = whole tensor), got {self.bucket}")
 
 
+class TableCodec(Codec):
+    """A GATHER codec whose values decode through a table per payload (:func:`table_decode`):
+    on the CPU, ``decode_add`` and ``decode_sum`` run chunk by chunk in NumPy without a dense
+    temporary (the subclass gives ``_decode_numpy(payloads, out, add)``); elsewhere the
+    dense defaults. :meth:`numpy_path` says which path a tensor takes (tests turn it off to
+    compare with the torch path)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self._scratch = Scratch()  # CPU chunk buffers
+
+    def numpy_path(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (an input, a wire tensor or an output) takes the NumPy path: on the CPU."""
+        return t.device.type == "cpu"
+
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out += decode(payload)``; on the CPU without a dense temporary."""
+        if not (self.numpy_path(out) and cpu_fp32_out(payload, out)):
+            return super().decode_add(payload, out)
+        self._decode_numpy([payload], out.detach().view(-1).numpy(), add=True)
+
+    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        """``out = sum of decode(p)``: the first payload decodes straight into ``out``, the
+        others add to it, chunk by chunk (on the CPU; the default elsewhere)."""
+        if not (payloads and self.numpy_path(out) and all(cpu_fp32_out(p, out) for p in payloads)):
+            return super().decode_sum(payloads, out)
+        self._decode_numpy(payloads, out.detach().view(-1).numpy())
+
+    def _decode_numpy(self, payloads: list[Payload], out: np.ndarray, add: bool = False) -> None:
+        raise NotImplementedError
+
+
 @register
-class QSGD(Codec):
+class QSGD(TableCodec):
     """Norm-scaled stochastic rounding to ``levels`` levels plus a sign bit, bit-packed."""
 
     name = "qsgd"
@@ -75,7 +107,6 @@ class QSGD(Codec):
 
     def __init__(self, config: QSGDConfig) -> None:
         super().__init__(config)
-        self._scratch = Scratch()  # CPU chunk buffers
         self._table: np.ndarray | None = None  # code -> signed level
 
     @property
@@ -104,7 +135,7 @@ class QSGD(Codec):
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         g = generator_for(self.config.seed + self.rank, self.step, key, device=x.device)
-        if _numpy_path(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if self.numpy_path(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return self._encode_numpy(x, g)
         n, s = x.numel(), self.config.levels
         d, nb = self._layout(n)
@@ -119,7 +150,7 @@ class QSGD(Codec):
     def decode(self, payload: Payload) -> torch.Tensor:
         norms, codes = payload.tensors
         n, s = math.prod(payload.shape), self.config.levels
-        if _numpy_path(codes):
+        if self.numpy_path(codes):
             out = torch.empty(n, dtype=torch.float32)
             self._decode_numpy([payload], out.numpy())
             return out.to(payload.dtype).view(payload.shape)
@@ -128,19 +159,6 @@ class QSGD(Codec):
         scale = (norms / s)[:, None]  # (nb, 1)
         out = (_padded(signed, nb * d).view(nb, d) * scale).reshape(-1)[:n]  # (N,)
         return out.to(payload.dtype).view(payload.shape)
-
-    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
-        """``out += decode(payload)``; on the CPU without a dense temporary."""
-        if not (_numpy_path(out) and cpu_fp32_out(payload, out)):
-            return super().decode_add(payload, out)
-        self._decode_numpy([payload], out.detach().view(-1).numpy(), add=True)
-
-    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
-        """``out = sum of decode(p)``: the first payload decodes straight into ``out``, the
-        others add to it, chunk by chunk (on the CPU; the default elsewhere)."""
-        if not (payloads and _numpy_path(out) and all(cpu_fp32_out(p, out) for p in payloads)):
-            return super().decode_sum(payloads, out)
-        self._decode_numpy(payloads, out.detach().view(-1).numpy())
 
     # -- the CPU path: NumPy in cache-sized chunks, the same fp32 operations as the torch path
     def _encode_numpy(self, x: torch.Tensor, g: torch.Generator) -> Payload:
@@ -295,12 +313,6 @@ def table_decode(parts: list[tuple[np.ndarray, np.ndarray]], out: np.ndarray, sc
                 dst[:] = vals
             else:
                 dst += vals
-
-
-def _numpy_path(t: torch.Tensor) -> bool:
-    """Whether ``t`` (an input, a wire tensor or an output) takes the NumPy path: on the CPU.
-    (Tests turn it off to compare with the torch path.)"""
-    return t.device.type == "cpu"
 
 
 def check_not_negative(name: str, what: str, t: torch.Tensor) -> None:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob
-from thinwire.codecs.qsgd import CHUNK, Scratch, check_not_negative, cpu_fp32_out, table_decode
+from thinwire.codecs.qsgd import CHUNK, TableCodec, check_not_negative, table_decode
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
@@ -39,17 +38,13 @@ class SignConfig(CodecConfig):
 
 
 @register
-class SignSGD(Codec):
+class SignSGD(TableCodec):
     """One bit per value plus the mean magnitude; deterministic."""
 
     name = "signsgd"
     summary = "EF-signSGD: 1 sign bit per value + fp32 scale ||x||_1/N (all_gather), EF on"
     Config = SignConfig
     aggregation = Aggregation.GATHER
-
-    def __init__(self, config: SignConfig) -> None:
-        super().__init__(config)
-        self._scratch = Scratch()  # CPU chunk buffers
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_nbytes(math.prod(shape), 1),), torch.uint8)]
@@ -59,7 +54,7 @@ class SignSGD(Codec):
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.detach().reshape(-1).float()  # (N,) only read
-        if _numpy_path(flat):
+        if self.numpy_path(flat):
             return Payload(self._encode_numpy(flat.numpy()), x.shape, x.dtype)
         scale = torch.linalg.vector_norm(flat, 1).div(max(1, flat.numel())).reshape(1)  # (1,)
         bits = pack(flat < 0, 1)  # (ceil(N/8),)
@@ -82,7 +77,7 @@ class SignSGD(Codec):
     def decode(self, payload: Payload) -> torch.Tensor:
         scale, bits = payload.tensors
         n = math.prod(payload.shape)
-        if _numpy_path(bits):
+        if self.numpy_path(bits):
             out = torch.empty(n, dtype=torch.float32)
             self._decode_numpy([payload], out.numpy())
             return out.to(payload.dtype).view(payload.shape)
@@ -90,26 +85,8 @@ class SignSGD(Codec):
         out = (1 - 2 * neg.float()) * scale  # (N,) +-scale
         return out.to(payload.dtype).view(payload.shape)
 
-    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
-        """``out += decode(payload)``; on the CPU without a dense temporary."""
-        if not (_numpy_path(out) and cpu_fp32_out(payload, out)):
-            return super().decode_add(payload, out)
-        self._decode_numpy([payload], out.detach().view(-1).numpy(), add=True)
-
-    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
-        """``out = sum of decode(p)``, chunk by chunk on the CPU (the first payload written,
-        the others added)."""
-        if not (payloads and _numpy_path(out) and all(cpu_fp32_out(p, out) for p in payloads)):
-            return super().decode_sum(payloads, out)
-        self._decode_numpy(payloads, out.detach().view(-1).numpy())
-
     def _decode_numpy(self, payloads: list[Payload], out: np.ndarray, add: bool = False) -> None:
         """Each byte -> its eight values, ``+-1 * scale`` in fp32 (the torch path's product)."""
         parts = [(_BYTE_SIGNS * p.tensors[0].detach().numpy()[0], p.tensors[1].detach().numpy()) for p in payloads]
         table_decode(parts, out, self._scratch, add)
 
-
-def _numpy_path(t: torch.Tensor) -> bool:
-    """Whether ``t`` (an input, a wire tensor or an output) takes the NumPy path: on the CPU.
-    (Tests turn it off to compare with the torch path.)"""
-    return t.device.type == "cpu"

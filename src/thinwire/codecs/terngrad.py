@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from thinwire.codecs.base import Codec, generator_for
+from thinwire.codecs.base import generator_for
 from thinwire.codecs.config import CodecConfig, knob
-from thinwire.codecs.qsgd import CHUNK, Scratch, check_not_negative, cpu_fp32_out, table_decode
+from thinwire.codecs.qsgd import CHUNK, TableCodec, check_not_negative, table_decode
 from thinwire.codecs.registry import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
@@ -43,17 +43,13 @@ class TernGradConfig(CodecConfig):
 
 
 @register
-class TernGrad(Codec):
+class TernGrad(TableCodec):
     """Per-tensor max scale and stochastic ternary codes, 2 bits per value."""
 
     name = "terngrad"
     summary = "TernGrad: max|x| + unbiased stochastic {-1, 0, +1}, 2 bits per value (all_gather)"
     Config = TernGradConfig
     aggregation = Aggregation.GATHER
-
-    def __init__(self, config: TernGradConfig) -> None:
-        super().__init__(config)
-        self._scratch = Scratch()  # CPU chunk buffers
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return [((1,), torch.float32), ((packed_nbytes(math.prod(shape), 2),), torch.uint8)]
@@ -64,7 +60,7 @@ class TernGrad(Codec):
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         flat = x.detach().reshape(-1).float()  # (N,) only read
         g = generator_for(self.config.seed + self.rank, self.step, key, device=x.device)
-        if _numpy_path(flat):
+        if self.numpy_path(flat):
             return Payload(self._encode_numpy(flat.numpy(), g), x.shape, x.dtype)
         mag = flat.abs()  # (N,) a new tensor
         s = mag.max() if flat.numel() else mag.new_zeros(())
@@ -108,7 +104,7 @@ class TernGrad(Codec):
     def decode(self, payload: Payload) -> torch.Tensor:
         s, packed = payload.tensors
         n = math.prod(payload.shape)
-        if _numpy_path(packed):
+        if self.numpy_path(packed):
             out = torch.empty(n, dtype=torch.float32)
             self._decode_numpy([payload], out.numpy())
             return out.to(payload.dtype).view(payload.shape)
@@ -117,26 +113,8 @@ class TernGrad(Codec):
         out = table[code.long()] * s  # (N,)
         return out.to(payload.dtype).view(payload.shape)
 
-    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
-        """``out += decode(payload)``; on the CPU without a dense temporary."""
-        if not (_numpy_path(out) and cpu_fp32_out(payload, out)):
-            return super().decode_add(payload, out)
-        self._decode_numpy([payload], out.detach().view(-1).numpy(), add=True)
-
-    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
-        """``out = sum of decode(p)``, chunk by chunk on the CPU (the first payload written,
-        the others added)."""
-        if not (payloads and _numpy_path(out) and all(cpu_fp32_out(p, out) for p in payloads)):
-            return super().decode_sum(payloads, out)
-        self._decode_numpy(payloads, out.detach().view(-1).numpy())
-
     def _decode_numpy(self, payloads: list[Payload], out: np.ndarray, add: bool = False) -> None:
         """Each byte -> its four values, ``sign * s`` in fp32 (the torch path's product)."""
         parts = [(_BYTE_LEVELS * p.tensors[0].detach().numpy()[0], p.tensors[1].detach().numpy()) for p in payloads]
         table_decode(parts, out, self._scratch, add)
 
-
-def _numpy_path(t: torch.Tensor) -> bool:
-    """Whether ``t`` (an input, a wire tensor or an output) takes the NumPy path: on the CPU.
-    (Tests turn it off to compare with the torch path.)"""
-    return t.device.type == "cpu"
