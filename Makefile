@@ -26,7 +26,7 @@ test: lint
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

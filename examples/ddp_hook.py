@@ -17,7 +17,8 @@ def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 
     """Train a small classifier under DDP with thinwire's hook on the default process group;
     returns this rank's final loss, the bytes it sent and the hook's checkpoint state."""
     rank = dist.get_rank()
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)

@@ -17,7 +17,8 @@ def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 
     """Train a small classifier with ``method`` on the default process group; returns this
     rank's final loss and the bytes it sent."""
     rank = dist.get_rank()
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = torch.nn.Sequential(  # three layers: AB-training factors all but the first and the last

@@ -14,16 +14,20 @@ The public API (importing does no work beyond importing torch):
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
 * :class:`Aggregator`: average any named tensors through codecs (the building block).
+* :class:`Method`: the contract every training method keeps (``docs/adding_a_method.md``);
+  :data:`METHODS`, the registry of methods by name (a method of your own registers there).
 * :class:`Link`: the alpha-beta network model; :class:`ByteMeter` counts bytes sent.
 """
 
 from thinwire.aggregate import Aggregator
 from thinwire.algorithms.ab import ABTraining
 from thinwire.algorithms.attach import Attached, attach
+from thinwire.algorithms.base import Method
 from thinwire.algorithms.dasgd import DaSGD
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
 from thinwire.algorithms.powergossip import PowerGossip
+from thinwire.algorithms.registry import METHODS
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec
@@ -36,6 +40,7 @@ from thinwire.version import __version__
 
 __all__ = [
     "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link",
-    "LocalSGD", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs", "build_codec", "ddp",
+    "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs",
+    "build_codec", "ddp",
     "__version__",
 ]

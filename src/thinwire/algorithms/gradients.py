@@ -30,8 +30,8 @@ used is evicted, its bytes and seconds kept in the totals.
 
 Distributed invariant: the averaged names are a pure function of the agreed map (or, without
 ``find_unused_parameters``, of state the ranks share), and each distinct set has its own
-:class:`~thinwire.aggregate.Aggregator` built from the names in ``named_parameters()``
-order, so every rank issues the same collectives in the same order. All aggregators share
+:class:`~thinwire.aggregate.Aggregator` built from the names in reverse
+``named_parameters()`` order, so every rank issues the same collectives in the same order. All aggregators share
 one :class:`~thinwire.feedback.ErrorFeedback` (residuals keyed by parameter name) and the
 same codec objects (codec state keyed by name), so a parameter keeps its residual when the
 set around it changes.
