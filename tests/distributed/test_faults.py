@@ -71,7 +71,8 @@ def test_a_rank_stopped_by_sigstop_is_the_one_named_and_a_resumed_run_counts_fro
     first = subprocess.run(_cmd(out, "--steps", "6", "--checkpoint-every", "6", "--import", "usercodec.signalself",
                                 "--method", "signalself"), capture_output=True, text=True, timeout=150, env=_env())
     assert first.returncode == 0, first.stderr  # no SIGNALSELF_* set: no signal
-    t0 = time.monotonic()
+    # ended by the 10 s collective timeout, which the line below names ("timed out waiting"); the
+    # subprocess timeout only guards against a hang
     r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--resume", str(out), "--steps", "1000", "--quiet"],
                        capture_output=True, text=True, timeout=150,
                        env=_env(SIGNALSELF_RANK="1", SIGNALSELF_AT="3", SIGNALSELF_SIGNAL="STOP",
@@ -84,7 +85,6 @@ def test_a_rank_stopped_by_sigstop_is_the_one_named_and_a_resumed_run_counts_fro
     step = int(line.split("after step ")[1].split(" ")[0])
     assert 6 <= step <= 8, line
     assert "state T" in line, line
-    assert time.monotonic() - t0 < 120
 
 
 @pytest.mark.timeout(180)

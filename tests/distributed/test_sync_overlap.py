@@ -4,7 +4,6 @@ every codec; collectives really start while backward goes on; the rules a loop m
 raise instead of averaging wrongly; the warm-ups of local SGD, DaSGD and AB-training."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -94,44 +93,59 @@ def test_overlap_averages_bit_identically_to_averaging_in_reduce_for_every_codec
         assert r == []
 
 
-class _SlowInput(torch.autograd.Function):
-    """Identity whose backward (the last op of the backward pass) sleeps: a window in which
-    a collective started by the backward pass shows up before ``backward()`` returns."""
+LAUNCH_WAIT_S = 30  # a guard against a hang only: how long the backward pass waits for a bucket's launch
+
+
+class _WaitForLaunch(torch.autograd.Function):
+    """Identity whose backward (the last op of the backward pass) waits, when ``ctx.expect``
+    says a launch is due, until a bucket's collective has been issued: a collective started by
+    the backward pass is then issued before ``backward()`` returns, by ordering, not by time."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, launched, expect):
+        ctx.launched, ctx.expect = launched, expect
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(0.5)
-        return g
+        if ctx.expect:
+            ctx.launched.wait(LAUNCH_WAIT_S)  # if it never comes the test fails: no collective during backward
+        return g, None, None
 
 
 def _launch_times(rank, world, overlap):
     from thinwire.algorithms.sync import SyncReducer
     from thinwire.comm.torch_dist import TorchComm
 
-    done = threading.Event()  # backward() returned
+    phase = ["forward"]  # where the training thread is: "forward", "backward" or "reduce"
+    launched = threading.Event()  # a collective was issued
 
     class Watching(TorchComm):
-        during: list = []  # per collective: started before backward() returned
+        during: list = []  # per collective: the training thread's phase when it was issued
 
         def _all_reduce(self, t, async_op):
-            self.during.append(not done.is_set())
+            self.during.append(phase[0])
+            launched.set()
             return super()._all_reduce(t, async_op)
 
     model = _Net()
     reducer = SyncReducer(model, "identity", Watching(), bucket_mb=0.004, overlap=overlap)
+    steps = []
     for step in range(3):
-        done.clear()
+        launched.clear()
         Watching.during.clear()
         x, y = _batch(rank, step, 0)
-        x = _SlowInput.apply(x.requires_grad_())
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        done.set()
-        reducer.reduce()
-    return list(Watching.during)
+        # the first step averages everything in reduce() (the reducer learns the step); later
+        # ones launch the last layers' buckets in backward when overlapping
+        x = _WaitForLaunch.apply(x.requires_grad_(), launched, overlap and step > 0)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        phase[0] = "backward"
+        loss.backward()
+        phase[0] = "reduce"
+        reducer.reduce()  # waits for every collective of the step
+        phase[0] = "forward"
+        steps.append(list(Watching.during))
+    return steps, reducer.overlap_report()["steps"]
 
 
 def _both(rank, world):
@@ -140,9 +154,13 @@ def _both(rank, world):
 
 @pytest.mark.timeout(120)
 def test_buckets_are_sent_while_the_backward_pass_goes_on():
-    for ours, later in run_ranks(_both, 2):
-        assert len(ours) >= 3 and sum(ours) >= 2, ours  # the last layers' buckets went during backward
-        assert not any(later), later  # overlap=False: everything at reduce()
+    for (ours, launched), (later, none) in run_ranks(_both, 2):
+        # after the first step (which the reducer learns from), the last layers' buckets went during
+        # backward: the backward pass was held until one was issued, and would have waited in vain
+        assert all("backward" in step for step in ours[1:]) and launched == 2, ours
+        # overlap=False: everything at reduce()
+        assert none == 0 and all(phase == "reduce" for step in later for phase in step), later
+        assert all(len(step) >= 3 for step in later), later
 
 
 def _accumulate_more(rank, world, overlap):

@@ -1,5 +1,6 @@
 """LocalWorld: in-process ranks on threads (collectives, exchange, subgroups, failures)."""
 
+import threading
 import time
 
 import pytest
@@ -125,18 +126,42 @@ def test_subgroups_have_their_own_rendezvous_and_share_the_meter():
     assert out[1][3] == 8.0  # plus all_gather of 4 bytes over 2 ranks: (n-1) * 4
 
 
+def _wait_until_blocked(comm, waiting: int, timeout: float = 60) -> None:
+    """Return once ``waiting`` ranks sit in the current rendezvous of ``comm``'s group. Reads
+    LocalWorld's internals: a rank counts its arrival and enters ``Condition.wait`` without
+    releasing the group's lock in between, so a count seen under that lock means they are all
+    blocked there (and they stay in the wait loop until the round completes or a check fails)."""
+    group = comm._group
+    deadline = time.monotonic() + timeout  # a guard against a hang only
+    while True:
+        with group.cond:
+            if group.arrived == waiting:
+                return
+        assert time.monotonic() < deadline, f"{waiting} ranks never arrived"
+        time.sleep(0.005)
+
+
 def test_a_failing_rank_raises_and_releases_the_others():
+    released = {}
+
     def fn(comm):
         if comm.rank == 2:
-            time.sleep(0.05)
+            _wait_until_blocked(comm, 3)  # ranks 0, 1 and 3 are blocked in all_reduce, waiting for rank 2
             raise KeyError("boom on 2")
-        comm.all_reduce(torch.ones(3))  # ranks 0, 1, 3 wait here for rank 2
+        try:
+            comm.all_reduce(torch.ones(3))
+        except BaseException as e:
+            released[comm.rank] = e
+            raise
         return comm.rank
 
-    t0 = time.monotonic()
+    # released by rank 2's failure, not by the timeout (a wait that ran out would end in TimeoutError)
     with pytest.raises(KeyError, match="boom on 2"):
         LocalWorld(4, timeout_s=30).run(fn)
-    assert time.monotonic() - t0 < 5
+    assert sorted(released) == [0, 1, 3]
+    for rank, e in released.items():
+        assert isinstance(e, RankAborted), (rank, e)
+        assert f"rank {rank}: gave up waiting in all_reduce because rank 2 failed" in str(e)
 
 
 def test_a_failing_rank_releases_a_blocked_receiver():
@@ -157,10 +182,9 @@ def test_mismatched_collectives_fail_fast():
             comm.all_reduce(torch.ones(1))  # rank 1 never joins: it returns instead
         return comm.rank
 
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="already returned"):
+    # ended by noticing that rank 1 returned, not by the timeout (that would be a TimeoutError)
+    with pytest.raises(RuntimeError, match=r"rank 0: all_reduce waits for rank\(s\) \[1\], which already returned"):
         LocalWorld(2, timeout_s=30).run(fn)
-    assert time.monotonic() - t0 < 5
 
 
 def test_shape_mismatch_and_timeout():
@@ -170,12 +194,18 @@ def test_shape_mismatch_and_timeout():
     with pytest.raises(ValueError, match="different tensors"):
         LocalWorld(2).run(mismatch)
 
-    def slow(comm):
-        if comm.rank == 1:
-            time.sleep(0.4)
-        comm.barrier()
+    gave_up = threading.Event()  # rank 0's barrier ended
 
-    with pytest.raises(TimeoutError, match="barrier waited"):
+    def slow(comm):
+        if comm.rank == 0:
+            try:
+                comm.barrier()
+            finally:
+                gave_up.set()
+        else:  # alive but absent (returning would be a mismatch, not a timeout) until rank 0 gave up
+            assert gave_up.wait(60), "rank 0's barrier did not time out"
+
+    with pytest.raises(TimeoutError, match=r"rank 0: barrier waited 0.1 s for rank\(s\) \[1\]"):
         LocalWorld(2, timeout_s=0.1).run(slow)
 
 
