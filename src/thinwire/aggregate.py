@@ -57,6 +57,7 @@ class _Flight:
     # a bucket launched on one thread and landed on another never races on the totals)
     codec_seconds: float = 0.0
     comm_seconds: float = 0.0
+    started_at: float = 0.0  # perf_counter() when round 0's collective was started
 
 
 @dataclass
@@ -200,10 +201,17 @@ class Aggregator:
         self.step += 1
 
     def start(self, tensors: Mapping[str, torch.Tensor]) -> Reduction:
-        """Launch every bucket (as :meth:`launch`) and return at once; the means land in
-        ``tensors`` at :meth:`Reduction.wait`, which also advances the step counter. Until
-        then ``tensors`` and the codecs belong to the reduction: touch neither."""
-        return Reduction(self, self.launch(tensors), tensors)
+        """Launch every bucket (as :meth:`launch`: round 0) and return at once; the means land
+        in ``tensors`` at :meth:`Reduction.wait`, which runs any later rounds and advances the
+        step counter. Until then ``tensors`` and the codecs belong to the reduction: touch
+        neither. For one thread (start and wait on the same one): the launch's seconds are
+        added to :attr:`timing` at once, the rest when it lands."""
+        launched = self.launch(tensors)
+        for _, f in launched:
+            self.timing.codec_seconds += f.codec_seconds
+            self.timing.comm_seconds += f.comm_seconds
+            f.codec_seconds = f.comm_seconds = 0.0
+        return Reduction(self, launched, tensors)
 
     def launch(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None, *,
                in_place: bool = True) -> list[tuple[_Bucket, _Flight]]:
@@ -270,6 +278,7 @@ class Aggregator:
             f.wire = self._pack_sum(b, r, f.payloads)
             f.wire.div_(self.comm.world_size)  # in the wire dtype, before the sum (as DDP's hooks)
             t0 = time.perf_counter()
+            f.started_at = f.started_at or t0
             f.handle = self.comm.all_reduce(f.wire, async_op=True)
         else:
             device = f.us[0][1].device
@@ -280,6 +289,7 @@ class Aggregator:
                     send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
             f.wire = _buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
             t0 = time.perf_counter()
+            f.started_at = f.started_at or t0
             f.handle = self.comm.all_gather(send, f.wire, async_op=True)
         in_comm = time.perf_counter() - t0
         if r == codec.rounds - 1 and codec.config.ef:
@@ -451,12 +461,15 @@ class Reduction:
                  tensors: Mapping[str, torch.Tensor]) -> None:
         self._agg, self._launched, self._tensors = agg, launched, tensors
         self.done = False
+        # when the first collective was started (after encoding): where communication begins
+        self.started_at = min((f.started_at for _, f in launched), default=0.0)
         # bytes each rank put on the wire (the round-0 payloads: one-round codecs)
         self.wire_bytes = sum(f.wire.numel() * f.wire.element_size() if b.codec.aggregation is Aggregation.SUM
                               else b.row_bytes for b, f in launched if f.wire is not None)
 
     def is_completed(self) -> bool:
-        """Whether every collective has completed (no side effects; landing may remain)."""
+        """Whether every round-0 collective has completed (no side effects; landing, and a
+        multi-round codec's later rounds, remain for :meth:`wait`)."""
         return self.done or all(f.handle is None or f.handle.is_completed() for _, f in self._launched)
 
     def settle(self) -> None:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import build_codec, build_config, parse_spec
+from thinwire.codecs.registry import CODECS, build_codec, build_config, parse_spec
 from thinwire.knobs import describe_config, knob, read_user_file, require
 from thinwire.registry import Registry
 
@@ -353,10 +353,11 @@ def _hylo_rules(cfg: HyloConfig) -> list[Rule]:
 
 
 # policy presets by name: each builds its rules from its config
-PRESETS: Registry[Callable[[Any], list[Rule]]] = Registry("policy preset")
+PRESETS: Registry[Callable[[Any], list[Rule]]] = Registry(
+    "policy preset", taken=lambda name: "a codec" if name in CODECS else None)
 PRESETS.add("hylo", _hylo_rules, Config=HyloConfig,
             summary="Hylo: top kernels for conv weights > t_conv, adaptive 2-bit for linear weights > t_fc, "
-                    "fp32 for the rest")
+                    "fp32 for the rest", builtin=True)
 
 
 def as_policy(method: Any) -> Policy | None:

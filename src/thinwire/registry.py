@@ -43,23 +43,38 @@ class Entry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    """``kind`` names what is registered, in errors (``unknown codec 'x'; available: ...``)."""
+    """``kind`` names what is registered, in errors (``unknown codec 'x'; available: ...``).
 
-    def __init__(self, kind: str, load: Callable[[], None] | None = None, package: str = "") -> None:
+    ``taken(name)``, when given, says what else in the package already answers to ``name``
+    (a codec, for a method of that name), or None: an entry from outside the package may not
+    shadow it. Two locks: one held while ``load`` imports modules, one only while the entries
+    change, so a built-in module that registers while another thread loads never waits for
+    that load (which may be waiting to import the same module)."""
+
+    def __init__(self, kind: str, load: Callable[[], None] | None = None, package: str = "",
+                 taken: Callable[[str], str | None] | None = None) -> None:
         self.kind = kind
         self.package = package  # classes defined under it are built-in: they never wait for ``load``
+        self.taken = taken
         self._entries: dict[str, Entry[T]] = {}
         self._load = load
         self._state = "empty" if load is not None else "loaded"  # empty -> loading -> loaded
-        self._lock = threading.RLock()
+        self._load_lock = threading.RLock()
+        self._entries_lock = threading.Lock()
 
     def add(self, name: str, value: T, *, Config: type = NoKnobs, summary: str = "",  # noqa: N803
             builtin: bool = False) -> T:
-        """Register ``value`` under ``name``; a name registered twice raises ``ValueError``."""
-        if not builtin and self._state != "loading":
-            self._ensure_loaded()
-        with self._lock:
+        """Register ``value`` under ``name``; a name registered twice, or one that another
+        registry of the package answers to (``taken``), raises ``ValueError``."""
+        if not builtin:
+            self._ensure_loaded()  # a user's entry comes after the built-in ones
+            other = self.taken(name) if self.taken is not None else None
+            if other is not None:
+                raise ValueError(f"{self.kind} {name!r} registered twice: {name!r} is already {other}")
+        with self._entries_lock:
             if name in self._entries:
+                if self._entries[name].value is value:
+                    return value  # the same thing again (a load tried again after a failure)
                 raise ValueError(f"{self.kind} {name!r} registered twice")
             self._entries[name] = Entry(name, value, Config, summary)
         return value
@@ -75,7 +90,7 @@ class Registry(Generic[T]):
 
     def remove(self, name: str) -> None:
         """Forget ``name`` (a test's or a user's own entry)."""
-        with self._lock:
+        with self._entries_lock:
             self._entries.pop(name, None)
 
     def entry(self, name: str) -> Entry[T]:
@@ -109,9 +124,11 @@ class Registry(Generic[T]):
         return list(self._entries.values())
 
     def _ensure_loaded(self) -> None:
+        """Run ``load`` once; after a load that fails, the next lookup tries again (what the
+        failed one registered stays: registering the same thing again is no error)."""
         if self._state == "loaded":
             return
-        with self._lock:
+        with self._load_lock:
             if self._state != "empty":  # loaded meanwhile, or this thread is loading
                 return
             self._state = "loading"

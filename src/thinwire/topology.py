@@ -203,10 +203,13 @@ def metropolis(adjacency: torch.Tensor) -> torch.Tensor:
 
 # the built-in graphs by name: each builds the topology of n workers
 TOPOLOGIES: Registry[Callable[[int], Topology]] = Registry("topology")
-TOPOLOGIES.add("ring", ring, summary="each worker and its two neighbours weigh 1/3")
-TOPOLOGIES.add("torus", torus, summary="a rows x cols grid (both >= 3) wrapped at the edges; five weights of 1/5")
-TOPOLOGIES.add("complete", complete, summary="every worker talks to every other, all weights 1/n")
-TOPOLOGIES.add("exponential", exponential, summary="worker i talks to i +- 2^k (mod n), Metropolis-Hastings weights")
+for _build, _summary in (
+    (ring, "each worker and its two neighbours weigh 1/3"),
+    (torus, "a rows x cols grid (both >= 3) wrapped at the edges; five weights of 1/5"),
+    (complete, "every worker talks to every other, all weights 1/n"),
+    (exponential, "worker i talks to i +- 2^k (mod n), Metropolis-Hastings weights"),
+):
+    TOPOLOGIES.add(_build.__name__, _build, summary=_summary, builtin=True)
 NAMES = tuple(TOPOLOGIES)
 
 

@@ -202,11 +202,43 @@ def test_auto_delay_is_agreed_by_every_rank():
     assert len(set(delays)) == 1 and 0 <= delays[0] <= 4
 
 
-@pytest.mark.parametrize("cut", [5, 6, 7, 9])
-def test_resume_from_a_checkpoint_continues_exactly(cut):
-    """Stop after ``cut`` steps (with an average in flight at 5 and 9), save, build a fresh
-    method on copies of the models, load, and continue: the same result as never stopping."""
-    make = dasgd(period=4, delay="3", warmup=1, codec="bf16")
+@pytest.mark.parametrize("codec", ["bf16", "randomk:ratio=0.25"])  # randomk: error feedback on
+@pytest.mark.parametrize("cut", [5, 6, 7, 9, 10])
+def test_resume_from_a_checkpoint_continues_exactly(cut, codec):
+    """Stop after ``cut`` steps (with an average in flight at 5, 6, 9 and 10; of deltas, through
+    the codec, at 9 and 10), save, build a fresh method on copies of the models, load, and
+    continue: the same result as never stopping."""
+    _resumed_equals_straight(cut, codec, lambda state: state)
+
+
+def _earlier_layout(state: dict, codec: str) -> dict:
+    """``state`` as DaSGD saved it before its averages went through an Aggregator: its own
+    error feedback, and an average of deltas in flight as its summed wire (the buffer then
+    held no mean yet)."""
+    from thinwire.codecs.registry import build_codec
+
+    old = {k: v for k, v in state.items() if k not in ("pending_coded", "coded")}
+    old["feedback"] = state["coded"]["feedback"] if state["coded"] is not None else {}
+    old["payload_step"] = state["launches"] - 1
+    old["payload_wire"] = None
+    if state["pending_coded"]:
+        c = build_codec(codec)
+        c.step = old["payload_step"]
+        old["payload_wire"] = c.encode(state["buf"], key="model").tensors[0].clone()  # the mean's own wire
+        old["buf"] = torch.full_like(state["buf"], float("nan"))
+    return old
+
+
+@pytest.mark.parametrize("codec", ["bf16", "randomk:ratio=0.25"])
+@pytest.mark.parametrize("cut", [6, 10])
+def test_a_checkpoint_of_the_earlier_layout_continues_exactly(cut, codec):
+    """A checkpoint written before averages went through an Aggregator (an exact average in
+    flight at 6, one of deltas at 10) loads and goes on as if never stopped."""
+    _resumed_equals_straight(cut, codec, lambda state: _earlier_layout(state, codec))
+
+
+def _resumed_equals_straight(cut, codec, saved_as):
+    make = dasgd(period=4, delay="3", warmup=1, codec=codec.replace(",", ";"))
 
     def fn(comm):
         model = copy.deepcopy(BASE)
@@ -214,7 +246,7 @@ def test_resume_from_a_checkpoint_continues_exactly(cut):
         m = make(model, opt, comm)
         for step in range(14):
             if step == cut:  # checkpoint and resume into fresh objects
-                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), m.state_dict())
+                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), saved_as(m.state_dict()))
                 model = copy.deepcopy(BASE)
                 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
                 model.load_state_dict(saved[0])

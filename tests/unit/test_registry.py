@@ -67,19 +67,46 @@ def test_concurrent_first_lookups_load_once():
     assert calls == [1] and seen == [["a"]] * 4
 
 
-def test_a_failed_load_is_tried_again():
+def test_a_failed_load_is_tried_again_and_keeps_what_it_registered():
     tries: list[int] = []
+    a, b = object(), object()
 
     def load() -> None:
         tries.append(1)
+        reg.add("a", a)  # registered again on the second try: the same object is no error
         if len(tries) == 1:
-            raise RuntimeError("first try fails")
-        reg.add("a", 0)
+            raise RuntimeError("first try fails after registering a")
+        reg.add("b", b)
+
+    reg: Registry[object] = Registry("thing", load=load)
+    with pytest.raises(RuntimeError, match="first try fails"):
+        reg.names()
+    assert reg.names() == ["a", "b"] and len(tries) == 2
+    with pytest.raises(ValueError, match="thing 'a' registered twice"):
+        reg.add("a", object())  # another object under a taken name
+
+
+def test_an_outside_entry_may_not_shadow_another_registry_of_the_package():
+    reg: Registry[int] = Registry("method", taken=lambda name: "a codec" if name == "topk" else None)
+    with pytest.raises(ValueError, match=r"^method 'topk' registered twice: 'topk' is already a codec$"):
+        reg.add("topk", 1)
+    reg.add("mine", 2)
+    assert reg.names() == ["mine"]
+
+
+def test_a_built_in_module_registering_during_another_threads_load_does_not_wait_for_it():
+    """The loader imports a module that another thread is importing: that thread's built-in
+    registration must go through while the load holds its lock (else both wait forever)."""
+    registered = threading.Event()
+
+    def load() -> None:
+        other = threading.Thread(target=lambda: (reg.add("builtin", 1, builtin=True), registered.set()))
+        other.start()
+        assert registered.wait(10), "a built-in registration waited for the load"
+        other.join()
 
     reg: Registry[int] = Registry("thing", load=load)
-    with pytest.raises(RuntimeError):
-        reg.names()
-    assert reg.names() == ["a"] and len(tries) == 2
+    assert reg.names() == ["builtin"]
 
 
 @pytest.mark.parametrize("registry, kind", [(CODECS, Codec), (METHODS, Method), (TASKS, Task)],
@@ -102,3 +129,30 @@ def test_presets_and_topologies_are_registries_too():
         for entry in registry.entries():
             assert dataclasses.is_dataclass(entry.Config) and entry.summary and callable(entry.value)
     assert TOPOLOGIES["ring"](4).n == 4
+
+
+def test_a_codec_named_like_a_method_is_refused_where_it_would_be_ambiguous():
+    from thinwire.algorithms.registry import kind_of
+    from thinwire.codecs.identity import Identity
+
+    class Shadow(Identity):
+        name = "localsgd"
+        summary = "an identity named like a method"
+
+    CODECS.register(Shadow)
+    try:
+        with pytest.raises(ValueError, match=r"^'localsgd' names both a method and a codec: register one of them"):
+            kind_of("localsgd")
+    finally:
+        CODECS.remove("localsgd")
+    assert kind_of("localsgd") == "method"
+
+
+def test_a_task_that_names_its_knobs_options_still_works():
+    from thinwire.tasks.synthetic import Synthetic, SyntheticOptions
+
+    class Older(Synthetic):
+        name = "older"
+        Options = SyntheticOptions
+
+    assert Older.Config is SyntheticOptions and Older(seed=0, dim=8).options.dim == 8

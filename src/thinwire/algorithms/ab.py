@@ -143,6 +143,8 @@ class ABTraining(Method):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: ABConfig | None = None, *,
                  bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
+        if config is None:  # the knobs are checked first, then the optimizer
+            config, knobs = ABConfig(**knobs), {}
         if optimizer is None:
             raise ValueError("ab needs the optimizer (it adds the factors and slices their state)")
         super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)

@@ -57,7 +57,7 @@ class Attached:
         (gossip), so each rank's scaler decides for itself."""
         self._check_open()
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        return self.method.after_backward(loss, scaler=scaler)
+        return self.method.after_backward(loss, scaler=scaler) is not False  # None: a method that does not say
 
     def after_step(self) -> None:
         """Call after ``optimizer.step()`` (``scaler.step(optimizer)``), every step."""
@@ -127,6 +127,10 @@ def attach(
     spec: str | Policy | Codec
     if isinstance(method, str):
         spec = resolve_method(method)
+        if find_unused_parameters and not is_gradient_codec(spec):
+            raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to "
+                             f"{spec.split(':')[0]}: its averaging assumes every rank's gradients cover the same "
+                             "parameters")
         if optimizer is None and not is_gradient_codec(spec):
             raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
                              f"thinwire.attach(model, optimizer, {method!r})")

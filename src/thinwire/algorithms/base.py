@@ -28,7 +28,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from thinwire.aggregate import Aggregator
 from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
+from thinwire.codecs.base import Codec
+from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link
 from thinwire.knobs import describe_config
@@ -150,8 +153,10 @@ class Method(ABC):
 
     def overlap_report(self) -> dict[str, Any] | None:
         """How much gradient averaging ran beside the backward pass (see
-        :meth:`~thinwire.algorithms.sync.SyncReducer.overlap_report`); None for methods
-        that do not overlap buckets with backward."""
+        :meth:`~thinwire.algorithms.sync.SyncReducer.overlap_report`), for the cost model;
+        None (the default) for methods that report none. The warm-ups of model averaging
+        and AB-training overlap their buckets too, and report none: the modeled time counts
+        their averaging whole."""
         return None
 
     def hidden_seconds(self, link: Link) -> float:
@@ -175,7 +180,8 @@ class PeriodicAveraging(Method):
 
     ``config`` has ``period``, ``warmup`` and ``average_momentum``. A subclass implements
     :meth:`after_local_step`, called after every step past the warm-up with the count of
-    local steps, and adds its own seconds to ``self._timing``.
+    local steps, averages through :meth:`averager` and adds its own other seconds (gathering,
+    merging) to ``self._timing``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -188,10 +194,19 @@ class PeriodicAveraging(Method):
         self.warmup = GradientMean(trainable, self.comm, bucket_mb, overlap=overlap, armed=self.config.warmup > 0)
         self.step = 0  # optimizer steps completed; identical on every rank
         self._timing = Timing()
+        self.aggregators: list[Aggregator] = []  # what the averages go through (see averager())
+
+    def averager(self, like: torch.Tensor, codec: Codec | None = None) -> Aggregator:
+        """An :class:`~thinwire.aggregate.Aggregator` of one flat tensor shaped as ``like``
+        (the model state, or a delta of it) through ``codec`` (default: fp32, ``identity``),
+        whose seconds count in :attr:`timing`. Build it once and reuse it."""
+        agg = Aggregator.flat("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
+        self.aggregators.append(agg)
+        return agg
 
     @property
     def timing(self) -> Timing:
-        return self._timing + self.warmup.timing
+        return Timing.total([self._timing, self.warmup.timing, *(a.timing for a in self.aggregators)])
 
     @property
     def warming_up(self) -> bool:

@@ -26,7 +26,7 @@ buffer in flight. Memory: two flat fp32 copies of the averaged state (snapshot a
 a ``codec`` adds the anchor and, with error feedback, its residual (the delta is encoded
 from the buffer, where its mean lands). Every average goes through an
 :class:`~thinwire.aggregate.Aggregator` (:meth:`~thinwire.aggregate.Aggregator.start`),
-as every other reduction in thinwire does.
+as local SGD's do.
 
 ``delay=auto`` measures, during the warm-up (synchronous gradient averaging, the same bytes
 as one model average), the mean time of one all_reduce and of one step's computation,
@@ -55,13 +55,11 @@ import torch
 
 from thinwire.aggregate import Aggregator, Reduction
 from thinwire.algorithms.base import Loss, PeriodicAveraging
-from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link
 from thinwire.knobs import knob, require
-from thinwire.payload import Aggregation
-from thinwire.timing import Timing
+from thinwire.payload import Aggregation, Payload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,11 +131,6 @@ class DaSGD(PeriodicAveraging):
         self._windows: list[tuple[int, float]] = []
 
     # -- the trainer's interface --------------------------------------------------------------
-    @property
-    def timing(self) -> Timing:
-        return Timing.total([self._timing, self.warmup.timing,
-                             *(a.timing for a in (self._plain, self._coded) if a is not None)])
-
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
         """During the warm-up, replace every gradient with its mean over the ranks (and time it)."""
         if not self.warming_up:
@@ -180,17 +173,17 @@ class DaSGD(PeriodicAveraging):
             assert self._anchor is not None  # _pending_coded needs one
             torch.sub(snap, self._anchor, out=buf)
             if self._coded is None:
-                self._coded = Aggregator.flat("model", buf, self.codec, self.comm)
+                self._coded = self.averager(buf, self.codec)
             agg = self._coded
             agg.step = self.launches  # the codec's step (its seeds): the launch count, identical on every rank
         else:  # the snapshot itself (the first launch sets the anchor)
             buf.copy_(snap)
             if self._plain is None:
-                self._plain = Aggregator.flat("model", buf, Identity(IdentityConfig()), self.comm)
+                self._plain = self.averager(buf)
             agg = self._plain
         t1 = time.perf_counter()
-        self._pending = agg.start({"model": buf})
-        self._watch.start(self._pending, t1)
+        self._pending = agg.start({"model": buf})  # encodes, then starts the collective
+        self._watch.start(self._pending, self._pending.started_at)
         self._in_flight = (self._pending.wire_bytes, time.perf_counter())
         self.launches += 1
         self._timing.codec_seconds += t1 - t0
@@ -293,15 +286,40 @@ class DaSGD(PeriodicAveraging):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "payload_wire" in state:  # saved before averages went through an Aggregator
+            self._load_earlier(state)
+            return
         super().load_state_dict(state)
         self.launches, self.delay = int(state["launches"]), state["delay"]
         self._merge_at = state["merge_at"]
         self._snap, self._buf, self._anchor = state["snap"], state["buf"], state["anchor"]
         self._pending, self._pending_coded = None, bool(state["pending_coded"])
         if state["coded"] is not None:
-            self._coded = Aggregator.flat("model", self._snap, self.codec, self.comm)
+            self._coded = self._coded or self.averager(self._snap, self.codec)
             self._coded.load_state_dict(state["coded"])
         self._warm = dict(state["warm"])
+
+    def _load_earlier(self, state: dict[str, Any]) -> None:
+        """A state of the earlier layout: DaSGD's own error feedback, and an average of deltas
+        in flight kept as its summed wire (``payload_wire``, encoded at ``payload_step``),
+        which is decoded here as that layout's merge decoded it, so the run goes on exactly
+        (where that layout itself could not resume one: randomk's positions are recomputed)."""
+        wire = state["payload_wire"]
+        coded = {"pending_coded": wire is not None, "coded": None}
+        self.load_state_dict({k: v for k, v in state.items() if k not in ("payload_wire", "payload_step", "feedback")}
+                             | coded)
+        assert self._snap is not None or not (wire is not None or state["feedback"])  # both need a launch first
+        if self._snap is not None and not self._exact:
+            self._coded = self._coded or self.averager(self._snap, self.codec)
+            self._coded.feedback.load_state_dict(state["feedback"])
+        if wire is not None:
+            assert self._snap is not None
+            self._buf = _like(self._buf, self._snap)
+            self.codec.step = int(state["payload_step"])
+            # the payload's rank-local meta (randomk's positions, from seed, step and key) was
+            # not saved: encoding zeros at the same step gives it again
+            meta = self.codec.encode(torch.zeros_like(self._snap), key="model").meta
+            self.codec.decode_sum([Payload((wire,), self._snap.shape, torch.float32, meta=meta)], self._buf)
 
 
 def _like(buf: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:

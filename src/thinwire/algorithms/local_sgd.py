@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from thinwire.aggregate import Aggregator
 from thinwire.algorithms.base import PeriodicAveraging
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
@@ -55,6 +56,7 @@ class LocalSGD(PeriodicAveraging):
                  bucket_mb: float = 25.0, overlap: bool = True, **knobs: Any) -> None:
         super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self._flat: torch.Tensor | None = None
+        self._averager: Aggregator | None = None
         self.averages = 0
 
     def after_local_step(self, local: int) -> None:
@@ -66,14 +68,14 @@ class LocalSGD(PeriodicAveraging):
         """Blocking: every rank's model state becomes the mean over the ranks."""
         t0 = time.perf_counter()
         flat = self._flat = self.state.gather(self._flat)
-        flat.div_(self.comm.world_size)
+        if self._averager is None:
+            self._averager = self.averager(flat)
         t1 = time.perf_counter()
-        self.comm.all_reduce(flat)
+        self._averager.start({"model": flat}).wait()  # fp32, divided by n before the sum, in place
         t2 = time.perf_counter()
         self.state.scatter(flat)
         self.averages += 1
         self._timing.codec_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self._timing.comm_seconds += t2 - t1
 
     def stats(self) -> dict[str, Any]:
         return {"averages": self.averages}

@@ -50,7 +50,12 @@ def _load_builtin() -> None:
         METHODS.register(getattr(importlib.import_module(module), name))
 
 
-METHODS: Registry[type[Method]] = Registry("method", load=_load_builtin, package="thinwire")
+def _taken(name: str) -> str | None:
+    """What else a method's name would shadow (methods resolve first)."""
+    return "a codec" if name in CODECS else "a policy preset" if name in PRESETS else None
+
+
+METHODS: Registry[type[Method]] = Registry("method", load=_load_builtin, package="thinwire", taken=_taken)
 
 
 def method_names() -> list[str]:
@@ -60,15 +65,17 @@ def method_names() -> list[str]:
 
 def kind_of(spec: str) -> str:
     """``"method"`` (a method of :data:`METHODS`), ``"preset"`` or ``"codec"``; an unknown
-    name raises ``ValueError`` listing every name."""
+    name, or one that two registries answer to (a user's codec named like a method), raises
+    ``ValueError`` naming the problem."""
     name, _ = parse_spec(spec)
-    if name in METHODS:
-        return "method"
-    if name in PRESETS:
-        return "preset"
-    if name in CODECS:
-        return "codec"
-    raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
+    kinds = [kind for kind, registry in (("method", METHODS), ("preset", PRESETS), ("codec", CODECS))
+             if name in registry]
+    if not kinds:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(method_names())}")
+    if len(kinds) > 1:
+        raise ValueError(f"{name!r} names both a {kinds[0]} and a {kinds[1]}: register one of them under "
+                         "another name")
+    return kinds[0]
 
 
 def is_gradient_codec(spec: str) -> bool:

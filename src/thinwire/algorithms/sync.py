@@ -71,6 +71,10 @@ class SyncReducer(Method):
     (the launched buckets' means wait there until ``reduce()``) and one thread per reducer.
     """
 
+    name = "sync"  # a codec's or a policy's own spec names it (``spec``), not a registry entry
+    summary = "synchronous gradient averaging through a codec or a policy"
+
+
     def __init__(
         self,
         model: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
@@ -90,8 +94,6 @@ class SyncReducer(Method):
             raise ValueError("SyncReducer needs at least one parameter with requires_grad=True")
         if isinstance(method, str):
             refuse_schedule(method, "SyncReducer")
-        super().__init__(model if isinstance(model, torch.nn.Module) else None, None, comm, NoKnobs(),
-                         bucket_mb=bucket_mb, overlap=overlap)
         self.policy = as_policy(method)
         chooser: CodecChooser
         if self.policy is not None:
@@ -104,6 +106,9 @@ class SyncReducer(Method):
             codec = build_codec(method) if isinstance(method, str) else method
             chooser = lambda name, t: codec  # noqa: E731
             self.method = codec.describe()
+        # the communicator last: a bad spec is named whether or not torch.distributed is up
+        super().__init__(model if isinstance(model, torch.nn.Module) else None, None, comm, NoKnobs(),
+                         bucket_mb=bucket_mb, overlap=overlap)
         self.reducer = GradientReducer(named, chooser, self.comm, bucket_mb=bucket_mb,
                                        find_unused_parameters=find_unused_parameters, overlap=overlap)
         self.params = [(n, p) for n, p in named if p.requires_grad]  # trainable when built

@@ -135,8 +135,10 @@ def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
 
 
 class TorchBuiltin(Method):
-    """A model wrapped in DDP with one of PyTorch's communication hooks (``hook`` names one
-    of ``default_hooks``); the trainer runs forward and backward through the wrapper."""
+    """A model wrapped in DDP with one of PyTorch's communication hooks; the trainer runs
+    forward and backward through the wrapper. ``hook`` names one of ``default_hooks`` for the
+    subclasses that only pick one (fp16, bf16); PowerSGD and post-local SGD build their hook
+    and its state in ``_hook``."""
 
     name = "torch-ddp"
     summary = "PyTorch DDP, default all_reduce (allreduce_hook), fp32"

@@ -60,8 +60,9 @@ class TrainConfig:
         return resolved
 
     def validate(self, facts: Facts) -> TrainConfig:
-        """The config with every default filled, checked against ``facts`` (no file, module
-        or environment is read here)."""
+        """The config with every default filled, checked against ``facts``: no file or
+        environment of the run's is read here (a method's own check may read its own input,
+        a mixing-matrix file for a gossip topology)."""
         from thinwire.comm.link import Link
 
         d = facts.defaults

@@ -332,12 +332,13 @@ def _agree(comm: Communicator, bad: int | None, stop: int, seconds: float,
 
 def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="cpu") -> None:
     """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
-    t = method.timing
     with comm.meter.paused():
+        own = method.state_dict()  # first: it may land work in flight, whose seconds count below
+        t = method.timing
         state = {
             "format": checkpoint.FORMAT, "rank": comm.rank, "step": step,
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "method": method.state_dict(),
+            "method": own,
             "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
             "seconds": {"compute": clock.compute, "backward": clock.backward, "train_wall": clock.train_wall,
                         "skipped": clock.skipped,
@@ -561,6 +562,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         comm.all_reduce(sent)  # mean over ranks: gossip methods send unequal amounts
     per_worker = sent.item() / comm.world_size
     fp32 = fp32_per_step * (done - clock.skipped)  # what fp32 would have sent for the steps that communicated
+    own = method.state_dict()  # first: it may land work in flight, whose seconds count below
     t = _timing(method, clock)
     modeled = {link: _modeled(Link.parse(link), comm, clock, t, method) for link in cfg.links}
     return {
@@ -600,7 +602,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "peak_rss_bytes": _peak_rss(),  # this rank's (rank 0's) peak resident memory so far
         # what the method keeps across steps (residuals, snapshots, factors...): its own state
         # plus what it added to the model (AB-training's factors), rank 0's
-        "method_state_bytes": _tensor_bytes(method.state_dict())
+        "method_state_bytes": _tensor_bytes(own)
         + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         "version": version,
     }

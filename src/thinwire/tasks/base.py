@@ -77,6 +77,11 @@ class Task:
     data_dir: str | None
     options: Any  # an instance of ``Config``
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Options" in cls.__dict__ and "Config" not in cls.__dict__:
+            cls.Config = cls.__dict__["Options"]  # the knob class's earlier name, still accepted
+
     def __init__(self, *, seed: int = 0, data_dir: str | None = None, **options: Any) -> None:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise TaskError(f"{self.name}: seed must be an integer >= 0, got {seed!r}")
