@@ -227,12 +227,7 @@ class GradientReducer:
         if scale is not None or self.find_unused_parameters:
             bad, used = self._agree(found, local)
         if bad:
-            for (_, p), u in zip(self.named, used):
-                if u and p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.fill_(float("nan"))  # every rank's scaler sees the overflow and skips
-            self.skipped += 1
+            self._skip(used)
             return False
         tensors: dict[str, torch.Tensor] = {}
         back: list[torch.Tensor] = []
@@ -395,6 +390,16 @@ class GradientReducer:
         self.overlap_figures["blocked_seconds"] += time.perf_counter() - t0
         if failure is not None:
             raise failure
+
+    def _skip(self, used: list[bool]) -> None:
+        """A step non-finite on some rank under a scaler: every used gradient becomes NaN on
+        every rank, so every rank's scaler sees the overflow and skips; nothing else changes."""
+        for (_, p), u in zip(self.named, used):
+            if u and p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.fill_(float("nan"))
+        self.skipped += 1
 
     def _agree(self, found: torch.Tensor | None, local: list[bool]) -> tuple[bool, list[bool]]:
         """One all_reduce (metered, float64) of [non-finite flag, h, h^2, used map]: the same
