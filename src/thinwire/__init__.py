@@ -7,7 +7,8 @@ The public API (importing does no work beyond importing torch):
 * :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
-  the next steps; :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
+  the next steps; :class:`DiLoCo`: an outer optimizer on the averaged pseudo-gradients;
+  :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
   plain or low-rank compressed (``thinwire.topology``); :class:`ABTraining`: low-rank
   ``A·B`` factors trained in groups (``thinwire.nn.Factorized``); all attach with
   ``after_backward()`` and ``after_step()``.
@@ -24,6 +25,7 @@ from thinwire.algorithms.ab import ABTraining
 from thinwire.algorithms.attach import Attached, attach
 from thinwire.algorithms.base import Method
 from thinwire.algorithms.dasgd import DaSGD
+from thinwire.algorithms.diloco import DiLoCo
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
 from thinwire.algorithms.powergossip import PowerGossip
@@ -39,7 +41,7 @@ from thinwire.policy import Policy, Rule
 from thinwire.version import __version__
 
 __all__ = [
-    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DPSGD", "Link",
+    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DiLoCo", "DPSGD", "Link",
     "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs",
     "build_codec", "ddp",
     "__version__",

@@ -27,7 +27,7 @@ METHODS = sorted(n for n in method_names() if not n.startswith("torch-"))
 # phase (factorised at step 1, synced at 6), DaSGD with an average in flight (launched at 4,
 # merged at 6), local SGD between averages
 SHORT = {"ab": "ab:warmup=1,cycle=6,full_steps=1", "dasgd": "dasgd:warmup=1,period=3,delay=2",
-         "localsgd": "localsgd:warmup=1,period=3"}
+         "localsgd": "localsgd:warmup=1,period=3", "diloco": "diloco:warmup=1,period=2"}
 
 
 def _cfg(tmp: Path, method: str, **kw) -> TrainConfig:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 BUILTIN = (
     "thinwire.algorithms.local_sgd:LocalSGD",
     "thinwire.algorithms.dasgd:DaSGD",
+    "thinwire.algorithms.diloco:DiLoCo",
     "thinwire.algorithms.gossip:DPSGD",
     "thinwire.algorithms.powergossip:PowerGossip",
     "thinwire.algorithms.ab:ABTraining",

@@ -1,0 +1,162 @@
+"""DiLoCo on the in-process communicator: the outer step against a hand-computed reference,
+local SGD as its special case, the codec path for pseudo-gradients, exact resumption, and
+the knobs' errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
+from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+from thinwire.algorithms.registry import resolve_method
+from thinwire.comm.local import LocalWorld
+
+TOL = 1e-6  # fp32: theta - mean(theta - theta_i) against mean(theta_i), the same sums in another order
+
+
+def _net(bn: bool = False) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    layers = [nn.Linear(5, 8)] + ([nn.BatchNorm1d(8)] if bn else []) + [nn.Tanh(), nn.Linear(8, 3)]
+    m = nn.Sequential(*layers)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+BASE, BASE_BN = _net(), _net(bn=True)
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def _local_step(model, opt, rank, step):
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def _flat(model):
+    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+
+
+def _train(comm, make, steps, *, bn=False, cut=None):
+    """This rank's flat state after ``steps``; with ``cut``, checkpointed and resumed into fresh
+    objects after ``cut`` steps."""
+    model = copy.deepcopy(BASE_BN if bn else BASE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    method = make(model, opt, comm)
+    for step in range(steps):
+        if step == cut:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), method.state_dict())
+            model = copy.deepcopy(BASE_BN if bn else BASE)
+            model.load_state_dict(saved[0])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+            opt.load_state_dict(saved[1])
+            method = make(model, opt, comm)
+            method.load_state_dict(saved[2])
+        _local_step(model, opt, comm.rank, step)
+        method.after_backward()
+        opt.step()
+        method.after_step()
+    return _flat(model)
+
+
+def _reference(n: int, steps: int, period: int, lr: float, mu: float) -> torch.Tensor:
+    """The paper's update by hand: n models stepping alone (inner SGD with momentum 0.5, its
+    state kept), every period steps delta = mean(theta - theta_i), v = mu v + delta,
+    theta -= lr (delta + mu v) (Nesterov), every model set to theta."""
+    models = [copy.deepcopy(BASE) for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
+    theta = _flat(models[0]).clone()
+    v = torch.zeros_like(theta)
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            _local_step(m, o, r, step)
+            o.step()
+        if (step + 1) % period == 0:
+            delta = sum(theta - _flat(m) for m in models) / n
+            v = mu * v + delta
+            theta = theta - lr * (delta + mu * v)
+            for m in models:
+                torch.nn.utils.vector_to_parameters(theta.clone(), m.parameters())
+    return theta
+
+
+def test_two_ranks_two_outer_steps_follow_the_nesterov_update_by_hand():
+    make = lambda m, o, c: DiLoCo(m, o, c, period=3, outer_lr=0.7, outer_momentum=0.9)  # noqa: E731
+    got = LocalWorld(2).run(lambda comm: _train(comm, make, 6))  # ends on the second outer step
+    assert torch.equal(got[0], got[1])  # every rank continues from the same theta
+    assert torch.allclose(got[0], _reference(2, 6, period=3, lr=0.7, mu=0.9), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_outer_sgd_at_lr_one_without_momentum_is_local_sgd(bn):
+    mine = LocalWorld(2).run(
+        lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=3, outer_lr=1.0, outer_momentum=0.0), 10,
+                            bn=bn))
+    local = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: LocalSGD(m, o, c, LocalSGDConfig(period=3)),
+                                                  10, bn=bn))
+    for a, b in zip(mine, local):  # rank by rank: the last step is a local one
+        assert torch.allclose(a, b, atol=TOL, rtol=0)
+
+
+def test_an_outer_optimizer_of_the_users_own_is_the_same_as_the_knobs():
+    knobs = LocalWorld(2).run(
+        lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=2, outer_lr=0.5, outer_momentum=0.0), 6))
+    own = LocalWorld(2).run(lambda comm: _train(
+        comm, lambda m, o, c: DiLoCo(m, o, c, period=2, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5)), 6))
+    assert all(torch.equal(a, b) for a, b in zip(knobs, own))
+
+
+def test_warm_up_steps_are_synchronous_and_the_rounds_start_from_their_model():
+    make = lambda m, o, c: DiLoCo(m, o, c, period=4, warmup=3)  # noqa: E731
+    after_warmup = LocalWorld(2).run(lambda comm: _train(comm, make, 3))
+    assert torch.equal(after_warmup[0], after_warmup[1])
+    done = LocalWorld(2).run(lambda comm: _train(comm, make, 7))  # 3 synchronous + one round of 4
+    assert torch.equal(done[0], done[1])
+
+
+@pytest.mark.parametrize("codec", ["identity", "topk:ratio=0.25", "rangefloat:bits=4;exp_bits=2"])
+@pytest.mark.parametrize("cut", [2, 3, 5])
+def test_resume_mid_round_and_right_after_an_outer_step_continues_exactly(cut, codec):
+    make = lambda m, o, c: DiLoCo(m, o, c, period=3, codec=codec)  # noqa: E731
+    resumed = LocalWorld(2).run(lambda comm: _train(comm, make, 8, bn=True, cut=cut))
+    straight = LocalWorld(2).run(lambda comm: _train(comm, make, 8, bn=True))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+
+
+def test_four_bit_pseudo_gradients_send_at_least_seven_times_fewer_bytes_per_outer_step():
+    def sent(codec):
+        def fn(comm):
+            _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=2, codec=codec), 2)  # one outer step
+            return comm.meter.bytes_sent
+        return LocalWorld(2).run(fn)[0]
+
+    fp32, four = sent("identity"), sent("rangefloat:bits=4;exp_bits=2")
+    assert fp32 / four >= 7, (fp32, four)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("diloco:period=0", "period must be >= 1, got 0"),
+    ("diloco:outer=lion", "outer must be one of sgd, adam, got 'lion'"),
+    ("diloco:outer_lr=0", "outer_lr must be > 0, got 0.0"),
+    ("diloco:outer_momentum=1", r"outer_momentum must be in \[0, 1\), got 1.0"),
+    ("diloco:codec=nope", "unknown codec 'nope'"),
+    ("diloco:codec=topk:ratio=2", "ratio"),
+])
+def test_bad_knobs_name_the_rule(spec, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_method(spec)
+
+
+def test_the_spec_fills_every_default():
+    assert resolve_method("diloco") == ("diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,"
+                                        "nesterov=true,codec=identity:ef=false;min_numel=0,average_momentum=false")
+    assert DiLoCoConfig().period == 50
