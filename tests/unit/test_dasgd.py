@@ -11,28 +11,17 @@ import pytest
 import torch
 from torch import nn
 
+import tiny
 from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.comm.local import LocalWorld
 
-
-def _net(bn: bool = False) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    layers = [nn.Linear(6, 16)] + ([nn.BatchNorm1d(16)] if bn else []) + [nn.ReLU(), nn.Linear(16, 3)]
-    m = nn.Sequential(*layers)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
-
-
-BASE, BASE_BN = _net(), _net(bn=True)
+BASE, BASE_BN = tiny.net(6, 16, 3, act=nn.ReLU), tiny.net(6, 16, 3, bn=True, act=nn.ReLU)
 
 
 def _batch(rank: int, step: int, same: bool = False):
-    g = torch.Generator().manual_seed(1000 * step + (0 if same else rank + 1))
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    return tiny.batch(1000 * step + (0 if same else rank + 1), 8, 6, 3)
 
 
 def _train(comm, make, steps: int, *, same=False, bn=False, lr=0.1, momentum=0.0, hook=None):

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
+import tiny
 from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 from thinwire.algorithms.registry import resolve_method
@@ -18,28 +18,7 @@ from thinwire.comm.local import LocalWorld
 TOL = 1e-6  # fp32: theta - mean(theta - theta_i) against mean(theta_i), the same sums in another order
 
 
-def _net(bn: bool = False) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    layers = [nn.Linear(5, 8)] + ([nn.BatchNorm1d(8)] if bn else []) + [nn.Tanh(), nn.Linear(8, 3)]
-    m = nn.Sequential(*layers)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
-
-
-BASE, BASE_BN = _net(), _net(bn=True)
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
-
-
-def _local_step(model, opt, rank, step):
-    x, y = _batch(rank, step)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+BASE, BASE_BN = tiny.net(5, 8, 3), tiny.net(5, 8, 3, bn=True)
 
 
 def _flat(model):
@@ -61,7 +40,7 @@ def _train(comm, make, steps, *, bn=False, cut=None):
             opt.load_state_dict(saved[1])
             method = make(model, opt, comm)
             method.load_state_dict(saved[2])
-        _local_step(model, opt, comm.rank, step)
+        tiny.backward(model, opt, comm.rank, step)
         method.after_backward()
         opt.step()
         method.after_step()
@@ -78,7 +57,7 @@ def _reference(n: int, steps: int, period: int, lr: float, mu: float) -> torch.T
     v = torch.zeros_like(theta)
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts)):
-            _local_step(m, o, r, step)
+            tiny.backward(m, o, r, step)
             o.step()
         if (step + 1) % period == 0:
             delta = sum(theta - _flat(m) for m in models) / n

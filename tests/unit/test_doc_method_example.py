@@ -11,8 +11,8 @@ import types
 
 import pytest
 import torch
-from torch import nn
 
+import tiny
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 from thinwire.algorithms.registry import METHODS, build_method, resolve_method
 from thinwire.comm.local import LocalWorld
@@ -39,27 +39,7 @@ def registered():
     METHODS.remove("blockmomentum")
 
 
-def _net() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
-
-
-BASE = _net()
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
-
-
-def _local_step(model, opt, rank, step):
-    x, y = _batch(rank, step)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+BASE = tiny.net(5, 8, 3)
 
 
 def _train(comm, make, steps):
@@ -67,7 +47,7 @@ def _train(comm, make, steps):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     method = make(model, opt, comm)
     for step in range(steps):
-        _local_step(model, opt, comm.rank, step)
+        tiny.backward(model, opt, comm.rank, step)
         method.after_backward()
         opt.step()
         method.after_step()
@@ -82,7 +62,7 @@ def _reference(n: int, steps: int, period: int, beta: float) -> torch.Tensor:
     anchor = velocity = None
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts)):
-            _local_step(m, o, r, step)
+            tiny.backward(m, o, r, step)
             o.step()
         if (step + 1) % period == 0:
             mean = sum(flat(m) for m in models) / n
@@ -132,7 +112,7 @@ def test_it_resumes_exactly(registered):
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 method = registered(model, opt, comm, period=2, beta=0.5)
                 method.load_state_dict(saved[1])
-            _local_step(model, opt, comm.rank, step)
+            tiny.backward(model, opt, comm.rank, step)
             method.after_backward()
             opt.step()
             method.after_step()

@@ -134,7 +134,7 @@ class DiLoCo(PeriodicAveraging):
         off = 0
         for theta in self.outer_params:
             n = theta.numel()
-            theta.grad = delta[off : off + n].view(theta.shape).clone()
+            theta.grad = delta[off : off + n].view(theta.shape)  # read by the step below, never kept
             off += n
         self.outer.step()
         with torch.no_grad():
