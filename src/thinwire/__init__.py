@@ -7,7 +7,8 @@ The public API (importing does no work beyond importing torch):
 * :class:`SyncReducer`: compressed synchronous gradient averaging for any training loop.
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
-  the next steps; :class:`DiLoCo`: an outer optimizer on the averaged pseudo-gradients;
+  the next steps; :class:`DiLoCo`: an outer optimizer on the averaged pseudo-gradients,
+  :class:`StreamingDiLoCo` the same synced in fragments behind the next steps;
   :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
   plain or low-rank compressed (``thinwire.topology``); :class:`ABTraining`: low-rank
   ``A·B`` factors trained in groups (``thinwire.nn.Factorized``); all attach with
@@ -30,6 +31,7 @@ from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
 from thinwire.algorithms.powergossip import PowerGossip
 from thinwire.algorithms.registry import METHODS
+from thinwire.algorithms.streaming_diloco import StreamingDiLoCo
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec
@@ -42,7 +44,8 @@ from thinwire.version import __version__
 
 __all__ = [
     "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DiLoCo", "DPSGD", "Link",
-    "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "SyncReducer", "available_codecs",
+    "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "StreamingDiLoCo", "SyncReducer",
+    "available_codecs",
     "build_codec", "ddp",
     "__version__",
 ]

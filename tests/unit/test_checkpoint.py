@@ -25,9 +25,11 @@ K = 4
 METHODS = sorted(n for n in method_names() if not n.startswith("torch-"))
 # schedules short enough that the checkpoint at step K falls inside them: AB-training mid group
 # phase (factorised at step 1, synced at 6), DaSGD with an average in flight (launched at 4,
-# merged at 6), local SGD between averages
+# merged at 6), local SGD between averages, streaming DiLoCo with a fragment in flight (fragment 0
+# launched at step 4, merged at 5)
 SHORT = {"ab": "ab:warmup=1,cycle=6,full_steps=1", "dasgd": "dasgd:warmup=1,period=3,delay=2",
-         "localsgd": "localsgd:warmup=1,period=3", "diloco": "diloco:warmup=1,period=2"}
+         "localsgd": "localsgd:warmup=1,period=3", "diloco": "diloco:warmup=1,period=2",
+         "streaming-diloco": "streaming-diloco:warmup=1,period=3,fragments=2,delay=1"}
 
 
 def _cfg(tmp: Path, method: str, **kw) -> TrainConfig:

@@ -46,14 +46,13 @@ Overlap is measured: per launch, the time from launch to the collective's comple
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from thinwire.aggregate import Aggregator, Reduction
+from thinwire.aggregate import Aggregator, Reduction, Watch
 from thinwire.algorithms.base import Loss, PeriodicAveraging
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
@@ -120,7 +119,7 @@ class DaSGD(PeriodicAveraging):
         self._pending: Reduction | None = None  # the average in flight
         self._pending_coded = False  # whether it averages deltas (the anchor is added at the merge)
         self._merge_at: int | None = None  # local step of the pending merge; None: none pending
-        self._watch = _Watch()
+        self._watch = Watch()
         # measurements
         self.blocked_seconds = 0.0
         self._warm = {"comm": 0.0, "step": 0.0, "n": 0}
@@ -326,33 +325,3 @@ def _like(buf: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
     if buf is None or buf.shape != ref.shape or buf.device != ref.device:
         return torch.empty_like(ref)
     return buf
-
-
-class _Watch:
-    """Times each launched collective from launch to completion on a helper thread that polls
-    its handle (every 0.2 ms; ``is_completed`` has no side effects, unlike ``wait``)."""
-
-    POLL_S = 2e-4
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._thread: threading.Thread | None = None
-
-    def start(self, handle: Reduction, t_launch: float) -> None:
-        self.join()
-        if handle.is_completed():  # a one-rank world or an in-process communicator
-            self.total += time.perf_counter() - t_launch
-            return
-
-        def run() -> None:
-            while not handle.is_completed():
-                time.sleep(self.POLL_S)
-            self.total += time.perf_counter() - t_launch
-
-        self._thread = threading.Thread(target=run, daemon=True, name="thinwire-dasgd-watch")
-        self._thread.start()
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None

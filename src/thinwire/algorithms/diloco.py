@@ -32,21 +32,29 @@ or ``outer=adam`` (lr ``outer_lr``, torch's defaults otherwise); in Python any o
 given as ``outer_optimizer=lambda params: torch.optim.X(params, ...)``. Memory: the outer
 parameters and the outer optimizer's state (SGD: one momentum buffer; Adam: two), the flat
 pseudo-gradient, and a codec's residual when it has error feedback.
+
+The rounds are kept per *fragment* (a contiguous group of the parameter tensors, each with
+its own pseudo-gradient, codec and schedule): DiLoCo has one, the whole model, synced and
+applied at once; :class:`~thinwire.algorithms.streaming_diloco.StreamingDiLoCo` has several,
+on a staggered schedule, each applied some steps after its launch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from thinwire.aggregate import Aggregator
+from thinwire.aggregate import Aggregator, Reduction, Watch
 from thinwire.algorithms.base import PeriodicAveraging
+from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
+from thinwire.comm.link import Link, meter_seconds
+from thinwire.comm.meter import ByteMeter, OpCount
 from thinwire.knobs import knob, require
 
 OUTER = ("sgd", "adam")
@@ -77,6 +85,27 @@ class DiLoCoConfig:
         object.__setattr__(self, "codec", codec.describe().replace(",", ";"))  # nests inside a method spec
 
 
+@dataclass(eq=False)
+class Fragment:
+    """A contiguous group of parameter tensors (``lo``:``hi`` in the model's order) synced on
+    its own schedule: after local steps ``t`` with ``t % period == offset``."""
+
+    index: int
+    lo: int
+    hi: int
+    numel: int
+    offset: int
+    codec: Codec
+    syncs: int = 0  # outer steps applied to this fragment
+    delta: torch.Tensor | None = None  # the flat pseudo-gradient; its mean once landed
+    agg: Aggregator | None = None
+    pending: Reduction | None = None  # the average in flight
+    landed: bool = False  # the mean is in ``delta`` (a resumed run's average that was in flight)
+    merge_at: int | None = None  # the local step of the pending merge
+    launched: tuple[ByteMeter, float] | None = None  # what the launch sent, and when
+    watch: Watch = field(default_factory=Watch)
+
+
 class DiLoCo(PeriodicAveraging):
     """Local rounds of ``period`` inner steps; an outer optimizer step on the averaged
     pseudo-gradient ends each."""
@@ -93,11 +122,36 @@ class DiLoCo(PeriodicAveraging):
         self.codec = build_codec(self.config.codec.replace(";", ","))
         self.outer_params = [torch.nn.Parameter(p.detach().clone()) for p in self.state.params]  # θ
         self.outer = (outer_optimizer or self._outer_from_config)(self.outer_params)
-        self.syncs = 0
-        self._delta: torch.Tensor | None = None  # the flat pseudo-gradient, averaged in place
+        self.fragments = [
+            Fragment(i, lo, hi, sum(p.numel() for p in self.state.params[lo:hi]), self._offset(i, len(groups)),
+                     self.codec if len(groups) == 1 else build_codec(self.config.codec.replace(";", ",")))
+            for groups in [self._groups()] for i, (lo, hi) in enumerate(groups)
+        ]
+        self.syncs = 0  # fragment syncs applied, all fragments together
+        self.peak_bytes = 0.0  # the most this rank sent in one step past the warm-up
+        self.blocked_seconds = 0.0  # merges waiting for an average still in flight
+        self._windows: list[tuple[ByteMeter, float]] = []  # per merged sync: its traffic, seconds it ran behind
         self._rest: torch.Tensor | None = None  # buffers (and inner state), averaged plainly
-        self._pseudo: Aggregator | None = None
         self._plain: Aggregator | None = None
+
+    # -- what a subclass varies -------------------------------------------------------------
+    @property
+    def delay(self) -> int:
+        """Local steps between a fragment's launch and its merge (DiLoCo: 0, at once)."""
+        return 0
+
+    @property
+    def alpha(self) -> float:
+        """The share of the worker's own parameters kept at a merge (DiLoCo: 0)."""
+        return 0.0
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """The fragments' ``(lo, hi)`` ranges of parameter tensors (DiLoCo: the whole model)."""
+        return [(0, len(self.state.params))]
+
+    def _offset(self, index: int, count: int) -> int:
+        """Fragment ``index``'s sync offset within a period: ``index · period // count``."""
+        return index * self.config.period // count
 
     def _outer_from_config(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         cfg = self.config
@@ -106,44 +160,99 @@ class DiLoCo(PeriodicAveraging):
         return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                nesterov=cfg.nesterov and cfg.outer_momentum > 0)
 
+    # -- the schedule -----------------------------------------------------------------------
     def after_step(self) -> None:
         super().after_step()
         if self.step == self.config.warmup and self.config.warmup > 0:
             self._restart()  # the rounds start from the model the warm-up trained
 
     def after_local_step(self, local: int) -> None:
-        if local % self.config.period == 0:
-            self.outer_step()
+        """Merge the fragments that are due, then launch those whose turn it is (a fragment
+        with no delay is merged at its launch). Every rank runs the same schedule, so the
+        collectives are issued in the same order everywhere."""
+        before = self.comm.meter.bytes_sent
+        for f in self.fragments:
+            if f.merge_at == local:
+                self._merge(f)
+        for f in self.fragments:
+            if local % self.config.period == f.offset:
+                self._launch(f, local)
+        self.peak_bytes = max(self.peak_bytes, self.comm.meter.bytes_sent - before)
 
     def outer_step(self) -> None:
-        """Average the pseudo-gradients, step the outer optimizer, continue from ``θ``."""
+        """Sync every fragment now: average the pseudo-gradients, step the outer optimizer,
+        continue from ``θ`` (with the fragments' mixing)."""
+        for f in self.fragments:
+            if f.merge_at is not None:
+                self._merge(f)
+        for f in self.fragments:
+            self._launch(f, None)
+
+    def _launch(self, f: Fragment, local: int | None) -> None:
+        """Start averaging fragment ``f``'s pseudo-gradient ``θ − θ_i``; merged ``delay`` local
+        steps after ``local`` (at once with no delay, or with ``local`` None)."""
         t0 = time.perf_counter()
-        params = self.state.params
-        delta = self._delta = _flat(self._delta, sum(p.numel() for p in params), params[0])
+        params = self.state.params[f.lo : f.hi]
+        delta = f.delta = _flat(f.delta, f.numel, params[0])
         off = 0
-        for theta, p in zip(self.outer_params, params):
+        for theta, p in zip(self.outer_params[f.lo : f.hi], params):
             n = p.numel()
             torch.sub(theta.detach().reshape(-1), p.detach().reshape(-1), out=delta[off : off + n])
             off += n
-        if self._pseudo is None:
-            self._pseudo = self.averager(delta, self.codec)
-        self._pseudo.step = self.syncs  # the codec's step (its seeds): identical on every rank
+        if f.agg is None:
+            f.agg = self.averager(delta, f.codec)
+        f.agg.step = f.syncs  # the codec's step (its seeds): identical on every rank
         t1 = time.perf_counter()
-        self._pseudo.start({"model": delta}).wait()  # the mean pseudo-gradient
-        t2 = time.perf_counter()
+        before = _counts(self.comm.meter)
+        f.pending = f.agg.start({"model": delta})
+        f.watch.start(f.pending, f.pending.started_at)
+        f.launched = (_since(self.comm.meter, before), time.perf_counter())
+        f.landed = False
+        self._timing.codec_seconds += t1 - t0
+        if local is None or self.delay == 0:
+            self._merge(f)
+        else:
+            f.merge_at = local + self.delay
+
+    def _merge(self, f: Fragment) -> None:
+        """Land ``f``'s mean pseudo-gradient, step the outer optimizer on ``f``'s ``θ`` and
+        set the fragment's parameters to ``α · θ_i + (1 − α) · θ``."""
+        t0 = time.perf_counter()
+        if f.launched is not None:  # what the sync sent, and the seconds of work it ran behind
+            self._windows.append((f.launched[0], t0 - f.launched[1]))
+            f.launched = None
+        if f.pending is not None:
+            f.pending.settle()
+            self.blocked_seconds += time.perf_counter() - t0
+            f.pending.wait()  # the mean pseudo-gradient, in f.delta
+            f.pending = None
+        elif not f.landed:
+            raise RuntimeError(f"fragment {f.index} has no average to merge")
+        t1 = time.perf_counter()
+        delta, thetas = f.delta, self.outer_params[f.lo : f.hi]
+        assert delta is not None  # set at the launch
         off = 0
-        for theta in self.outer_params:
+        for theta in thetas:
             n = theta.numel()
-            theta.grad = delta[off : off + n].view(theta.shape)  # read by the step below, never kept
+            theta.grad = delta[off : off + n].view(theta.shape)  # only this fragment's θ steps
             off += n
         self.outer.step()
+        alpha = self.alpha
         with torch.no_grad():
-            for theta, p in zip(self.outer_params, params):
-                p.copy_(theta)
-        t3 = time.perf_counter()
-        self._average_rest()
+            for theta, p in zip(thetas, self.state.params[f.lo : f.hi]):
+                theta.grad = None
+                if alpha == 0.0:
+                    p.copy_(theta)
+                else:
+                    p.lerp_(theta, 1.0 - alpha)  # p + (1 − α)(θ − p)
+        t2 = time.perf_counter()
+        if f.index == 0:
+            self._average_rest()
+        f.syncs += 1
+        f.landed = False
+        f.merge_at = None
         self.syncs += 1
-        self._timing.codec_seconds += (t1 - t0) + (t3 - t2)
+        self._timing.codec_seconds += t2 - t1
 
     def _average_rest(self) -> None:
         """Float buffers (and, with ``average_momentum``, the inner optimizer's state): their
@@ -170,35 +279,88 @@ class DiLoCo(PeriodicAveraging):
             for theta, p in zip(self.outer_params, self.state.params):
                 theta.copy_(p)
 
+    def finish(self) -> None:
+        """Land and merge the averages still in flight: the final model holds every sync."""
+        for f in self.fragments:
+            if f.merge_at is not None:
+                self._merge(f)
+        return None
+
     # -- figures ----------------------------------------------------------------------------
+    @property
+    def comm_seconds(self) -> float:
+        """Launch-to-completion seconds of every fragment average so far."""
+        return sum(f.watch.total for f in self.fragments)
+
+    def hidden_seconds(self, link: Link) -> float:
+        """Modeled seconds of the syncs' collectives on ``link`` that the steps between launch
+        and merge hide: ``min(T_link(sync), window)`` per merged sync (0 with no delay)."""
+        n = self.comm.world_size
+        return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows)
+
+    def hidden_fraction(self) -> float | None:
+        """1 − blocked / communication time (None before any sync completed)."""
+        for f in self.fragments:
+            f.watch.join()
+        total = self.comm_seconds
+        return None if total <= 0 else max(0.0, 1.0 - self.blocked_seconds / total)
+
     def stats(self) -> dict[str, Any]:
-        return {"outer_steps": self.syncs}
+        return {"outer_steps": self.syncs, "peak_bytes_per_sync": self.peak_bytes}
 
     def report(self) -> dict[str, Any]:
         outer_state = sum(t.numel() for s in self.outer.state.values() for t in s.values()
                           if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"method": self.spec, "outer_steps": self.syncs, "outer_optimizer": type(self.outer).__name__,
+                "fragments": [[f.lo, f.hi, f.numel, f.offset] for f in self.fragments],
+                "peak_bytes_per_sync": self.peak_bytes, "hidden_fraction": self.hidden_fraction(),
+                "blocked_seconds": self.blocked_seconds, "average_seconds": self.comm_seconds,
                 "extra_memory_bytes": 4 * (2 * self.state.numel() + outer_state)}
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "syncs": self.syncs,
+        """Everything a resumed run needs; an average in flight is landed first (its mean is
+        stored, and merged at the same step after resuming)."""
+        fragments = []
+        for f in self.fragments:
+            if f.pending is not None:
+                t0 = time.perf_counter()
+                f.pending.settle()
+                self.blocked_seconds += time.perf_counter() - t0
+                f.pending.wait()
+                f.pending, f.landed = None, True
+            fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "landed": f.landed,
+                              "delta": None if f.delta is None or not f.landed else f.delta.detach().clone(),
+                              "agg": None if f.agg is None else f.agg.state_dict()})
+        return {**super().state_dict(), "syncs": self.syncs, "peak_bytes": self.peak_bytes,
                 "outer_params": [t.detach().clone() for t in self.outer_params],
-                "outer": self.outer.state_dict(),
-                "pseudo": None if self._pseudo is None else self._pseudo.state_dict()}
+                "outer": self.outer.state_dict(), "fragments": fragments}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "fragments" not in state:  # saved before fragments: one, never in flight
+            state = {**{k: v for k, v in state.items() if k != "pseudo"}, "peak_bytes": 0.0,
+                     "fragments": [{"syncs": state["syncs"], "merge_at": None, "landed": False, "delta": None,
+                                    "agg": state["pseudo"]}]}
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(f"the state holds {len(state['fragments'])} fragment(s), this run has "
+                             f"{len(self.fragments)}")
         super().load_state_dict(state)
         self.syncs = int(state["syncs"])
+        self.peak_bytes = float(state["peak_bytes"])
         with torch.no_grad():
             for theta, saved in zip(self.outer_params, state["outer_params"], strict=True):
                 theta.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-        if state["pseudo"] is not None:
-            params = self.state.params
-            like = self._delta = _flat(self._delta, sum(p.numel() for p in params), params[0])
-            self._pseudo = self._pseudo or self.averager(like, self.codec)
-            self._pseudo.load_state_dict(state["pseudo"])
+        for f, saved in zip(self.fragments, state["fragments"]):
+            f.syncs, f.merge_at, f.landed = int(saved["syncs"]), saved["merge_at"], bool(saved["landed"])
+            f.pending, f.launched = None, None
+            like = self.state.params[f.lo]
+            f.delta = _flat(f.delta, f.numel, like)
+            if saved["delta"] is not None:
+                f.delta.copy_(saved["delta"])
+            if saved["agg"] is not None:
+                f.agg = f.agg or self.averager(f.delta, f.codec)
+                f.agg.load_state_dict(saved["agg"])
 
 
 def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -206,3 +368,18 @@ def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Ten
     if buf is not None and buf.numel() == numel and buf.device == like.device:
         return buf
     return torch.empty(numel, dtype=torch.float32, device=like.device)
+
+
+def _counts(meter: ByteMeter) -> dict[tuple[str, int], OpCount]:
+    return {k: OpCount(**vars(c)) for k, c in meter.by_group.items()}
+
+
+def _since(meter: ByteMeter, before: dict[tuple[str, int], OpCount]) -> ByteMeter:
+    """What ``meter`` counted since ``before`` (:func:`_counts`), as a meter of its own."""
+    out = ByteMeter()
+    for key, c in meter.by_group.items():
+        b = before.get(key, OpCount())
+        if c.calls != b.calls:
+            out.by_group[key] = OpCount(c.calls - b.calls, c.bytes - b.bytes, c.messages - b.messages,
+                                        c.payload_bytes - b.payload_bytes)
+    return out

@@ -34,6 +34,7 @@ BUILTIN = (
     "thinwire.algorithms.local_sgd:LocalSGD",
     "thinwire.algorithms.dasgd:DaSGD",
     "thinwire.algorithms.diloco:DiLoCo",
+    "thinwire.algorithms.streaming_diloco:StreamingDiLoCo",
     "thinwire.algorithms.gossip:DPSGD",
     "thinwire.algorithms.powergossip:PowerGossip",
     "thinwire.algorithms.ab:ABTraining",

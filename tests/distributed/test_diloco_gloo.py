@@ -1,0 +1,91 @@
+"""The DiLoCo family over real gloo ranks: two ranks give the in-process result bit for bit
+(a sum of two values is the same in any order, and the fragments' averages overlap the next
+steps in the background), and four ranks learn with 4-bit pseudo-gradients while their outer
+parameters stay identical."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from spawn import run_ranks
+
+
+def _base() -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # a learnable rule
+
+
+def _train(comm, spec: str, steps: int):
+    from thinwire.algorithms.registry import build_method
+
+    model = copy.deepcopy(_base())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    method = build_method(spec, model, opt, comm)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(comm.rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        method.after_backward()
+        opt.step()
+        method.after_step()
+        losses.append(loss.item())
+    method.finish()
+    flat = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+    theta = torch.cat([t.detach().reshape(-1) for t in method.outer_params])
+    return flat, theta, losses, method.report()
+
+
+def _gloo(rank, world, spec, steps):
+    from thinwire.comm.torch_dist import TorchComm
+
+    return _train(TorchComm(), spec, steps)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("spec", ["diloco:period=5,warmup=2",
+                                  "streaming-diloco:period=6,fragments=3,delay=2,alpha=0.5",
+                                  "streaming-diloco:period=4,fragments=2,delay=1,codec=topk:ratio=0.2;ef=true"])
+def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
+    from thinwire.comm.local import LocalWorld
+
+    steps = 40
+    gloo = run_ranks(_gloo, 2, spec, steps)  # 1 torch thread per rank
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels as the ranks (results can depend on the thread count)
+    try:
+        local = LocalWorld(2).run(lambda comm: _train(comm, spec, steps))
+    finally:
+        torch.set_num_threads(threads)
+    for (a, theta_a, losses, _), (b, theta_b, _, _) in zip(gloo, local):
+        assert torch.equal(a, b) and torch.equal(theta_a, theta_b)
+        assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
+    assert torch.equal(gloo[0][1], gloo[1][1])  # the outer parameters agree
+    report = gloo[0][3]
+    assert report["method"].startswith(spec.split(":")[0]) and report["outer_steps"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_four_gloo_ranks_with_four_bit_pseudo_gradients_learn_and_agree_on_theta():
+    spec = "streaming-diloco:period=6,fragments=2,delay=1,codec=rangefloat:bits=4;exp_bits=2"
+    out = run_ranks(_gloo, 4, spec, 36)
+    thetas = [theta for _, theta, _, _ in out]
+    assert all(torch.equal(thetas[0], t) for t in thetas[1:])
+    for _, _, losses, _ in out:
+        assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6
+    reports = [r for *_, r in out]
+    assert len({r["peak_bytes_per_sync"] for r in reports}) == 1  # the same schedule on every rank
+    assert reports[0]["outer_steps"] == 12  # 6 syncs of each fragment, the last merged by finish()

@@ -1,0 +1,224 @@
+"""Streaming DiLoCo on the in-process communicator: DiLoCo as its one-fragment case, the
+staggered, delayed and mixed update against a hand-computed reference, the fragments'
+split, the peak bytes of one step, exact resumption with a fragment in flight, and the
+knobs' errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+import tiny
+from thinwire.algorithms.diloco import DiLoCo
+from thinwire.algorithms.registry import check_model, resolve_method
+from thinwire.algorithms.streaming_diloco import StreamingDiLoCo, balanced_split
+from thinwire.comm.local import LocalWorld
+
+TOL = 1e-6  # fp32: the same update in another order of operations
+
+
+BASE, BASE_BN = tiny.net(5, 8, 3), tiny.net(5, 8, 3, bn=True)  # tensors of 40, 8, 24 and 3 parameters
+
+
+def _flat(model):
+    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+
+
+def _train(comm, make, steps, *, bn=False, cut=None, finish=False):
+    """This rank's flat state and its method after ``steps``; with ``cut``, checkpointed and
+    resumed into fresh objects after ``cut`` steps."""
+    model = copy.deepcopy(BASE_BN if bn else BASE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    method = make(model, opt, comm)
+    for step in range(steps):
+        if step == cut:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), method.state_dict())
+            model = copy.deepcopy(BASE_BN if bn else BASE)
+            model.load_state_dict(saved[0])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+            opt.load_state_dict(saved[1])
+            method = make(model, opt, comm)
+            method.load_state_dict(saved[2])
+        tiny.backward(model, opt, comm.rank, step)
+        method.after_backward()
+        opt.step()
+        method.after_step()
+    if finish:
+        method.finish()
+    return _flat(model), method
+
+
+def _reference(n, steps, *, period, groups, delay, alpha, lr, mu):
+    """The update by hand: n models stepping alone (inner SGD, momentum 0.5); per fragment
+    (a range of parameter tensors) its own theta and outer momentum v. After local step t:
+    first every fragment launched at t - delay merges (delta = mean of theta - theta_i at
+    the launch, v = mu v + delta, theta -= lr (delta + mu v), every model's fragment =
+    alpha own + (1 - alpha) theta), then fragment p launches when t % period == p period / P."""
+    models = [copy.deepcopy(BASE) for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
+    params = [list(m.parameters()) for m in models]
+    frags = [{"lo": lo, "hi": hi, "offset": p * period // len(groups),
+              "theta": [t.detach().clone() for t in params[0][lo:hi]], "v": None, "due": None, "delta": None}
+             for p, (lo, hi) in enumerate(groups)]
+    def merge(f):
+        delta = f["delta"]
+        f["v"] = delta if f["v"] is None else [mu * v + d for v, d in zip(f["v"], delta)]
+        f["theta"] = [th - lr * (d + mu * v) for th, d, v in zip(f["theta"], delta, f["v"])]
+        with torch.no_grad():
+            for ps in params:
+                for p, th in zip(ps[f["lo"]:f["hi"]], f["theta"]):
+                    p.copy_(alpha * p + (1 - alpha) * th)
+        f["due"] = None
+
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            tiny.backward(m, o, r, step)
+            o.step()
+        t = step + 1
+        for f in frags:
+            if f["due"] == t:
+                merge(f)
+        for f in frags:
+            if t % period == f["offset"]:
+                f["delta"] = [sum(th - ps[i] for ps in params).detach() / n
+                              for i, th in zip(range(f["lo"], f["hi"]), f["theta"])]
+                f["due"] = t + delay
+                if delay == 0:
+                    merge(f)
+    return [_flat(m) for m in models]
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_one_fragment_no_delay_and_alpha_zero_is_diloco_exactly(bn):
+    streaming = lambda m, o, c: StreamingDiLoCo(m, o, c, period=3, fragments=1, delay=0, alpha=0.0)  # noqa: E731
+    diloco = lambda m, o, c: DiLoCo(m, o, c, period=3)  # noqa: E731
+    a = LocalWorld(2).run(lambda comm: _train(comm, streaming, 8, bn=bn)[0])
+    b = LocalWorld(2).run(lambda comm: _train(comm, diloco, 8, bn=bn)[0])
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("delay, alpha", [(1, 0.5), (2, 0.0), (0, 0.25), (3, 1.0)])
+def test_two_fragments_staggered_delayed_and_mixed_follow_the_update_by_hand(delay, alpha):
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=delay, alpha=alpha,  # noqa: E731
+                                           outer_lr=0.7, outer_momentum=0.9)
+    got = LocalWorld(2).run(lambda comm: _train(comm, make, 13)[0])
+    want = _reference(2, 13, period=4, groups=[(0, 1), (1, 4)], delay=delay, alpha=alpha, lr=0.7, mu=0.9)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=TOL, rtol=0)
+    assert not torch.equal(got[0], got[1])  # some fragment is always mid-round
+
+
+def test_alpha_one_with_no_delay_keeps_the_workers_own_models_and_steps_only_theta():
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=2, fragments=2, delay=0, alpha=1.0)  # noqa: E731
+
+    def alone(comm):
+        state, method = _train(comm, make, 6)
+        return state, [t.detach().clone() for t in method.outer_params], method.syncs
+
+    mixed = LocalWorld(2).run(alone)
+    plain = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: _Nothing(), 6)[0])
+    for (state, _, syncs), own in zip(mixed, plain):
+        assert torch.equal(state, own) and syncs == 6  # fragment 0 at 2, 4, 6; fragment 1 at 1, 3, 5
+    assert all(torch.equal(a, b) for a, b in zip(mixed[0][1], mixed[1][1]))  # theta agrees
+    assert not all(torch.equal(a, b) for a, b in zip(mixed[0][1], BASE.parameters()))  # and moved
+
+
+class _Nothing:
+    def after_backward(self):
+        return True
+
+    def after_step(self):
+        pass
+
+    def finish(self):
+        pass
+
+
+def test_the_split_covers_every_tensor_once_in_order_with_the_smallest_largest_fragment():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([1, 3, 8, 64, 65, 400]) for _ in range(rng.randint(1, 9))]
+        for parts in range(1, len(sizes) + 1):
+            groups = balanced_split(sizes, parts)
+            assert len(groups) == parts and groups[0][0] == 0 and groups[-1][1] == len(sizes)
+            assert all(lo < hi for lo, hi in groups) and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+            best = min(max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+                       for cuts in itertools.combinations(range(1, len(sizes)), parts - 1))
+            assert max(sum(sizes[lo:hi]) for lo, hi in groups) == best
+
+
+def test_every_rank_builds_the_same_fragments_and_offsets():
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=10, fragments=3)  # noqa: E731
+    got = LocalWorld(3).run(lambda comm: [(f.lo, f.hi, f.offset) for f in make(copy.deepcopy(BASE), None,
+                                                                                comm).fragments])
+    assert got[0] == got[1] == got[2] == [(0, 1, 0), (1, 3, 3), (3, 4, 6)]  # 40 | 8 + 24 | 3
+
+
+@pytest.mark.parametrize("codec", ["identity", "topk:ratio=0.25;ef=true", "rangefloat:bits=4;exp_bits=2"])
+@pytest.mark.parametrize("cut", [1, 2, 3, 5])
+def test_resume_mid_period_and_with_a_fragment_in_flight_continues_exactly(cut, codec):
+    # period 4, two fragments at offsets 0 and 2, delay 1: launches after steps 2 and 4, merges
+    # after 3 and 5, so cuts 2 and 4 (after that many steps) fall with a fragment in flight
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1, codec=codec)  # noqa: E731
+    straight = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True)[0])
+    resumed = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True, cut=cut)[0])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+def test_a_state_saved_with_a_fragment_in_flight_holds_its_landed_mean():
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2)  # noqa: E731
+    states = LocalWorld(2).run(lambda comm: _train(comm, make, 3)[1].state_dict())  # fragment 1 launched at 2
+    f0, f1 = states[0]["fragments"]
+    assert f0["merge_at"] is None and f0["delta"] is None
+    assert f1["merge_at"] == 4 and f1["landed"] and torch.equal(f1["delta"], states[1]["fragments"][1]["delta"])
+
+
+def test_finish_merges_the_fragments_still_in_flight():
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=3)  # noqa: E731
+    ended = LocalWorld(2).run(lambda comm: _train(comm, make, 4, finish=True)[1])
+    assert all(f.merge_at is None and f.pending is None for m in ended for f in m.fragments)
+    assert [m.syncs for m in ended] == [2, 2]  # fragment 1 (launched at 2) and fragment 0 (at 4)
+
+
+def test_one_step_sends_at_most_the_largest_fragment_where_diloco_sends_the_model():
+    def peak(make):
+        return LocalWorld(4).run(lambda comm: _train(comm, make, 8)[1].peak_bytes)[0]
+
+    numel = sum(p.numel() for p in BASE.parameters())
+    ring = 2 * 3 / 4 * 4  # bytes per fp32 element of a 4-rank ring all_reduce
+    assert peak(lambda m, o, c: DiLoCo(m, o, c, period=4)) == ring * numel
+    streaming = peak(lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1))
+    assert streaming == ring * 40  # the largest fragment: the first layer's 40 weights
+    assert streaming <= 0.6 * ring * numel
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("streaming-diloco:fragments=0", "fragments must be >= 1, got 0"),
+    ("streaming-diloco:period=4,delay=4", "delay must be < period: delay=4 >= period=4"),
+    ("streaming-diloco:delay=-1", "delay must be >= 0, got -1"),
+    ("streaming-diloco:alpha=1.5", r"alpha must be in \[0, 1\], got 1.5"),
+    ("streaming-diloco:alpha=-0.1", r"alpha must be in \[0, 1\], got -0.1"),
+    ("streaming-diloco:outer_lr=0", "outer_lr must be > 0, got 0"),
+    ("streaming-diloco:codec=nope", "nope"),
+])
+def test_bad_knobs_name_the_rule(spec, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_method(spec)
+
+
+def test_more_fragments_than_parameter_tensors_is_refused_before_training():
+    with pytest.raises(ValueError, match="fragments must be at most the model's 4 trainable parameter tensors, got 5"):
+        check_model("streaming-diloco:fragments=5", copy.deepcopy(BASE))
+    check_model("streaming-diloco:fragments=4", copy.deepcopy(BASE))
+
+
+def test_the_spec_fills_every_default():
+    assert resolve_method("streaming-diloco") == (
+        "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
+        "codec=identity:ef=false;min_numel=0,average_momentum=false,fragments=4,delay=1,alpha=0.5")
