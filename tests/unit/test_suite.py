@@ -163,3 +163,103 @@ def test_an_out_holding_only_other_files_is_accepted_by_the_suite(tmp_path):
     (out / "a" / "notes.txt").write_text("mine\n")
     assert len(suite.prepare(BASE, str(out), groups=GROUPS)) == 2
     assert (out / "notes.txt").read_text() == "mine\n" and (out / "a" / "notes.txt").read_text() == "mine\n"
+
+
+# -- targets of ours (the lowbandwidth suite's kinds) --------------------------------------------
+# per spec: final test loss, bytes per worker, most bytes in one step, and per evaluation
+# (step 2, step 4): test loss and modeled seconds at the two links
+LOSSES = {
+    "identity": (1.00, 1000.0, 100.0, ((1.10, 1.00), ((4.0, 20.0), (8.0, 40.0)))),
+    "localsgd:period=2": (1.05, 40.0, 20.0, ((1.08, 1.05), ((2.0, 3.0), (4.0, 6.0)))),
+    "dasgd:period=2": (1.01, 40.0, 20.0, ((1.02, 1.01), ((2.5, 3.5), (5.0, 7.0)))),
+    "diloco:period=2": (1.015, 20.0, 20.0, ((1.019, 1.015), ((1.0, 2.0), (2.0, 4.0)))),
+    "streaming-diloco:period=2": (1.03, 20.0, 5.0, ((1.04, 1.03), ((1.0, 2.0), (2.0, 4.0)))),
+}
+TARGET_GROUPS = (
+    Group("d", "DiLoCo", "D et al.", "diloco:period=2", ("identity", "localsgd:period=2", "dasgd:period=2"),
+          (Claim("loss within 2%", "loss", "identity", 0.02, "rel", target=True),
+           Claim("beats local SGD", "loss", "localsgd:period=2", 0.0, "rel", target=True),
+           Claim("45x fewer bytes", "bytes", "identity", 45.0, target=True),
+           Claim("5x to target", "to-target", "identity", 5.0, target=True),
+           Claim("1.3x to target", "to-target", "best:localsgd:period=2|dasgd:period=2", 1.3, target=True)),
+          target_loss=("identity", 0.02)),
+    Group("s", "Streaming", "S et al.", "streaming-diloco:period=2", ("diloco:period=2", "identity"),
+          (Claim("loss within 1%", "loss", "diloco:period=2", 0.01, "rel", target=True),
+           Claim("peak 0.3x", "peak", "diloco:period=2", 0.3, target=True),
+           Claim("5x to target", "to-target", "identity", 5.0, target=True),
+           Claim("loss, no figure", "loss", "identity", None, "rel")),
+          target_loss=("identity", 0.02)),
+)
+
+
+def _loss_launcher(calls: list[str]):
+    def launch(cfg, show_progress=True):
+        spec = next(k for k in LOSSES if cfg.method.startswith(k + ",") or cfg.method == k
+                    or cfg.method.split(":")[0] == k)
+        calls.append(spec)
+        final, sent, peak, (losses, modeled) = LOSSES[spec]
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "test_loss": loss, "test_accuracy": None, "bytes_sent": sent * s / 4,
+                 **{f"modeled_seconds@{link}": m for link, m in zip(cfg.links, ms)}}
+                for s, loss, ms in zip((2, 4), losses, modeled)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = {"task": cfg.task, "method": cfg.method, "workers": cfg.workers, "steps": cfg.steps,
+                   "final_accuracy": None, "final_loss": final, "final_bpc": None, "bytes_sent_per_worker": sent,
+                   "fp32_bytes_per_worker": 1000.0, "compression_ratio": 1000.0 / sent, "wall_seconds": 2.0,
+                   "compute_seconds": 1.0, "codec_seconds": 0.1, "comm_seconds": 0.5,
+                   "modeled_seconds_by_link": dict(zip(cfg.links, modeled[-1])),
+                   "modeled_comm_seconds_by_link": dict(zip(cfg.links, (1.0, 1.0))),
+                   "hidden_seconds_by_link": dict(zip(cfg.links, (0.0, 0.0))),
+                   "method_report": {"peak_bytes_per_sync": peak}}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return launch
+
+
+def test_targets_read_pass_or_miss_against_hand_computed_runs(tmp_path):
+    calls: list[str] = []
+    races = suite.prepare(BASE, str(tmp_path / "suite"), groups=TARGET_GROUPS)
+    results = suite.run(races, TARGET_GROUPS, launch=_loss_launcher(calls), show_progress=False, say=lambda s: None)
+    done = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", TARGET_GROUPS)
+    rows = done["rows"]
+    r = _row(rows, "d", "loss within 2%")
+    assert r["measured"] == pytest.approx(0.015) and r["reading"] == "PASS"
+    assert _row(rows, "d", "beats local SGD")["measured"] == pytest.approx(1.015 / 1.05 - 1)
+    assert _row(rows, "d", "beats local SGD")["reading"] == "PASS"
+    r = _row(rows, "d", "45x fewer")
+    assert r["measured"] == pytest.approx(50.0) and r["reading"] == "PASS"
+    # target loss 1.02: identity reaches it at step 4 (8 s, 40 s); diloco at step 2 (1 s, 2 s)
+    r = _row(rows, "d", "5x to target", LINKS[0])
+    assert r["measured"] == pytest.approx(8.0) and r["reading"] == "PASS"
+    assert _row(rows, "d", "5x to target", LINKS[1])["measured"] == pytest.approx(20.0)
+    # the best of local SGD (never reaches 1.02) and DaSGD (step 2: 2.5 s, 3.5 s)
+    r = _row(rows, "d", "1.3x to target", LINKS[0])
+    assert r["measured"] == pytest.approx(2.5) and r["reading"] == "PASS" and "dasgd" in r["detail"]
+    r = _row(rows, "d", "1.3x to target", LINKS[1])
+    assert r["measured"] == pytest.approx(3.5 / 2.0) and r["reading"] == "PASS"
+    r = _row(rows, "s", "loss within 1%")
+    assert r["measured"] == pytest.approx(1.03 / 1.015 - 1) and r["reading"] == "MISS"
+    r = _row(rows, "s", "peak 0.3x")
+    assert r["measured"] == pytest.approx(0.25) and r["reading"] == "PASS"
+    r = _row(rows, "s", "5x to target", LINKS[0])  # streaming never reaches 1.02
+    assert r["measured"] is None and r["reading"] == "MISS" and "did not reach" in r["detail"]
+    assert _row(rows, "s", "loss, no figure")["reading"] == "measured"
+    report = (tmp_path / "suite" / "report.md").read_text()
+    assert "| loss within 2% | any | +2.0% | +1.5% | PASS |" in report
+
+
+@pytest.mark.parametrize("task", ["charlm", "mnist1d"])
+def test_the_lowbandwidth_suite_validates_on_its_tasks_and_every_peer_it_names_runs(task, tmp_path):
+    base = TrainConfig(task=task, workers=suite.SUITE_WORKERS, steps=100)
+    races = suite.prepare(base, str(tmp_path), groups=suite.LOWBANDWIDTH)
+    assert [r.specs[0].split(":")[0] for r in races] == ["diloco", "diloco", "diloco", "streaming-diloco"]
+    for group in suite.LOWBANDWIDTH:
+        for claim in group.claims:
+            if claim.peer is None:
+                continue
+            keys = claim.peer[len("best:"):].split("|") if claim.peer.startswith("best:") else [claim.peer]
+            assert all(k in group.peers for k in keys), (group.key, claim.text)
+        if group.target_loss is not None:
+            assert group.target_loss[0] in group.peers

@@ -1,5 +1,10 @@
 """``thinwire compare --suite seeds``: each of the five seed methods against its paper's
 peers, at small scale, and the measured ratio next to the paper's headline claim.
+``thinwire compare --suite lowbandwidth``: the DiLoCo family (fp32, 4-bit and top-k
+pseudo-gradients, streamed fragments) against synchronous fp32 and bf16 training, local SGD,
+DaSGD and PyTorch's post-local SGD, each figure beside a target of ours (PASS/MISS): final
+loss, bytes, the most sent in one step, the share of communication hidden, and the modeled
+time to a target loss (synchronous fp32 training's final loss + 2%) at each link.
 
 One race per seed method (a ``thinwire compare`` of its own in ``OUT/<group>/``: report,
 CSV, plots), all on the same task, workers, steps and seed. A method that several races
@@ -36,19 +41,25 @@ ACCURACY_NOISE_PTS = 0.5  # what one seed's final accuracy moves by at this scal
 
 @dataclass(frozen=True)
 class Claim:
-    """One headline figure of a paper and how to measure it here.
+    """One headline figure of a paper (or a target of ours) and how to measure it here.
 
     ``kind``: ``speedup`` (peer's modeled time over the seed's, same steps, per link),
     ``bytes`` (peer's bytes over the seed's), ``hidden`` (share of the seed's modeled
     communication overlapped with computation, per link), ``accuracy`` (seed's final
-    accuracy minus the peer's, in points)."""
+    accuracy minus the peer's, in points), ``loss`` (seed's final test loss over the peer's,
+    minus 1: lower is better, at most the figure), ``peak`` (seed's most bytes sent in one
+    step over the peer's: at most the figure), ``to-target`` (peer's modeled time to the
+    group's target loss over the seed's, per link).
+
+    ``peer`` may also be ``best-uniform`` (the fastest peer other than ``identity``, by modeled
+    time) or ``best:A|B|C`` (of the peers named, the first to the target loss)."""
 
     text: str  # the paper's claim, in our words
     kind: str
-    peer: str | None = None  # label of the peer (None: the seed alone)
-    paper: float | None = None  # the paper's figure, when it gives one
+    peer: str | None = None  # the peer: a spec of the group's peers or its method's name (None: the seed alone)
+    paper: float | None = None  # the paper's figure (or the target's), when it gives one
     unit: str = "x"
-
+    target: bool = False  # a target of ours, read PASS/MISS, rather than a paper's claim
 
 @dataclass(frozen=True)
 class Group:
@@ -59,6 +70,8 @@ class Group:
     peers: tuple[str, ...]
     claims: tuple[Claim, ...]
     note: str = ""
+    # the target loss of the to-target claims: (peer, band) = that peer's final test loss x (1 + band)
+    target_loss: tuple[str, float] | None = None
 
     @property
     def specs(self) -> list[str]:
@@ -102,7 +115,54 @@ SEEDS: tuple[Group, ...] = (
           "Group size half the world, the defaults otherwise (warm-up 100, cycle 100)"),
 )
 
-SUITES = {"seeds": SEEDS}
+# the DiLoCo family against what users with slow links pick today (charlm with Adam, or mnist1d):
+# H = 50 for every periodic method, the same syncs for all; targets of ours, read PASS/MISS
+H = 50
+DILOCO = f"diloco:period={H}"
+STREAMING = f"streaming-diloco:period={H},fragments=4,delay=1"
+LOCALSGD, DASGD, POSTLOCAL = f"localsgd:period={H}", f"dasgd:period={H},delay=4", f"torch-postlocalsgd:period={H}"
+BEST_PEER = f"best:{LOCALSGD}|{DASGD}|{POSTLOCAL}"
+_TO_TARGET = (Claim("time to the target loss at least 5x shorter than synchronous fp32 training", "to-target",
+                    "identity", 5.0, target=True),
+              Claim("time to the target loss at least 1.3x shorter than the best of local SGD, DaSGD and "
+                    "PyTorch's post-local SGD", "to-target", BEST_PEER, 1.3, target=True))
+_PEERS = ("identity", "bf16", LOCALSGD, DASGD, POSTLOCAL)
+_TARGET_NOTE = ("Target loss: synchronous fp32 training's final test loss + 2%; times to it are modeled at each "
+                "link from the evaluations (measured compute and codec time + the link's time for the bytes sent)")
+LOWBANDWIDTH: tuple[Group, ...] = (
+    Group("diloco", "DiLoCo: an outer Nesterov step on averaged pseudo-gradients",
+          "Douillard et al. 2023 (arXiv 2311.08105)", DILOCO, _PEERS,
+          (Claim("final loss within 2% of synchronous fp32 training", "loss", "identity", 0.02, "rel", target=True),
+           Claim("at least 45x fewer bytes per worker than synchronous fp32 training", "bytes", "identity", 45.0,
+                 target=True),
+           Claim("the outer optimizer matters: a final loss below local SGD's at the same H", "loss", LOCALSGD, 0.0,
+                 "rel", target=True),
+           *_TO_TARGET),
+          f"H = {H} for every periodic method; DaSGD merges 4 steps after each launch. {_TARGET_NOTE}",
+          target_loss=("identity", 0.02)),
+    Group("diloco-4bit", "DiLoCo with 4-bit range-float pseudo-gradients", "Douillard et al. 2025 (arXiv 2501.18512)",
+          f"{DILOCO},codec=rangefloat:bits=4;exp_bits=2", (DILOCO,),
+          (Claim("final loss within 1% of fp32 pseudo-gradients", "loss", DILOCO, 0.01, "rel", target=True),
+           Claim("at least 7x fewer bytes per sync than fp32 pseudo-gradients", "bytes", DILOCO, 7.0, target=True)),
+          "1 sign, 2 exponent and 1 mantissa bit per value and a window exponent per tensor (all_gather: each rank "
+          "sends (n - 1) copies of its 4-bit payload, against 2(n - 1)/n of fp32 for the ring all_reduce)"),
+    Group("diloco-topk", "DiLoCo with top-k pseudo-gradients and error feedback", "SparseLoCo's idea, our knobs",
+          f"{DILOCO},codec=topk:ratio=0.1;ef=true", (DILOCO,),
+          (Claim("final loss against fp32 pseudo-gradients", "loss", DILOCO, None, "rel"),
+           Claim("fewer bytes than fp32 pseudo-gradients", "bytes", DILOCO, None)),
+          "The largest 10% of each pseudo-gradient tensor, the rest kept in the residual"),
+    Group("streaming", "Streaming DiLoCo: four fragments, each overlapped with the next step",
+          "Douillard et al. 2025 (arXiv 2501.18512)", STREAMING, (DILOCO, *_PEERS),
+          (Claim("final loss within 1% of DiLoCo at the same H", "loss", DILOCO, 0.01, "rel", target=True),
+           Claim("the most sent in one step at most 0.3x DiLoCo's", "peak", DILOCO, 0.3, target=True),
+           Claim("at least 90% of its modeled communication hidden behind computation", "hidden", None, 0.9, "",
+                 target=True),
+           *_TO_TARGET),
+          f"Fragments: contiguous tensor groups balanced by size; delay 1, alpha 0.5 (ours). {_TARGET_NOTE}",
+          target_loss=("identity", 0.02)),
+)
+
+SUITES = {"seeds": SEEDS, "lowbandwidth": LOWBANDWIDTH}
 OUTPUTS = ("report.md", "claims.csv")  # what a suite writes at the top of --out, besides its races
 
 
@@ -169,20 +229,23 @@ def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any
         rows += measure(group, res, race.links)
     path = Path(out)
     _write_claims(path / "claims.csv", rows)
-    _write_report(path / "report.md", races[0], groups, rows, command)
+    name = next((k for k, v in SUITES.items() if v == groups), "custom")
+    _write_report(path / "report.md", races[0], groups, rows, command, name)
     return {"report": str(path / "report.md"), "csv": str(path / "claims.csv"), "rows": rows}
 
 
 # -- the measured ratios -------------------------------------------------------------------------
 def measure(group: Group, results: list[dict[str, Any]], links: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One row per claim and link (a claim that does not depend on the link: one row)."""
-    by_label = {r["label"]: r for r in results}
-    seed = by_label.get(group.seed.split(":")[0])
+    """One row per claim and link (a claim that does not depend on the link: one row).
+    ``results`` are the race's, in the order of ``group.specs``."""
+    by_spec = dict(zip(group.specs, results, strict=False))
+    seed = results[0] if results else None
+    target = _target_loss(group, by_spec)
     rows = []
     for claim in group.claims:
-        per_link = claim.kind in ("speedup", "hidden")
+        per_link = claim.kind in ("speedup", "hidden", "to-target")
         for link in (links if per_link else (None,)):
-            value, detail = _value(claim, seed, by_label, group, link)
+            value, detail = _value(claim, seed, by_spec, group, link, target)
             rows.append({"group": group.key, "seed": group.seed, "claim": claim.text, "kind": claim.kind,
                          "peer": claim.peer or "", "link": link or "", "paper": claim.paper, "measured": value,
                          "unit": claim.unit, "detail": detail, "reading": _reading(claim, value)})
@@ -193,8 +256,33 @@ def _ok(r: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return r is not None and r["status"] == "ok" and r["summary"] is not None
 
 
-def _value(claim: Claim, seed: dict[str, Any] | None, by_label: dict[str, dict[str, Any]], group: Group,
-           link: str | None) -> tuple[float | None, str]:
+def _peer(by_spec: dict[str, dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """The result of the peer ``key``: a spec of the group, or the first whose method is named so."""
+    if key in by_spec:
+        return by_spec[key]
+    return next((r for spec, r in by_spec.items() if spec.split(":")[0] == key), None)
+
+
+def _target_loss(group: Group, by_spec: dict[str, dict[str, Any]]) -> float | None:
+    if group.target_loss is None:
+        return None
+    ref = _peer(by_spec, group.target_loss[0])
+    if not _ok(ref) or ref["summary"].get("final_loss") is None:
+        return None
+    return float(ref["summary"]["final_loss"]) * (1 + group.target_loss[1])
+
+
+def to_target_loss(r: dict[str, Any], target: float, link: str) -> float | None:
+    """Modeled seconds at ``link`` of the first evaluation whose test loss is at most ``target``."""
+    for row in r["rows"]:
+        loss = row.get("test_loss")
+        if loss is not None and loss <= target:
+            return row.get(f"modeled_seconds@{link}")
+    return None
+
+
+def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[str, Any]], group: Group,
+           link: str | None, target: float | None) -> tuple[float | None, str]:
     if not _ok(seed):
         return None, "the seed method's run failed"
     s = seed["summary"]
@@ -202,17 +290,20 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_label: dict[str, dict[s
         comm = s["modeled_comm_seconds_by_link"][link]
         hidden = s["hidden_seconds_by_link"][link]
         return (hidden / comm if comm > 0 else None), f"{hidden:.2f} of {comm:.2f} s modeled communication hidden"
+    if claim.kind == "to-target":
+        return _to_target(claim, seed, by_spec, link, target)
     peer_label = claim.peer
     peer: dict[str, Any] | None
     if peer_label == "best-uniform":  # the fastest peer other than the uncompressed reference
-        uniform = [p.split(":")[0] for p in group.peers if p != "identity"]
-        timed = [by_label[p] for p in uniform if _ok(by_label.get(p))]
+        uniform = [p for p in group.peers if p != "identity"]
+        timed = [by_spec[p] for p in uniform if _ok(by_spec.get(p))]
         if not timed:
             return None, "no uniform codec's run completed"
         peer = min(timed, key=lambda r: r["summary"]["modeled_seconds_by_link"][link])
         peer_label = peer["label"]
     else:
-        peer = by_label.get(peer_label) if peer_label is not None else None
+        peer = _peer(by_spec, peer_label) if peer_label is not None else None
+        peer_label = peer["label"] if peer is not None else peer_label
     if not _ok(peer):
         return None, f"{peer_label}'s run failed"
     p = peer["summary"]
@@ -227,14 +318,61 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_label: dict[str, dict[s
         if a is None or b is None:
             return None, "no accuracy (task without one)"
         return 100 * (a - b), f"{seed['label']} {a:.4f} vs {peer_label} {b:.4f}"
+    if claim.kind == "loss":
+        a, b = s.get("final_loss"), p.get("final_loss")
+        if a is None or b is None or b <= 0:
+            return None, "no final loss"
+        return a / b - 1, f"{seed['label']} {a:.4f} vs {peer_label} {b:.4f}"
+    if claim.kind == "peak":
+        a, b = _peak(s), _peak(p)
+        if a is None or b is None or b <= 0:
+            return None, "no peak bytes per sync reported"
+        return a / b, f"{seed['label']} {a / 1e6:.3f} MB / {peer_label} {b / 1e6:.3f} MB in one step"
     raise ValueError(f"unknown claim kind {claim.kind!r}")
 
 
+def _peak(summary: dict[str, Any]) -> float | None:
+    report = summary.get("method_report") or {}
+    return report.get("peak_bytes_per_sync")
+
+
+def _to_target(claim: Claim, seed: dict[str, Any], by_spec: dict[str, dict[str, Any]], link: str | None,
+               target: float | None) -> tuple[float | None, str]:
+    assert link is not None and claim.peer is not None  # to-target claims are per link, against a peer
+    if target is None:
+        return None, "no target loss (its reference run failed)"
+    keys = claim.peer[len("best:"):].split("|") if claim.peer.startswith("best:") else [claim.peer]
+    peers = [r for r in (_peer(by_spec, k) for k in keys) if _ok(r)]
+    if not peers:
+        return None, f"{claim.peer}: no run completed"
+    ts = to_target_loss(seed, target, link)
+    if ts is None:
+        return None, f"{seed['label']} did not reach loss {target:.4f}"
+    timed = [(to_target_loss(r, target, link), r) for r in peers]
+    reached = [(t, r) for t, r in timed if t is not None]
+    if reached:
+        tp, best = min(reached, key=lambda x: x[0])
+        return tp / ts, f"{best['label']} {tp:.1f} s / {seed['label']} {ts:.1f} s to loss {target:.4f}"
+    # no peer reached it: its whole run's time is a lower bound of its time to the target
+    best = min(peers, key=lambda r: r["summary"]["modeled_seconds_by_link"][link])
+    tp = best["summary"]["modeled_seconds_by_link"][link]
+    return tp / ts, (f"{best['label']} never reached loss {target:.4f} (its whole run {tp:.1f} s) / "
+                     f"{seed['label']} {ts:.1f} s")
+
+
 def _reading(claim: Claim, value: float | None) -> str:
-    """Does the measurement show the paper's effect here? ``holds`` / ``partly`` / ``not here``."""
+    """Does the measurement show the paper's effect here? ``holds`` / ``partly`` / ``not here``;
+    a target of ours: ``PASS`` / ``MISS``."""
     if value is None:
-        return "not measured"
-    if claim.kind in ("speedup", "bytes"):
+        return "not measured" if not claim.target else "MISS"
+    if claim.paper is None and claim.kind in ("loss", "peak"):
+        return "measured"
+    if claim.target:
+        assert claim.paper is not None
+        if claim.kind in ("loss", "peak"):  # lower is better
+            return "PASS" if value <= claim.paper else "MISS"
+        return "PASS" if value >= claim.paper else "MISS"
+    if claim.kind in ("speedup", "bytes", "to-target"):
         if claim.paper is None:
             return "holds" if value > 1.0 else "not here"
         return "holds" if value >= claim.paper else ("partly" if value > 1.0 else "not here")
@@ -254,6 +392,8 @@ def format_value(value: float | None, unit: str) -> str:
         return f"{value:+.1f} pts"
     if unit == "x":
         return f"{value:.2f}x"
+    if unit == "rel":
+        return f"{100 * value:+.1f}%"
     return f"{100 * value:.0f}%"
 
 
@@ -267,24 +407,26 @@ def _write_claims(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _write_report(path: Path, race: compare.Race, groups: tuple[Group, ...], rows: list[dict[str, Any]],
-                  command: str) -> None:
+                  command: str, name: str = "seeds") -> None:
     b = race.base
-    lines = [f"# thinwire compare --suite seeds: {b.task}, {b.workers} workers, {b.steps} steps", "",
+    lines = [f"# thinwire compare --suite {name}: {b.task}, {b.workers} workers, {b.steps} steps", "",
              f"- command: `{command}`",
              f"- seed {b.seed}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker; links: "
              + ", ".join(race.links),
              "- speedup = the peer's modeled time over the seed method's for the same steps (measured compute and "
              "codec time + the link's alpha-beta time); bytes = the peer's bytes per worker over the seed's; "
-             "accuracy = the seed's final test accuracy minus the peer's",
+             "accuracy = the seed's final test accuracy minus the peer's; loss = the seed's final test loss over the "
+             "peer's, minus 1; peak = the seed's most bytes sent in one step over the peer's; to target = the peer's "
+             "modeled time to the target loss over the seed's",
              "- reading: holds = the paper's figure is reached (accuracy: to within "
              f"{ACCURACY_NOISE_PTS} pts, what one seed moves by here); partly = the effect shows, smaller; "
-             "not here = it does not show at this scale",
+             "not here = it does not show at this scale; PASS / MISS: a target of ours, met or not",
              "- the papers measured large models on GPU clusters; this is a small task on a 2-core machine, so a "
              "ratio says whether the paper's effect shows here, not whether its size carries over", ""]
     for g in groups:
         lines += [f"## {g.title} — {g.source}", "", f"Race: `{g.seed}` against " + ", ".join(f"`{p}`" for p in g.peers)
                   + f" ([report]({g.key}/report.md)). {g.note}.", "",
-                  "| paper's claim | link | paper | measured | reading | from |", "|---|---|---|---|---|---|"]
+                  "| claim | link | paper / target | measured | reading | from |", "|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["group"] == g.key):
             paper = format_value(r["paper"], r["unit"]) if r["paper"] is not None else "(no figure)"
             measured = format_value(r["measured"], r["unit"])
@@ -306,5 +448,5 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ = ["Claim", "Group", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "earlier_output", "finish", "format_value",
-           "measure", "prepare", "run", "summary_lines"]
+__all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "earlier_output", "finish",
+           "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss"]
