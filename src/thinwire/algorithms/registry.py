@@ -43,6 +43,7 @@ BUILTIN = (
     "thinwire.integrations.torch_builtins:TorchBF16",
     "thinwire.integrations.torch_builtins:TorchPowerSGD",
     "thinwire.integrations.torch_builtins:TorchPostLocalSGD",
+    "thinwire.integrations.torchft_diloco:TorchFTDiLoCo",
 )
 
 
