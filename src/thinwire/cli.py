@@ -369,17 +369,20 @@ def _cost(args: argparse.Namespace) -> int:
     ref = costs[resolved[0]]
     links = [Link.parse(text) for text in base.links]
     table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
-                  f"{args.probe_steps} timed steps each, after {args.probe_steps} warm-up)",
+                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods)",
                   caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
                   f"bytes / bandwidth); wait = the collectives' time here, with no link; window = the backward time "
                   f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
                   f"bandwidths at which the method's step is "
-                  f"faster than bf16's, at the latency of {base.links[0]}")
-    for col in ["method", "MB / step", "messages", "compute ms", "codec ms", "wait ms", "window ms",
+                  f"faster than bf16's, at the latency of {base.links[0]}. A periodic method's sync is spread over "
+                  f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
+                  f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
+    for col in ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
                 *[f"ms @ {text}" for text in base.links], "beats bf16"]:
         table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
     for spec, c in costs.items():
-        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
+        peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
+        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
                       f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", f"{1e3 * c.window_s:.1f}",
                       *[f"{1e3 * c.seconds(link):.1f}" for link in links],
                       cost.verdict(c, ref, links[0].latency_s))

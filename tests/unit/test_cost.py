@@ -333,3 +333,35 @@ def test_a_failed_probe_is_reported_and_the_others_run():
                           launch=_probe_launch(fail="topk"), say=lambda line: None)
     assert list(costs) == ["bf16", "identity"] and costs["bf16"].bytes == 10.0
     assert list(failed) == ["topk:ratio=0.1"] and "FloatingPointError" in failed["topk:ratio=0.1"]
+
+
+@pytest.mark.parametrize("spec, steps, want", [
+    ("bf16", 20, 20), ("localsgd:period=4", 20, 20), ("localsgd:period=8", 20, 24), ("diloco:period=50", 20, 50),
+    ("streaming-diloco:period=50,fragments=4", 60, 100), ("dpsgd", 7, 7), ("hylo", 9, 9), ("diloco:period=1", 3, 3),
+])
+def test_a_periodic_method_is_probed_over_whole_periods(spec, steps, want):
+    from thinwire.run.cost import probe_steps
+
+    assert probe_steps(spec, steps) == want
+
+
+def test_a_probe_of_diloco_spreads_its_sync_over_the_period_and_reads_its_peak():
+    """Real ranks: diloco with period 6 probed with 4 steps runs 6 + 6, one sync in the timed
+    steps: its bytes per step are one pseudo-gradient all_reduce over 6 steps."""
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe
+
+    base = TrainConfig(task="synthetic", workers=2, task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64,
+                                                                   "test_samples": 16}, batch_size=8).resolve()
+    costs, failed = probe(base, ["diloco:period=6", "streaming-diloco:period=6,fragments=2"], 4,
+                          say=lambda line: None)
+    assert not failed
+    from thinwire.tasks import get
+
+    numel = sum(p.numel() for p in get("synthetic")(dim=8, hidden=8, classes=2, samples=64,
+                                                     test_samples=16).build_model().parameters())
+    sync = 2 * (2 - 1) / 2 * 4 * numel  # bytes of one fp32 ring all_reduce of the model on 2 ranks
+    d, s = costs["diloco:period=6"], costs["streaming-diloco:period=6,fragments=2"]
+    assert d.probe_steps == s.probe_steps == 6
+    assert d.bytes == pytest.approx(sync / 6) and d.peak_bytes == pytest.approx(sync)
+    assert s.bytes == pytest.approx(sync / 6) and s.peak_bytes < 0.75 * sync

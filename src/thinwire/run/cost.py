@@ -152,6 +152,8 @@ class StepCost:
     window_s: float = 0.0  # overlap window per step: backward time after the first bucket launched (0: none)
     early_share: float = 0.0  # share of the averaged elements launched during backward
     leads: tuple[tuple[float, float], ...] = ()  # per launched bucket: (seconds before reduce(), share)
+    peak_bytes: float | None = None  # the most one worker sent in one step (methods that report it)
+    probe_steps: int = 0  # timed steps of the probe (a whole number of periods for periodic methods)
 
     def seconds(self, link: Link) -> float:
         return self._at(link.latency_s, 1.0 / link.bandwidth_Bps)
@@ -284,6 +286,23 @@ def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
                     leads=tuple((float(a), float(b)) for a, b in overlap.get("leads") or ()))
 
 
+def probe_steps(spec: str, steps: int) -> int:
+    """Timed (and warm-up) steps of ``spec``'s probe: ``steps``, or for a method that syncs
+    every ``period`` steps (local SGD, DaSGD, the DiLoCo family, post-local SGD) the smallest
+    multiple of its period that is at least ``steps``, so the timed window holds whole
+    periods: one sync of every fragment per period, its bytes and seconds spread over the
+    period's steps (a sync every H steps costs 1/H of itself per step)."""
+    from thinwire.algorithms.registry import kind_of, method_config
+
+    if kind_of(spec) != "method":
+        return steps
+    _, config = method_config(spec)
+    period = getattr(config, "period", None)
+    if not isinstance(period, int) or period <= 1:
+        return steps
+    return -(-max(steps, period) // period) * period
+
+
 def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepCost:
     """Per-step figures between two metrics.jsonl records (cumulative counters; records
     without the overlap counters: no overlap).
@@ -313,14 +332,15 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepC
                     window_s=max(delta("overlap_window_seconds"), 0.0) / steps,
                     early_share=share,
                     leads=tuple((float(a), float(b))
-                                for a, b in last.get("overlap_lead_seconds_and_shares") or ()))
+                                for a, b in last.get("overlap_lead_seconds_and_shares") or ()),
+                    peak_bytes=last.get("peak_bytes_per_sync"), probe_steps=steps)
 
 
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
           say: Callable[[str], None] = print) -> tuple[dict[str, StepCost], dict[str, str]]:
-    """Run ``steps`` warm-up and ``steps`` timed training steps of every method; per-step
-    costs of the timed steps by spec, and the error of each probe that failed (the others
-    still run)."""
+    """Run ``steps`` warm-up and ``steps`` timed training steps of every method (whole periods
+    for a periodic method: :func:`probe_steps`); per-step costs of the timed steps by spec,
+    and the error of each probe that failed (the others still run)."""
     if launch is None:
         from thinwire.run.launch import launch as default_launch
 
@@ -328,9 +348,10 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
     for i, spec in enumerate(specs, 1):
-        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {steps} + {steps} steps on {base.workers} workers")
+        n = probe_steps(spec, steps)
+        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-            cfg = dataclasses.replace(base, method=spec, steps=2 * steps, eval_every=steps, out=tmp, overwrite=True)
+            cfg = dataclasses.replace(base, method=spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True)
             try:
                 summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
                 if summary is not None and summary.get("stopped_at") is not None:
