@@ -336,7 +336,7 @@ def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
     done = suite.finish(args.out, races, results, compare.command_line(argv), groups)
     for line in suite.summary_lines(done["rows"]):
         print(line)
-    print(f"wrote {done['report']}, {done['csv']} and one race per method in {args.out}/<method>/")
+    print(f"wrote {done['report']}, {done['csv']} and one race per group in {args.out}/<group>/")
     failed = [r["label"] for res in results for r in res if r["status"] != "ok"]
     if failed:
         print(f"thinwire: runs failed: {', '.join(sorted(set(failed)))} (see the reports)", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The DiLoCo family over real gloo ranks: two ranks give the in-process result bit for bit
 (a sum of two values is the same in any order, and the fragments' averages overlap the next
-steps in the background), and four ranks learn with 4-bit pseudo-gradients while their outer
+steps in the background, two of them in flight at once with delay 3 and offsets 2 apart),
+and four ranks learn with 4-bit pseudo-gradients while their outer
 parameters stay identical."""
 
 import copy
@@ -57,7 +58,7 @@ def _gloo(rank, world, spec, steps):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("spec", ["diloco:period=5,warmup=2",
-                                  "streaming-diloco:period=6,fragments=3,delay=2,alpha=0.5",
+                                  "streaming-diloco:period=6,fragments=3,delay=3,alpha=0.5",
                                   "streaming-diloco:period=4,fragments=2,delay=1,codec=topk:ratio=0.2;ef=true"])
 def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
     from thinwire.comm.local import LocalWorld

@@ -139,3 +139,31 @@ def test_the_spec_fills_every_default():
     assert resolve_method("diloco") == ("diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,"
                                         "nesterov=true,codec=identity:ef=false;min_numel=0,average_momentum=false")
     assert DiLoCoConfig().period == 50
+
+
+def test_a_state_saved_before_fragments_resumes_exactly():
+    """The layout of one pseudo-gradient aggregator (``pseudo``), before the fragments: the
+    same state as the one fragment's, so a run resumed from it continues exactly."""
+    make = lambda m, o, c: DiLoCo(m, o, c, period=2, codec="topk:ratio=0.25;ef=true")  # noqa: E731
+
+    def earlier(comm):
+        model = copy.deepcopy(BASE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        method = make(model, opt, comm)
+        for step in range(9):
+            if step == 5:  # mid-round: saved, converted to the earlier layout, loaded into a new DiLoCo
+                state = method.state_dict()
+                fragment = state.pop("fragments")[0]
+                del state["peak_bytes"]
+                method = make(model, opt, comm)
+                method.load_state_dict({**state, "pseudo": fragment["agg"]})
+            tiny.backward(model, opt, comm.rank, step)
+            method.after_backward()
+            opt.step()
+            method.after_step()
+        return _flat(model)
+
+    straight = LocalWorld(2).run(lambda comm: _train(comm, make, 9))
+    converted = LocalWorld(2).run(earlier)
+    for a, b in zip(straight, converted):
+        assert torch.equal(a, b)

@@ -222,3 +222,16 @@ def test_the_spec_fills_every_default():
     assert resolve_method("streaming-diloco") == (
         "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
         "codec=identity:ef=false;min_numel=0,average_momentum=false,fragments=4,delay=1,alpha=0.5")
+
+
+def test_more_fragments_than_steps_in_a_period_is_refused():
+    with pytest.raises(ValueError, match="fragments must be <= period .*fragments=4 > period=2"):
+        resolve_method("streaming-diloco:period=2,fragments=4")
+
+
+def test_diloco_merged_at_its_launch_reports_nothing_hidden():
+    method = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=2), 4)[1])[0]
+    assert method.syncs == 2 and method.hidden_fraction() is None and method._windows == []
+    from thinwire.comm.link import Link
+
+    assert method.hidden_seconds(Link.parse("10mbit,1ms")) == 0.0

@@ -203,13 +203,15 @@ class DiLoCo(PeriodicAveraging):
             f.agg = self.averager(delta, f.codec)
         f.agg.step = f.syncs  # the codec's step (its seeds): identical on every rank
         t1 = time.perf_counter()
+        at_once = local is None or self.delay == 0
         before = _counts(self.comm.meter)
         f.pending = f.agg.start({"model": delta})
-        f.watch.start(f.pending, f.pending.started_at)
-        f.launched = (_since(self.comm.meter, before), time.perf_counter())
+        if not at_once:  # an average behind the next steps: its seconds, and the steps it runs behind
+            f.watch.start(f.pending, f.pending.started_at)
+            f.launched = (_since(self.comm.meter, before), time.perf_counter())
         f.landed = False
         self._timing.codec_seconds += t1 - t0
-        if local is None or self.delay == 0:
+        if local is None or at_once:
             self._merge(f)
         else:
             f.merge_at = local + self.delay
@@ -294,14 +296,15 @@ class DiLoCo(PeriodicAveraging):
 
     def hidden_seconds(self, link: Link) -> float:
         """Modeled seconds of the syncs' collectives on ``link`` that the steps between launch
-        and merge hide: ``min(T_link(sync), window)`` per merged sync (0 with no delay)."""
+        and merge hide: ``min(T_link(sync), window)`` per merged sync (none with no delay: a
+        sync merged at its launch hides nothing and is not counted)."""
         n = self.comm.world_size
         return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows)
 
     def hidden_fraction(self) -> float | None:
-        """1 − blocked / communication time (None before any sync completed)."""
-        for f in self.fragments:
-            f.watch.join()
+        """1 − blocked / communication time of the syncs run behind later steps (None with no
+        delay, or before one completed); an average still in flight counts once it completes.
+        Like the window figures, it covers the run since its start or its last resume."""
         total = self.comm_seconds
         return None if total <= 0 else max(0.0, 1.0 - self.blocked_seconds / total)
 
@@ -309,6 +312,9 @@ class DiLoCo(PeriodicAveraging):
         return {"outer_steps": self.syncs, "peak_bytes_per_sync": self.peak_bytes}
 
     def report(self) -> dict[str, Any]:
+        for f in self.fragments:  # after the last merge: every watch has seen its average complete
+            if f.pending is None:
+                f.watch.join()
         outer_state = sum(t.numel() for s in self.outer.state.values() for t in s.values()
                           if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"method": self.spec, "outer_steps": self.syncs, "outer_optimizer": type(self.outer).__name__,

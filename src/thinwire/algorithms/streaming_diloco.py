@@ -15,8 +15,9 @@ The parameter tensors are split into ``fragments`` (P) contiguous groups in the 
 order, balanced by size (the split that makes the largest group smallest; every rank
 computes the same one from the tensors' sizes). Fragment ``p`` has its own outer parameters
 ``θ_p`` and syncs after the local steps ``t`` with ``t mod H = o_p``, ``o_p = ⌊p·H/P⌋``
-(fragment 0 after steps H, 2H, ...; the others a share of a period earlier, so its first
-round is shorter). A sync of fragment ``p`` at step ``t``:
+(fragment 0 after steps H, 2H, ...; fragment p after o_p, o_p + H, ...: its first round is
+o_p steps long, every later one H). ``P <= H``, so no two fragments share an offset and
+each step sends at most one fragment's average. A sync of fragment ``p`` at step ``t``:
 
 * launch: the pseudo-gradient ``Δ_p,i = θ_p − θ_p,i`` (this rank's fragment at step ``t``) is
   averaged over the ranks through ``codec`` in the background, while training goes on;
@@ -58,7 +59,7 @@ from thinwire.knobs import knob, require
 @dataclass(frozen=True, kw_only=True)
 class StreamingDiLoCoConfig(DiLoCoConfig):
     fragments: int = knob(4, "contiguous groups of parameter tensors, balanced by size, synced in turn (P)",
-                          ">= 1, at most the model's parameter tensors")
+                          "1..period, at most the model's parameter tensors")
     delay: int = knob(1, "inner steps between a fragment's launch and its merge (tau)", "0 <= delay < period")
     alpha: float = knob(0.5, "share of the worker's own fragment kept at a merge (0: take the global value)",
                         "[0, 1]")
@@ -66,6 +67,9 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.fragments >= 1, f"fragments must be >= 1, got {self.fragments}")
+        require(self.fragments <= self.period,
+                f"fragments must be <= period (one fragment's sync per step): fragments={self.fragments} > "
+                f"period={self.period}")
         require(self.delay >= 0, f"delay must be >= 0, got {self.delay}")
         require(self.delay < self.period, f"delay must be < period: delay={self.delay} >= period={self.period}")
         require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1], got {self.alpha}")

@@ -212,7 +212,12 @@ class TorchFTDiLoCo(Method):
 
     # -- the training loop -------------------------------------------------------------------
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
-        """Nothing: torchft's hooks on the optimizer's step do the work."""
+        """Nothing: torchft's hooks on the optimizer's step do the work. A ``GradScaler`` is
+        refused: it may skip ``optimizer.step()`` on one rank only, and torchft's schedule,
+        counted in those steps, would then wait for a sync the others never start."""
+        if scaler is not None:
+            raise ValueError("torch-diloco cannot run with a GradScaler: a step it skips on one rank only leaves "
+                             "torchft's sync schedule out of step across the ranks")
         return True
 
     def after_step(self) -> None:

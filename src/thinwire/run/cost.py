@@ -348,7 +348,11 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
     for i, spec in enumerate(specs, 1):
-        n = probe_steps(spec, steps)
+        try:
+            n = probe_steps(spec, steps)
+        except ValueError as e:
+            failed[spec] = str(e).splitlines()[0][:300]
+            continue
         say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
             cfg = dataclasses.replace(base, method=spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True)

@@ -1,0 +1,196 @@
+"""The DiLoCo family: loss, bytes, peak bytes and time to a target loss against its peers; a
+streamed fragment's transfer hidden behind the next step over a real shaped link.
+
+1. ``thinwire compare --suite lowbandwidth`` on charlm (4 workers, Adam as the inner
+   optimizer, the task's 600 steps, seed 0; evaluations every 25 steps; ``--quick``: 200
+   steps, which no method's loss can settle in: its figures only show the harness works),
+   modeled at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s. Every target of the suite (see
+   ``thinwire.run.suite.LOWBANDWIDTH``) is a figure here:
+
+   * diloco (H = 50): final loss within 2% of synchronous fp32 AdamW; >= 45x fewer bytes;
+     final loss below local SGD's at the same H (the outer optimizer matters);
+   * 4-bit range-float pseudo-gradients: loss within 1% of fp32's; >= 7x fewer bytes;
+   * streaming-diloco (P = 4, delay 1): loss within 1% of diloco's; the most sent in one
+     step <= 0.3x diloco's; modeled hidden share of its communication >= 0.9;
+   * time to the target loss (synchronous fp32's final loss + 2%), per link, for diloco
+     and streaming-diloco: >= 5x shorter than synchronous fp32, >= 1.3x shorter than the
+     best of local SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo.
+
+   ``--tasks charlm,mnist1d`` races mnist1d too (its own targets, the same rules).
+   ``--from DIR`` reads a suite already run into DIR instead of running it.
+2. A real shaped link (Linux, root, iproute2: ``_shaped_link.py``): 2 ranks, 1 thread each,
+   in their own network namespaces joined by a veth pair shaped to 100 Mbit/s each way;
+   charlm, ``streaming-diloco:period=20,fragments=4,delay=1`` and ``diloco:period=20`` for
+   120 steps (``--quick``: 60), no emulation. Target: streaming-diloco's measured
+   ``hidden_fraction`` (1 - seconds its merges blocked / launch-to-completion seconds of its
+   fragments' averages) >= 0.9; diloco's (it blocks by design) and both step times beside it.
+   Skipped, with the reason, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import Figure, Report, load_note, parser, table
+from thinwire.run.suite import LOWBANDWIDTH, format_value, measure
+
+LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
+SHAPED_MBIT = 100.0
+SHAPED_SPECS = ("streaming-diloco:period=20,fragments=4,delay=1", "diloco:period=20")
+HIDDEN_TARGET = 0.9
+OPS = {"loss": "<=", "peak": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">="}
+
+
+def run_suite(task: str, out: Path, steps: int | None) -> float:
+    cmd = [sys.executable, "-m", "thinwire", "compare", "--suite", "lowbandwidth", "--task", task, "--eval-every", "25",
+           "--out", str(out), "--overwrite", "--quiet", *[a for link in LINKS for a in ("--link", link)]]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=False)
+    return time.perf_counter() - t0
+
+
+def suite_sections(report: Report, task: str, out: Path, seconds: float | None) -> None:
+    rows = claims(out)
+    report.add(f"### {task}: the lowbandwidth suite\n\n"
+               + (f"`thinwire compare --suite lowbandwidth --task {task} --eval-every 25 "
+                  + " ".join(f"--link {link}" for link in LINKS) + f" --out DIR` ({seconds:.0f} s)\n\n"
+                  if seconds is not None else f"read from the runs of an earlier suite in `{out}`\n\n")
+               + method_table(out) + "\n\n"
+               + table(["group", "claim", "link", "target", "measured", "reading", "from"],
+                       [[c["group"], c["claim"], c["link"] or "any",
+                         "-" if c["paper"] is None else format_value(c["paper"], c["unit"]),
+                         format_value(c["measured"], c["unit"]), c["reading"], c["detail"]] for c in rows]))
+    for c in rows:
+        if c["reading"] not in ("PASS", "MISS", "not measured") or c["paper"] is None:
+            continue
+        value = c["measured"] if c["measured"] is not None else math.nan
+        at = f" @ {c['link']}" if c["link"] else ""
+        report.figures.append(Figure(f"{task} {c['group']}: {c['claim']}{at}", value, OPS[c["kind"]], c["paper"],
+                                     "x" if c["unit"] == "x" else "", c["detail"]))
+
+
+def claims(out: Path) -> list[dict]:
+    """The suite's rows, measured afresh from the runs in ``out`` (each group's runs in the
+    order of its specs, as ``thinwire compare`` numbers them)."""
+    rows = []
+    for group in LOWBANDWIDTH:
+        results = []
+        for run in sorted((out / group.key / "runs").iterdir()):
+            summary_path = run / "summary.json"
+            ok = summary_path.exists()
+            summary = json.loads(summary_path.read_text()) if ok else None
+            metrics = run / "metrics.jsonl"
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            results.append({"label": _short(summary["method"]) if ok else run.name, "spec": run.name,
+                            "status": "ok" if ok and summary.get("status") == "ok" else "failed",
+                            "summary": summary, "rows": [json.loads(x) for x in lines if x.strip()]})
+        rows += measure(group, results, LINKS)
+    return rows
+
+
+def method_table(out: Path) -> str:
+    """One row per run of the suite: final loss, bytes, peak bytes in one step, modeled time per link."""
+    seen: dict[str, dict] = {}
+    for path in sorted(out.glob("*/runs/*/summary.json")):
+        s = json.loads(path.read_text())
+        seen.setdefault(s["method"], s)
+    rows = []
+    for spec, s in seen.items():
+        peak = (s.get("method_report") or {}).get("peak_bytes_per_sync")
+        rows.append([_short(spec), f"{s['final_loss']:.4f}", f"{s.get('final_bpc') or float('nan'):.4f}",
+                     f"{s['bytes_sent_per_worker'] / 1e6:.2f}", "-" if peak is None else f"{peak / 1e6:.3f}",
+                     *[f"{s['modeled_seconds_by_link'][link]:.1f}" for link in LINKS]])
+    return table(["method", "final test loss", "bpc", "MB sent / worker", "peak MB in one step",
+                  *[f"modeled s @ {link}" for link in LINKS]], rows)
+
+
+def _short(spec: str) -> str:
+    """The spec without the knobs left at their defaults' long tail (codec and period kept)."""
+    name, _, knobs = spec.partition(":")
+    keep = [k for k in knobs.split(",") if k.split("=")[0] in ("period", "codec", "fragments", "delay", "alpha")]
+    return name + (":" + ",".join(keep) if keep else "")
+
+
+# -- 2. the shaped link -----------------------------------------------------------------------------
+def shaped_section(report: Report, steps: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _shaped_link import ShapedPair, unavailable
+
+    why = unavailable()
+    if why is not None:
+        report.add(f"real shaped link: skipped: {why}")
+        return
+    results = {}
+    with ShapedPair(SHAPED_MBIT) as pair:
+        for i, spec in enumerate(SHAPED_SPECS):
+            results[spec] = _shaped_run(pair, spec, steps, 29700 + i)
+    rows = []
+    for spec, s in results.items():
+        r = s["method_report"]
+        rows.append([spec, f"{1e3 * s['wall_seconds'] / s['steps']:.1f}", f"{r['hidden_fraction']:.3f}",
+                     f"{1e3 * r['blocked_seconds']:.0f}", f"{1e3 * r['average_seconds']:.0f}",
+                     f"{r['peak_bytes_per_sync'] / 1e6:.3f}", f"{s['final_loss']:.4f}"])
+    report.add(f"### a real link shaped to {SHAPED_MBIT:.0f} Mbit/s: 2 ranks, charlm, {steps} steps\n\n"
+               + table(["method", "ms / step", "hidden fraction", "blocked ms", "averages in flight ms",
+                        "peak MB in one step", "final test loss"], rows))
+    streaming = results[SHAPED_SPECS[0]]["method_report"]
+    diloco = results[SHAPED_SPECS[1]]["method_report"]
+    report.figures.append(Figure(f"streaming-diloco hidden fraction over a real {SHAPED_MBIT:.0f} Mbit/s link",
+                                 streaming["hidden_fraction"], ">=", HIDDEN_TARGET, "",
+                                 f"blocked {1e3 * streaming['blocked_seconds']:.0f} ms of "
+                                 f"{1e3 * streaming['average_seconds']:.0f} ms in flight; diloco "
+                                 f"{diloco['hidden_fraction']:.3f}"))
+
+
+def _shaped_run(pair, spec: str, steps: int, port: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
+        cmd = [sys.executable, "-m", "thinwire", "train", "--task", "charlm", "--method", spec, "--steps", str(steps),
+               "--eval-every", str(steps), "--threads", "1", "--out", tmp, "--overwrite", "--quiet"]
+        env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
+        procs = [pair.popen(r, cmd, dict(env, LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True) for r in range(2)]
+        errs = [p.communicate(timeout=1200)[1] for p in procs]
+        if any(p.returncode for p in procs):
+            tail = next((e.strip().splitlines()[-1] for e in errs if e.strip()), "")
+            raise RuntimeError(f"a rank failed (exit codes {[p.returncode for p in procs]}): {tail}")
+        return json.loads((Path(tmp) / "summary.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--tasks", default="charlm", help="tasks to race, comma-separated (default: charlm)")
+    p.add_argument("--from", dest="source", metavar="DIR",
+                   help="read the suite of the first task from DIR (a finished --suite lowbandwidth) instead of "
+                   "running it")
+    p.add_argument("--keep", metavar="DIR", help="run the suites into DIR/<task> and keep them")
+    p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
+    args = p.parse_args(argv)
+    command = "python benchmarks/bench_diloco.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
+    report = Report("The DiLoCo family: loss, bytes and time to a target loss; hiding over a real link",
+                    command.rstrip())
+    report.add(f"{load_note()}")
+    steps = 200 if args.quick else None
+    with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
+        for i, task in enumerate(args.tasks.split(",")):
+            if i == 0 and args.source:
+                suite_sections(report, task, Path(args.source), None)
+                continue
+            out = Path(args.keep or tmp) / task
+            seconds = run_suite(task, out, steps)
+            suite_sections(report, task, out, seconds)
+    if not args.skip_shaped:
+        shaped_section(report, 60 if args.quick else 120)
+    return report.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
