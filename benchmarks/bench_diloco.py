@@ -63,7 +63,7 @@ def suite_sections(report: Report, task: str, out: Path, seconds: float | None) 
     report.add(f"### {task}: the lowbandwidth suite\n\n"
                + (f"`thinwire compare --suite lowbandwidth --task {task} --eval-every 25 "
                   + " ".join(f"--link {link}" for link in LINKS) + f" --out DIR` ({seconds:.0f} s)\n\n"
-                  if seconds is not None else f"read from the runs of an earlier suite in `{out}`\n\n")
+                  if seconds is not None else f"read from the runs of an earlier `{_suite_command(out)}`\n\n")
                + method_table(out) + "\n\n"
                + table(["group", "claim", "link", "target", "measured", "reading", "from"],
                        [[c["group"], c["claim"], c["link"] or "any",
@@ -76,6 +76,15 @@ def suite_sections(report: Report, task: str, out: Path, seconds: float | None) 
         at = f" @ {c['link']}" if c["link"] else ""
         report.figures.append(Figure(f"{task} {c['group']}: {c['claim']}{at}", value, OPS[c["kind"]], c["paper"],
                                      "x" if c["unit"] == "x" else "", c["detail"]))
+
+
+def _suite_command(out: Path) -> str:
+    """The command that ran the suite in ``out``, as its report gives it, with --out as DIR."""
+    for line in (out / "report.md").read_text().splitlines():
+        if line.startswith("- command: `"):
+            words = line[len("- command: `"):].rstrip("`").split()
+            return " ".join("DIR" if i and words[i - 1] == "--out" else w for i, w in enumerate(words))
+    return "thinwire compare --suite lowbandwidth"
 
 
 def claims(out: Path) -> list[dict]:
@@ -114,9 +123,18 @@ def method_table(out: Path) -> str:
 
 
 def _short(spec: str) -> str:
-    """The spec without the knobs left at their defaults' long tail (codec and period kept)."""
+    """The spec with only the knobs that tell this suite's runs apart (period, a compressing
+    codec with its bits or ratio, fragments, delay, alpha)."""
     name, _, knobs = spec.partition(":")
-    keep = [k for k in knobs.split(",") if k.split("=")[0] in ("period", "codec", "fragments", "delay", "alpha")]
+    keep = []
+    for knob in knobs.split(","):
+        key, _, value = knob.partition("=")
+        if key in ("period", "fragments", "delay", "alpha"):
+            keep.append(knob)
+        elif key == "codec" and not value.startswith("identity"):
+            codec, _, inner = value.partition(":")
+            told = [k for k in inner.split(";") if k.split("=")[0] in ("bits", "exp_bits", "ratio", "ef")]
+            keep.append(f"codec={codec}" + (":" + ";".join(told) if told else ""))
     return name + (":" + ",".join(keep) if keep else "")
 
 
@@ -136,7 +154,8 @@ def shaped_section(report: Report, steps: int) -> None:
     rows = []
     for spec, s in results.items():
         r = s["method_report"]
-        rows.append([spec, f"{1e3 * s['wall_seconds'] / s['steps']:.1f}", f"{r['hidden_fraction']:.3f}",
+        hidden = r["hidden_fraction"]
+        rows.append([spec, f"{1e3 * s['wall_seconds'] / s['steps']:.1f}", "-" if hidden is None else f"{hidden:.3f}",
                      f"{1e3 * r['blocked_seconds']:.0f}", f"{1e3 * r['average_seconds']:.0f}",
                      f"{r['peak_bytes_per_sync'] / 1e6:.3f}", f"{s['final_loss']:.4f}"])
     report.add(f"### a real link shaped to {SHAPED_MBIT:.0f} Mbit/s: 2 ranks, charlm, {steps} steps\n\n"
@@ -147,8 +166,8 @@ def shaped_section(report: Report, steps: int) -> None:
     report.figures.append(Figure(f"streaming-diloco hidden fraction over a real {SHAPED_MBIT:.0f} Mbit/s link",
                                  streaming["hidden_fraction"], ">=", HIDDEN_TARGET, "",
                                  f"blocked {1e3 * streaming['blocked_seconds']:.0f} ms of "
-                                 f"{1e3 * streaming['average_seconds']:.0f} ms in flight; diloco "
-                                 f"{diloco['hidden_fraction']:.3f}"))
+                                 f"{1e3 * streaming['average_seconds']:.0f} ms in flight; diloco blocks on "
+                                 f"every sync by design ({1e3 * diloco['blocked_seconds']:.0f} ms)"))
 
 
 def _shaped_run(pair, spec: str, steps: int, port: int) -> dict:

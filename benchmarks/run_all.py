@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -79,10 +80,12 @@ def environment(command: str) -> dict:
     }
 
 
-def run_bench(name: str, quick: bool, tmp: Path) -> dict:
-    """Run one benchmark script; its output streams through. Returns its JSON report."""
+def run_bench(name: str, quick: bool, tmp: Path, extra: list[str] | None = None) -> dict:
+    """Run one benchmark script (with ``extra`` arguments); its output streams through.
+    Returns its JSON report."""
     out = tmp / f"{name}.json"
     cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(out)] + (["--quick"] if quick else [])
+    cmd += extra or []
     print(f"\n===== {name} =====", flush=True)
     t0 = time.perf_counter()
     try:
@@ -151,14 +154,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-codecs", action="store_true", help="leave out the codec table")
     p.add_argument("--out", help="results file (default: benchmarks/results/RESULTS.md, or RESULTS-quick.md)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any figure misses its target")
+    p.add_argument("--args", action="append", default=[], metavar="BENCH=ARGS",
+                   help="extra arguments for one benchmark, e.g. bench_diloco='--from runs/lowbw' (repeatable)")
     args = p.parse_args(argv)
+    extra: dict[str, list[str]] = {}
+    for item in args.args:
+        name, eq, rest = item.partition("=")
+        if not eq or name not in BENCHES:
+            p.error(f"--args needs BENCH=ARGS with BENCH one of the benchmarks, got {item!r}")
+        extra[name] = shlex.split(rest)
     command = "python benchmarks/run_all.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
         sys.argv[1:] if argv is None else argv))
     out = Path(args.out) if args.out else HERE / "results" / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
     env = environment(command)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        reports = [run_bench(name, args.quick, Path(tmp)) for name in (args.only or BENCHES)]
+        reports = [run_bench(name, args.quick, Path(tmp), extra.get(name)) for name in (args.only or BENCHES)]
         codecs = None if args.skip_codecs else run_codecs(args.quick, Path(tmp))
     total = time.perf_counter() - t0
     write_results(out, env, reports, codecs, total)
