@@ -74,8 +74,9 @@ def suite_sections(report: Report, task: str, out: Path, seconds: float | None) 
             continue
         value = c["measured"] if c["measured"] is not None else math.nan
         at = f" @ {c['link']}" if c["link"] else ""
-        report.figures.append(Figure(f"{task} {c['group']}: {c['claim']}{at}", value, OPS[c["kind"]], c["paper"],
-                                     "x" if c["unit"] == "x" else "", c["detail"]))
+        scale, unit = (100.0, "%") if c["unit"] == "rel" else (1.0, "x" if c["unit"] == "x" else "")
+        report.figures.append(Figure(f"{task} {c['group']}: {c['claim']}{at}", scale * value, OPS[c["kind"]],
+                                     scale * c["paper"], unit, c["detail"]))
 
 
 def _suite_command(out: Path) -> str:

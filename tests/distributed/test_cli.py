@@ -110,7 +110,7 @@ BAD = [
     (["--method", "diloco:codec=rangefloat:bits=99"], "bits"),
     (["--method", "diloco:codec=nope"], "nope"),
     (["--method", "streaming-diloco:fragments=0"], "fragments must be >= 1, got 0"),
-    (["--method", "streaming-diloco:fragments=99"], "fragments must be at most the model's"),
+    (["--method", "streaming-diloco:period=100,fragments=99"], "fragments must be at most the model's"),
     (["--method", "streaming-diloco:alpha=2"], "alpha must be in [0, 1], got 2"),
     (["--method", "streaming-diloco:period=5,delay=5"], "delay must be < period: delay=5 >= period=5"),
     (["--method", "streaming-diloco:outer_momentum=-0.5"], "outer_momentum must be in [0, 1), got -0.5"),

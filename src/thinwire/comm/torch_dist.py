@@ -24,6 +24,25 @@ import torch.distributed as dist
 from thinwire.comm.base import Communicator, Done, Handle
 from thinwire.comm.meter import ByteMeter
 
+COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
+TIMEOUT_ENV = "THINWIRE_COLLECTIVE_TIMEOUT"  # seconds; replaces COLLECTIVE_TIMEOUT_S where set
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits on a silent peer before it fails: :data:`COLLECTIVE_TIMEOUT_S`,
+    or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment variable (a number > 0)."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # all_gather into one flat tensor: ``all_gather_single`` where it exists (it deprecates the other)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -171,7 +171,7 @@ class TorchFTDiLoCo(Method):
         self._folded, self._comm_total, self._comm_end = 0, 0.0, float("-inf")  # spans folded into the union
 
         from thinwire.algorithms.streaming_diloco import balanced_split
-        from thinwire.run.launch import collective_timeout
+        from thinwire.comm.torch_dist import collective_timeout
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         groups = balanced_split([p.numel() for p in trainable], cfg.fragments)
@@ -215,7 +215,7 @@ class TorchFTDiLoCo(Method):
         """Nothing: torchft's hooks on the optimizer's step do the work. A ``GradScaler`` is
         refused: it may skip ``optimizer.step()`` on one rank only, and torchft's schedule,
         counted in those steps, would then wait for a sync the others never start."""
-        if scaler is not None:
+        if scaler is not None and scaler.is_enabled():
             raise ValueError("torch-diloco cannot run with a GradScaler: a step it skips on one rank only leaves "
                              "torchft's sync schedule out of step across the ranks")
         return True

@@ -36,12 +36,11 @@ import torch
 import torch.multiprocessing as mp
 
 from thinwire.comm.base import Communicator
+from thinwire.comm.torch_dist import COLLECTIVE_TIMEOUT_S, TIMEOUT_ENV, collective_timeout  # noqa: F401 (public here)
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
 
-COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
-TIMEOUT_ENV = "THINWIRE_COLLECTIVE_TIMEOUT"  # seconds; replaces COLLECTIVE_TIMEOUT_S where set
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
 HEARTBEAT_S = 1.0  # each rank's heartbeat period
 SILENT_AFTER_S = 3.0  # a peer whose heartbeat stands still this long stopped responding
@@ -57,21 +56,6 @@ def launch(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any] | 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _join_torchrun(cfg, show_progress)
     return _spawn_local(cfg, show_progress)
-
-
-def collective_timeout() -> float:
-    """Seconds a collective waits on a silent peer before it fails: :data:`COLLECTIVE_TIMEOUT_S`,
-    or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment variable (a number > 0)."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None:
-        return COLLECTIVE_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value < float("inf")):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
 
 
 # -- heartbeats ------------------------------------------------------------------------------
