@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", metavar="DIR", help="run the suites into DIR/<task> and keep them")
     p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
     args = p.parse_args(argv)
-    command = "python benchmarks/bench_diloco.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in given:  # where run_all collects the report: not part of the command
+        i = given.index("--json")
+        del given[i : i + 2]
+    command = "python benchmarks/bench_diloco.py" + " ".join(["", *given])
     report = Report("The DiLoCo family: loss, bytes and time to a target loss; hiding over a real link",
                     command.rstrip())
     report.add(f"{load_note()}")
