@@ -17,7 +17,8 @@ streamed fragment's transfer hidden behind the next step over a real shaped link
      best of local SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo.
 
    ``--tasks charlm,mnist1d`` races mnist1d too (its own targets, the same rules).
-   ``--from DIR`` reads a suite already run into DIR instead of running it.
+   ``--from DIR[,DIR]`` reads suites already run (one directory per task) instead of
+   running them.
 2. A real shaped link (Linux, root, iproute2: ``_shaped_link.py``): 2 ranks, 1 thread each,
    in their own network namespaces joined by a veth pair shaped to 100 Mbit/s each way;
    charlm, ``streaming-diloco:period=20,fragments=4,delay=1`` and ``diloco:period=20`` for
@@ -188,9 +189,9 @@ def _shaped_run(pair, spec: str, steps: int, port: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--tasks", default="charlm", help="tasks to race, comma-separated (default: charlm)")
-    p.add_argument("--from", dest="source", metavar="DIR",
-                   help="read the suite of the first task from DIR (a finished --suite lowbandwidth) instead of "
-                   "running it")
+    p.add_argument("--from", dest="source", metavar="DIR[,DIR]",
+                   help="read each task's suite from its DIR (finished --suite lowbandwidth runs, in the order of "
+                   "--tasks) instead of running it")
     p.add_argument("--keep", metavar="DIR", help="run the suites into DIR/<task> and keep them")
     p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
     args = p.parse_args(argv)
@@ -203,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                     command.rstrip())
     report.add(f"{load_note()}")
     steps = 200 if args.quick else None
+    sources = args.source.split(",") if args.source else []
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
         for i, task in enumerate(args.tasks.split(",")):
-            if i == 0 and args.source:
-                suite_sections(report, task, Path(args.source), None)
+            if i < len(sources):
+                suite_sections(report, task, Path(sources[i]), None)
                 continue
             out = Path(args.keep or tmp) / task
             seconds = run_suite(task, out, steps)
