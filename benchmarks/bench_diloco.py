@@ -157,19 +157,20 @@ def shaped_section(report: Report, steps: int) -> None:
     for spec, s in results.items():
         r = s["method_report"]
         hidden = r["hidden_fraction"]
+        blocked = "all (merged at launch)" if hidden is None else f"{1e3 * r['blocked_seconds']:.0f}"
         rows.append([spec, f"{1e3 * s['wall_seconds'] / s['steps']:.1f}", "-" if hidden is None else f"{hidden:.3f}",
-                     f"{1e3 * r['blocked_seconds']:.0f}", f"{1e3 * r['average_seconds']:.0f}",
+                     blocked, f"{1e3 * r['average_seconds']:.0f}",
                      f"{r['peak_bytes_per_sync'] / 1e6:.3f}", f"{s['final_loss']:.4f}"])
     report.add(f"### a real link shaped to {SHAPED_MBIT:.0f} Mbit/s: 2 ranks, charlm, {steps} steps\n\n"
                + table(["method", "ms / step", "hidden fraction", "blocked ms", "averages in flight ms",
                         "peak MB in one step", "final test loss"], rows))
     streaming = results[SHAPED_SPECS[0]]["method_report"]
-    diloco = results[SHAPED_SPECS[1]]["method_report"]
     report.figures.append(Figure(f"streaming-diloco hidden fraction over a real {SHAPED_MBIT:.0f} Mbit/s link",
                                  streaming["hidden_fraction"], ">=", HIDDEN_TARGET, "",
                                  f"blocked {1e3 * streaming['blocked_seconds']:.0f} ms of "
-                                 f"{1e3 * streaming['average_seconds']:.0f} ms in flight; diloco blocks on "
-                                 f"every sync by design ({1e3 * diloco['blocked_seconds']:.0f} ms)"))
+                                 f"{1e3 * streaming['average_seconds']:.0f} ms in flight; diloco waits for every "
+                                 f"sync by design: {1e3 * results[SHAPED_SPECS[1]]['comm_seconds']:.0f} ms of "
+                                 f"communication)"))
 
 
 def _shaped_run(pair, spec: str, steps: int, port: int) -> dict:

@@ -220,12 +220,14 @@ class DiLoCo(PeriodicAveraging):
         """Land ``f``'s mean pseudo-gradient, step the outer optimizer on ``f``'s ``θ`` and
         set the fragment's parameters to ``α · θ_i + (1 − α) · θ``."""
         t0 = time.perf_counter()
+        watched = f.launched is not None  # an average run behind later steps (not one merged at its launch)
         if f.launched is not None:  # what the sync sent, and the seconds of work it ran behind
             self._windows.append((f.launched[0], t0 - f.launched[1]))
             f.launched = None
         if f.pending is not None:
             f.pending.settle()
-            self.blocked_seconds += time.perf_counter() - t0
+            if watched:
+                self.blocked_seconds += time.perf_counter() - t0
             f.pending.wait()  # the mean pseudo-gradient, in f.delta
             f.pending = None
         elif not f.landed:
