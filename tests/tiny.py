@@ -3,6 +3,8 @@ the same model, and batch ``(seed)`` is the same wherever it is drawn."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -31,3 +33,34 @@ def backward(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step
     x, y = batch(100 * step + rank, 6, 5, 3)
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """The model's parameters and float buffers as one flat vector."""
+    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+
+
+def train(comm, make, steps: int, base: nn.Module, *, cut: int | None = None, finish: bool = False):
+    """``steps`` steps of a copy of ``base`` (inner SGD, lr 0.1, momentum 0.5) under the method
+    ``make(model, optimizer, comm)`` builds; this rank's :func:`flat` state and the method.
+    With ``cut``, everything is checkpointed after ``cut`` steps and resumed into fresh
+    objects; with ``finish``, ``method.finish()`` ends the run."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    method = make(model, opt, comm)
+    for step in range(steps):
+        if step == cut:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), method.state_dict())
+            model = copy.deepcopy(base)
+            model.load_state_dict(saved[0])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+            opt.load_state_dict(saved[1])
+            method = make(model, opt, comm)
+            method.load_state_dict(saved[2])
+        backward(model, opt, comm.rank, step)
+        method.after_backward()
+        opt.step()
+        method.after_step()
+    if finish:
+        method.finish()
+    return flat(model), method

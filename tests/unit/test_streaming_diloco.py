@@ -24,32 +24,13 @@ TOL = 1e-6  # fp32: the same update in another order of operations
 BASE, BASE_BN = tiny.net(5, 8, 3), tiny.net(5, 8, 3, bn=True)  # tensors of 40, 8, 24 and 3 parameters
 
 
-def _flat(model):
-    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+_flat = tiny.flat
 
 
 def _train(comm, make, steps, *, bn=False, cut=None, finish=False):
-    """This rank's flat state and its method after ``steps``; with ``cut``, checkpointed and
-    resumed into fresh objects after ``cut`` steps."""
-    model = copy.deepcopy(BASE_BN if bn else BASE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    method = make(model, opt, comm)
-    for step in range(steps):
-        if step == cut:
-            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), method.state_dict())
-            model = copy.deepcopy(BASE_BN if bn else BASE)
-            model.load_state_dict(saved[0])
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-            opt.load_state_dict(saved[1])
-            method = make(model, opt, comm)
-            method.load_state_dict(saved[2])
-        tiny.backward(model, opt, comm.rank, step)
-        method.after_backward()
-        opt.step()
-        method.after_step()
-    if finish:
-        method.finish()
-    return _flat(model), method
+    """This rank's flat state and its method after ``steps`` (see :func:`tiny.train`)."""
+    return tiny.train(comm, make, steps, BASE_BN if bn else BASE, cut=cut, finish=finish)
+
 
 
 def _reference(n, steps, *, period, groups, delay, alpha, lr, mu):
