@@ -50,7 +50,8 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
     t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
-    t.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
+    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
+                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's)")
     t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of "
                    "the method; default: 0)")
     t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
@@ -108,7 +109,8 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
     c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
-    c.add_argument("--optimizer", choices=["adam", "sgd"], help="adam, or sgd with momentum 0.9 (default: the task's)")
+    c.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
+                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's)")
     c.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     c.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help="task option, e.g. model=vgg (repeatable)")

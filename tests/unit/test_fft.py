@@ -255,7 +255,7 @@ def _torch_path(codec, x, key):
     plan = codec._plan(x.numel())
     spec = torch.fft.rfft(x.reshape(-1), n=plan.length)
     pos, kept = codec._select(spec, plan, key)
-    e_max, values = codec._quantize(torch.view_as_real(kept).reshape(-1))
+    e_max, values = codec.wire.encode(torch.view_as_real(kept).reshape(-1))
     p = Payload((torch.tensor([e_max], dtype=torch.int32), pos, values), x.shape, x.dtype)
     total = torch.zeros(plan.bins, dtype=torch.complex64)
     for q in (p, p):

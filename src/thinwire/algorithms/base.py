@@ -47,6 +47,8 @@ class Method(ABC):
 
     Class attributes: ``name`` (its spec name), ``summary`` (one line for ``thinwire
     methods``), ``Config`` (the frozen dataclass of its knobs, parsed from the spec),
+    ``replaces_optimizer`` (the method is an optimizer, DeMo's: the trainer builds it with
+    :meth:`make_optimizer` instead of its own, and refuses an ``--optimizer``),
     ``decentralized`` (the ranks' models differ between averages for good: the trainer
     evaluates their mean), ``averages_in_backward`` (the averaging runs inside
     ``loss.backward()`` and blocks it, as PyTorch's DDP does: its seconds there are not
@@ -67,6 +69,7 @@ class Method(ABC):
     averages_in_backward: ClassVar[bool] = False
     peer: ClassVar[bool] = False
     skip_unsafe: ClassVar[str | None] = None
+    replaces_optimizer: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
@@ -89,6 +92,14 @@ class Method(ABC):
     @classmethod  # noqa: B027
     def check_model(cls, config: Any, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` when the method cannot run on ``model``. Default: any model."""
+
+    @classmethod
+    def make_optimizer(cls, config: Any, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+                       comm: Communicator | None) -> torch.optim.Optimizer:
+        """The optimizer a method that *is* one (``replaces_optimizer``: DeMo) trains with, in
+        place of the trainer's Adam or SGD, built on ``params`` with the run's ``lr`` and the
+        task's ``weight_decay``; the method is then built with it. Only such methods implement it."""
+        raise NotImplementedError(f"{cls.name} trains with the run's optimizer")
 
     # -- the training loop -----------------------------------------------------------------
     def forward_module(self, model: torch.nn.Module) -> torch.nn.Module:

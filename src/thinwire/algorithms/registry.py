@@ -122,6 +122,12 @@ def skip_unsafe(spec: str) -> str | None:
     return METHODS[parse_spec(spec)[0]].skip_unsafe if kind_of(spec) == "method" else None
 
 
+def own_optimizer(spec: str | Policy | Codec) -> bool:
+    """Whether a resolved spec names a method that is an optimizer itself (DeMo), built in
+    place of the run's Adam or SGD (:attr:`Method.replaces_optimizer`)."""
+    return isinstance(spec, str) and kind_of(spec) == "method" and method_config(spec)[0].replaces_optimizer
+
+
 def check_model(spec: str | Policy | Codec, model: torch.nn.Module) -> None:
     """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
     excluded layer names, for instance); a codec or policy runs on any model."""

@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,7 +57,7 @@ from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, distinct, generat
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.registry import register
-from thinwire.numerics import rangefloat
+from thinwire.numerics import parallel, rangefloat
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.numerics.select import SAMPLED_MIN, indices, sampled_scan, top_mask, top_mask_numpy
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
@@ -186,7 +183,7 @@ class FFT(Codec):
             kept = min(bins, max(1, math.ceil((1 - theta) * bins * (1 - 1e-12)))) if bins else 0
             bitmap = self._bitmap(bins, kept)
             pos = ((packed_nbytes(bins, 1),), torch.uint8) if bitmap else ((kept,), torch.int32)
-            spec = (((1,), torch.int32), pos, self._value_spec(2 * kept))
+            spec = (((1,), torch.int32), pos, self.wire.spec(2 * kept))
             plan = self._plans[(n, theta)] = _Plan(length, bins, kept, bitmap, spec)
         return plan
 
@@ -199,14 +196,6 @@ class FFT(Codec):
         if self.config.positions != "auto":
             return self.config.positions == "bitmap"
         return packed_nbytes(bins, 1) < 4 * kept
-
-    def _value_spec(self, count: int) -> WireSpec:
-        bits = self.config.bits
-        if bits == 32:
-            return ((count,), torch.float32)
-        if bits == 16:
-            return ((count,), torch.int16)
-        return ((packed_nbytes(count, bits),), torch.uint8)
 
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
         return list(self._plan(math.prod(shape)).spec)
@@ -236,6 +225,7 @@ class FFT(Codec):
         self._best_loss: float | None = None  # ... and the best window mean loss so far
         self._theta_used: float | None = None  # by the last encode, for stats()
         self._theta_at: tuple[int | None, float] = (None, config.theta)  # (step, theta_at(step))
+        self.wire = rangefloat.Wire(config.bits, config.exp_bits, config.man_bits or 0)  # the kept parts' format
 
     @property
     def fusable(self) -> bool:  # type: ignore[override]
@@ -315,7 +305,7 @@ class FFT(Codec):
         if dev.type == "cpu":
             return Payload(self._encode_cpu(spec.numpy(), plan, key), x.shape, x.dtype)
         pos, kept = self._select(spec, plan, key)
-        e_max, values = self._quantize(torch.view_as_real(kept).reshape(-1))  # (2K,) re, im, re, im, ...
+        e_max, values = self.wire.encode(torch.view_as_real(kept).reshape(-1))  # (2K,) re, im, re, im, ...
         header = torch.tensor([e_max], dtype=torch.int32, device=dev)
         return Payload((header, pos, values), x.shape, x.dtype)
 
@@ -335,7 +325,7 @@ class FFT(Codec):
         return (pack(mask, 1) if plan.bitmap else idx.to(torch.int32)), spec[idx]
 
     def _encode_cpu(self, spec: np.ndarray, plan: _Plan, key: str) -> tuple[torch.Tensor, ...]:
-        """The wire tensors, as :meth:`_select` and :meth:`_quantize` make them (the same
+        """The wire tensors, as :meth:`_select` and the wire format's encode make them (the same
         bytes), by NumPy passes over cache-sized chunks through reused scratch (see the module
         notes). Large spectra never store their energies: the sampled selection scans them
         chunk by chunk as they are made."""
@@ -398,50 +388,15 @@ class FFT(Codec):
         return torch.from_numpy(np.array([e_max], np.int32)), torch.from_numpy(pos), values
 
     def _quantize_np(self, parts: np.ndarray, low: float, high: float) -> tuple[int, torch.Tensor]:
-        """:meth:`_quantize` of NumPy fp32 parts whose extremes are ``low`` and ``high`` (new
-        wire arrays; ``parts`` is only read, except with ``bits = 32``, where it is the wire
-        tensor itself)."""
-        cfg = self.config
-        if cfg.bits == 32:
-            return 0, torch.from_numpy(parts)
-        finite = math.isfinite(low) and math.isfinite(high)
-        if finite:
-            top = max(-low, high)
-            e_max = math.frexp(top)[1] - 1 if top else 0
-        else:  # NaN or inf among the parts: the window of the finite ones
-            e_max = rangefloat.exponent_max(torch.from_numpy(parts))
-        # one code per byte with 8 bits: the packed layout is the codes themselves
-        codes = np.empty(parts.size, np.uint8) if cfg.bits == 8 else self._scratch("codes", parts.size, np.int32)
-        _split(lambda a, b: rangefloat.encode_numpy(parts[a:b], cfg.exp_bits, cfg.man_bits, e_max, codes[a:b],
-                                                    finite=finite), parts.size)
-        if cfg.bits == 8:
-            return e_max, torch.from_numpy(codes)
-        if cfg.bits == 16:
-            return e_max, torch.from_numpy(np.subtract(codes, 1 << 15, dtype=np.int32).astype(np.int16))
-        return e_max, pack(torch.from_numpy(codes), cfg.bits)
-
-    def _quantize(self, parts: torch.Tensor) -> tuple[int, torch.Tensor]:
-        cfg = self.config
-        if cfg.bits == 32:
-            return 0, parts
-        e_max = rangefloat.exponent_max(parts)
-        if cfg.bits == 8:  # one code per byte: the packed layout is the codes themselves
-            out = torch.empty(parts.numel(), dtype=torch.uint8, device=parts.device)
-            return e_max, rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max, out=out)
-        codes = rangefloat.encode(parts, cfg.exp_bits, cfg.man_bits, e_max)  # (2K,) int32
-        return e_max, (codes - (1 << 15)).to(torch.int16) if cfg.bits == 16 else pack(codes, cfg.bits)
+        """:meth:`Wire.encode_numpy <thinwire.numerics.rangefloat.Wire.encode_numpy>` of the
+        kept parts, split across threads."""
+        scratch = None if self.config.bits in (8, 32) else self._scratch("codes", parts.size, np.int32)
+        return self.wire.encode_numpy(parts, low, high, _split, scratch)
 
     def _dequantize(self, e_max: int, values: torch.Tensor, count: int) -> torch.Tensor:
         """(count,) fp32 parts in scratch (valid until the next call)."""
-        cfg = self.config
-        if cfg.bits == 32:
-            return values.float()
-        if cfg.bits == 16:
-            codes = values.to(torch.int32) + (1 << 15)
-        else:
-            codes = values[:count] if cfg.bits == 8 else unpack(values, count, cfg.bits)
-        out = self._buffer("parts", count, torch.float32, values.device)
-        return rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, e_max, out=out)
+        out = None if self.config.bits == 32 else self._buffer("parts", count, torch.float32, values.device)
+        return self.wire.decode(e_max, values, count, out)
 
     def spectrum_add(self, payload: Payload, spec: torch.Tensor) -> None:
         """``spec += the payload's sparse spectrum`` (complex, ``B`` bins). Pure in the payload."""
@@ -613,38 +568,9 @@ def _extremes(a: np.ndarray) -> tuple[float, float]:
     return float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
 
 
-_pool_lock = threading.Lock()
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
-
-
 def _split(fn: Callable[[int, int], object], n: int) -> list:
-    """``fn(a, b)`` over consecutive parts of ``[0, n)``, each starting at a multiple of
-    ``_CHUNK``: one part below ``_SPLIT_MIN``, else one per torch thread, the first run here,
-    the others on a pool of threads (NumPy lets go of the GIL inside its loops). Results in
-    order; every part has finished when it returns, also when one raised."""
-    workers = min(torch.get_num_threads(), n // (_SPLIT_MIN // 2))  # parts of at least _SPLIT_MIN / 2
-    if workers < 2 or n < _SPLIT_MIN:
-        return [fn(0, n)]
-    step = -(-n // workers // _CHUNK) * _CHUNK  # ceil, in whole chunks
-    spans = [(a, min(n, a + step)) for a in range(0, n, step)]
-    pool = _threads(torch.get_num_threads() - 1)
-    futures = [pool.submit(fn, a, b) for a, b in spans[1:]]
-    try:
-        first = fn(*spans[0])
-    finally:
-        wait(futures)
-    return [first] + [f.result() for f in futures]
-
-
-def _threads(workers: int) -> ThreadPoolExecutor:
-    """A pool of ``workers`` threads for this process (one per process: a forked child has
-    none of its parent's threads) and thread count (pools for other counts stay, idle)."""
-    key = (os.getpid(), workers)
-    with _pool_lock:
-        pool = _pools.get(key)
-        if pool is None:
-            pool = _pools[key] = ThreadPoolExecutor(workers, thread_name_prefix="thinwire-fft")
-        return pool
+    """``fn(a, b)`` over parts of ``[0, n)`` in whole chunks, on threads for large passes."""
+    return parallel.split(fn, n, _CHUNK, _SPLIT_MIN)
 
 
 def _bitmap_count(pos: torch.Tensor | np.ndarray, bins: int) -> int:

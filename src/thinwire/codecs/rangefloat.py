@@ -9,6 +9,7 @@ thinwire's own choice (the paper does not publish its layout).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +20,6 @@ from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.registry import register
 from thinwire.numerics import rangefloat
-from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 
@@ -73,33 +73,23 @@ class RangeFloat(Codec):
     Config = RangeFloatConfig
     aggregation = Aggregation.GATHER
 
-    def _code_spec(self, n: int) -> WireSpec:
-        if self.config.bits == 16:
-            return ((n,), torch.int16)
-        return ((packed_nbytes(n, self.config.bits),), torch.uint8)
-
     def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
-        return [((1,), torch.int32), self._code_spec(math.prod(shape))]
+        return [((1,), torch.int32), self.wire.spec(math.prod(shape))]
 
     def check_fields(self, payload: Payload) -> None:
         in_range(self.name, "the exponent E_max", payload.tensors[0], E_MAX_LOW, E_MAX_HIGH)
 
-    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+    @functools.cached_property
+    def wire(self) -> rangefloat.Wire:
         cfg = self.config
-        flat = x.reshape(-1)  # (N,) only read
-        e_max = rangefloat.exponent_max(flat)
-        codes = rangefloat.encode(flat, cfg.exp_bits, cfg.man_bits, e_max)  # (N,) int32
-        if cfg.bits == 16:
-            wire = (codes - (1 << 15)).to(torch.int16)  # shifted into int16's range
-        else:
-            wire = pack(codes, cfg.bits)
+        return rangefloat.Wire(cfg.bits, cfg.exp_bits, cfg.man_bits)
+
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        e_max, wire = self.wire.encode(x.reshape(-1))  # (N,) only read
         header = torch.tensor([e_max], dtype=torch.int32, device=x.device)
         return Payload((header, wire), x.shape, x.dtype)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        cfg = self.config
         header, wire = payload.tensors
-        n = math.prod(payload.shape)
-        codes = wire.to(torch.int32) + (1 << 15) if cfg.bits == 16 else unpack(wire, n, cfg.bits)
-        out = rangefloat.decode(codes, cfg.exp_bits, cfg.man_bits, int(header[0].item()))
+        out = self.wire.decode(int(header[0].item()), wire, math.prod(payload.shape))
         return out.to(payload.dtype).view(payload.shape)

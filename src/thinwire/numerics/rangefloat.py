@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 
 _F32_MIN_EXP = -126  # the smallest normal fp32 exponent
 _F32_INF = 0x7F800000  # the bits of +inf; larger magnitudes are NaN
@@ -318,3 +321,75 @@ def _decode_reference(codes: torch.Tensor, exp_bits: int, man_bits: int, e_max: 
     mag = torch.ldexp(1 + q.float() / (1 << man_bits), (expcode - 1 + e_min).float())
     mag = torch.where(expcode == 0, torch.zeros_like(mag), mag)
     return torch.where(sign == 1, -mag, mag)
+
+
+class Wire:
+    """How a codec sends real values as range floats: ``bits`` per value, bit-packed MSB-first
+    (3..8), as int16 words shifted by 2^15 (16), or as plain fp32 (32: no window, E_max 0),
+    beside the window's ``E_max``. The one layout the ``rangefloat``, ``fft`` and ``dct``
+    codecs share: :meth:`spec` says the wire tensor of ``count`` values, :meth:`encode` gives
+    ``(E_max, wire)``, :meth:`decode` the fp32 values back."""
+
+    def __init__(self, bits: int, exp_bits: int, man_bits: int) -> None:
+        if not (3 <= bits <= 8 or bits in (16, 32)):
+            raise ValueError(f"bits must be in 3..8, 16 or 32, got {bits}")
+        self.bits, self.exp_bits, self.man_bits = bits, exp_bits, man_bits
+
+    def spec(self, count: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The wire tensor's shape and dtype for ``count`` values."""
+        if self.bits == 32:
+            return (count,), torch.float32
+        if self.bits == 16:
+            return (count,), torch.int16
+        return (packed_nbytes(count, self.bits),), torch.uint8
+
+    def encode(self, values: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(E_max, wire tensor) of the 1-D fp32 ``values`` (only read; with 32 bits the wire
+        is ``values`` itself)."""
+        if self.bits == 32:
+            return 0, values
+        e_max = exponent_max(values)
+        if self.bits == 8:  # one code per byte: the packed layout is the codes themselves
+            out = torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
+            return e_max, encode(values, self.exp_bits, self.man_bits, e_max, out=out)
+        codes = encode(values, self.exp_bits, self.man_bits, e_max)  # int32
+        return e_max, (codes - (1 << 15)).to(torch.int16) if self.bits == 16 else pack(codes, self.bits)
+
+    def encode_numpy(self, values: np.ndarray, low: float, high: float,
+                     split: Callable[[Callable[[int, int], object], int], list] | None = None,
+                     scratch: np.ndarray | None = None) -> tuple[int, torch.Tensor]:
+        """:meth:`encode` of 1-D fp32 NumPy ``values`` whose extremes are ``low`` and ``high``
+        (new wire arrays, the same bytes; ``values`` is only read, except with 32 bits, where
+        it is the wire itself). ``split(fn, n)`` may run ``fn(a, b)`` over parts of the values
+        on several threads; ``scratch``: int32 room for the codes of widths other than 8."""
+        if self.bits == 32:
+            return 0, torch.from_numpy(values)
+        finite = math.isfinite(low) and math.isfinite(high)
+        if finite:
+            top = max(-low, high)
+            e_max = math.frexp(top)[1] - 1 if top else 0
+        else:  # NaN or inf among the values: the window of the finite ones
+            e_max = exponent_max(torch.from_numpy(values))
+        n = values.size
+        codes = np.empty(n, np.uint8) if self.bits == 8 else (
+            scratch[:n] if scratch is not None and scratch.size >= n else np.empty(n, np.int32))
+        run = split or (lambda fn, size: [fn(0, size)])
+        run(lambda a, b: encode_numpy(values[a:b], self.exp_bits, self.man_bits, e_max, codes[a:b], finite=finite),
+            n)
+        if self.bits == 8:
+            return e_max, torch.from_numpy(codes)
+        if self.bits == 16:
+            return e_max, torch.from_numpy(np.subtract(codes, 1 << 15, dtype=np.int32).astype(np.int16))
+        return e_max, pack(torch.from_numpy(codes), self.bits)
+
+    def codes(self, wire: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` codes of a wire tensor (int32, or the bytes themselves with 8 bits)."""
+        if self.bits == 16:
+            return wire.to(torch.int32) + (1 << 15)
+        return wire[:count] if self.bits == 8 else unpack(wire, count, self.bits)
+
+    def decode(self, e_max: int, wire: torch.Tensor, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(count,) fp32 values of a wire tensor, written into ``out`` when given."""
+        if self.bits == 32:
+            return wire.float()
+        return decode(self.codes(wire, count), self.exp_bits, self.man_bits, e_max, out=out)

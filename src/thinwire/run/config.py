@@ -12,8 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinwire.algorithms.registry import check_world, resolve_method, skip_unsafe
+from thinwire.algorithms.registry import check_world, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
+
+
+OPTIMIZERS = ("adam", "adamw", "sgd")  # --optimizer: sgd has momentum 0.9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +31,7 @@ class TrainConfig:
     steps: int | None = None  # None: the task's default budget
     batch_size: int | None = None  # per rank; None: the task's default
     lr: float | None = None  # None: the task's default
-    optimizer: str | None = None  # adam | sgd; None: the task's default
+    optimizer: str | None = None  # adam | adamw | sgd; None: the task's default (a method that is an optimizer: its name)
     seed: int = 0
     data_dir: str | None = None
     links: tuple[str, ...] = ()  # "1gbit,50us": report modeled time at each
@@ -73,7 +76,6 @@ class TrainConfig:
         require(steps >= 1, f"steps must be >= 1, got {steps}")
         require(batch >= 1, f"batch-size must be >= 1, got {batch}")
         require(math.isfinite(lr) and lr >= 0, f"lr must be a finite number >= 0, got {lr}")
-        require(opt in ("adam", "sgd"), f"optimizer must be adam or sgd, got {opt!r}")
         require(eval_every >= 1, f"eval-every must be >= 1, got {eval_every}")
         require(math.isfinite(self.bucket_mb) and self.bucket_mb > 0,
                 f"bucket-mb must be a finite number > 0, got {self.bucket_mb}")
@@ -85,6 +87,13 @@ class TrainConfig:
                 f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
         self._check_outputs(facts)
         method, rules = self._method(facts)
+        if own_optimizer(method):  # DeMo: the method is the optimizer (a resumed run's config names it)
+            name = method.partition(":")[0]
+            require(self.optimizer in (None, name), f"{name} is an optimizer itself, so it replaces "
+                    f"--optimizer {self.optimizer}: drop --optimizer (--lr sets its learning rate)")
+            opt = name
+        else:
+            require(opt in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt!r}")
         if facts.meta is not None:
             self._check_resume(facts, method, steps=steps, batch=batch, opt=opt, lr=lr)
         return dataclasses.replace(

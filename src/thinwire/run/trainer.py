@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import build_method
+from thinwire.algorithms.registry import build_method, kind_of, method_config
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import sent_bytes
@@ -50,9 +50,22 @@ SKIPPED_SHARE_DEAD = 0.5  # a run that skipped more than this share of its steps
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """``adam``, ``adamw`` (decoupled weight decay) or ``sgd`` (momentum 0.9)."""
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def optimizer_for(spec: Any, name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+                  comm: Communicator) -> torch.optim.Optimizer:
+    """The run's optimizer: the method's own where the method is one (DeMo), else ``name``."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        cls, config = method_config(spec)
+        if cls.replaces_optimizer:
+            return cls.make_optimizer(config, params, lr, weight_decay, comm)
+    return build_optimizer(name, params, lr, weight_decay)
 
 
 @dataclass
@@ -144,7 +157,8 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
     with comm.meter.paused():  # set-up traffic is not the method's
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, task.defaults.weight_decay)
+    optimizer = optimizer_for(cfg.method_spec(), cfg.optimizer, list(model.parameters()), cfg.lr,
+                              task.defaults.weight_decay, comm)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
     model_bytes = _tensor_bytes(model.state_dict())
     # gradients are averaged while backward goes on, except where a step must be agreed on

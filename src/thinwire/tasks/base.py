@@ -45,13 +45,13 @@ class TaskDefaults:
     steps: int  # optimizer steps of a default run
     batch_size: int  # PER RANK: 2 workers x 64 = 128 samples per step
     lr: float  # learning rate for `optimizer`
-    optimizer: str  # "adam" | "sgd" (sgd means momentum 0.9)
+    optimizer: str  # "adam" | "adamw" | "sgd" (sgd means momentum 0.9)
     eval_every: int  # steps between test-set evaluations
     weight_decay: float = 0.0  # L2 penalty passed to the optimizer; higher = stronger pull to 0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer must be adam, adamw or sgd, got {self.optimizer!r}")
         for knob in ("steps", "batch_size", "eval_every"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"{knob} must be >= 1, got {getattr(self, knob)}")
