@@ -31,6 +31,8 @@ VARIANTS = [
     "fft:positions=bitmap,bits=4,exp_bits=2",
     "twobit:stat=rms", "twobit:stat=max,alpha=0.5", "twobit:threshold=0.5", "kernels:granularity=filter",
     "kernels:score=l2,positions=index",
+    "dct:values=fp32,topk=4096", "dct:values=fp32", "dct:values=rangefloat", "dct:values=sign", "dct:chunk=8,topk=5",
+    "dct:chunk=2,topk=1,values=rangefloat,bits=16,exp_bits=5",
 ]  # fmt: skip
 SPECS = list(CODECS) + [v for v in VARIANTS if v.split(":")[0] in CODECS]
 SINGLE_SPECS = [s for s in SPECS if s.split(":")[0] in SINGLE]
@@ -89,6 +91,35 @@ def _qsgd_bound(s: int, d: int) -> float:
     return 1.05 * math.sqrt(min(d / s**2, math.sqrt(d) / s))
 
 
+def _dct_blocks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(blocks, chunk * chunk) fp64 orthonormal DCT-II coefficients of the square matrix ``x``
+    (a multiple of ``chunk`` per side), from the definition: the reference of the codec's."""
+    n = torch.arange(chunk, dtype=torch.float64)
+    d = torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * chunk)) * math.sqrt(2 / chunk)
+    d[0] /= math.sqrt(2)
+    p, q = x.shape[0] // chunk, x.shape[1] // chunk
+    blocks = x.double().reshape(p, chunk, q, chunk).transpose(1, 2)
+    return (d @ blocks @ d.T).reshape(p * q, chunk * chunk)
+
+
+def _dct_bound(x: torch.Tensor, chunk: int, k: int, rel: float = 0.0, *, window: int | None = None,
+               sign: bool = False) -> float:
+    """sqrt(dropped energy + the kept coefficients' value error) / ||x||, + 1e-5 float slack:
+    each kept value off by at most ``rel`` of itself (``window``: range floats, values below
+    the window's floor become zero), or, with ``sign``, replaced by +-(their mean magnitude)."""
+    c = _dct_blocks(x, chunk)
+    kept = c.abs().topk(k, dim=1).values  # (blocks, k) magnitudes
+    dropped = c.square().sum() - kept.square().sum()
+    if sign:
+        err = (kept - kept.mean()).square().sum()
+    else:
+        err = (rel * kept).square().sum()
+        if window is not None:  # below 2^(E_max - 2^e + 2) a value becomes zero: its whole size
+            floor = 2.0 ** (math.floor(math.log2(kept.max().item())) - 2**window + 2)
+            err += kept[kept < floor].square().sum()
+    return math.sqrt((dropped + err).item()) / x.double().norm().item() + 1e-5
+
+
 # Max ||x - x_hat|| / ||x|| on X, per spec, each with its reason. A float, or a function of x.
 BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "identity": 0.0,  # lossless
@@ -136,6 +167,15 @@ BOUNDS: dict[str, float | Callable[[torch.Tensor], float]] = {
     "kernels": _topk_bound(0.125),
     "kernels:granularity=filter": lambda x: _rows_error(x, 32, "l1"),
     "kernels:score=l2,positions=index": _topk_bound(0.125),
+    # chunked DCT: by Parseval (per block, the basis is orthonormal) the dropped coefficients'
+    # energy is the sparsification error; the kept ones carry their value format's error
+    "dct": lambda x: _dct_bound(x, 64, 32, 2.0**-8),
+    "dct:values=fp32,topk=4096": 1e-6,  # every coefficient sent: the two transforms' fp32 rounding
+    "dct:values=fp32": lambda x: _dct_bound(x, 64, 32, 0.0),
+    "dct:values=rangefloat": lambda x: _dct_bound(x, 64, 32, 2.0**-5, window=3),
+    "dct:values=sign": lambda x: _dct_bound(x, 64, 32, sign=True),
+    "dct:chunk=8,topk=5": lambda x: _dct_bound(x, 8, 5, 2.0**-8),
+    "dct:chunk=2,topk=1,values=rangefloat,bits=16,exp_bits=5": lambda x: _dct_bound(x, 2, 1, 2.0**-11, window=5),
 }
 
 

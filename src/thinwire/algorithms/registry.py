@@ -35,6 +35,7 @@ BUILTIN = (
     "thinwire.algorithms.dasgd:DaSGD",
     "thinwire.algorithms.diloco:DiLoCo",
     "thinwire.algorithms.streaming_diloco:StreamingDiLoCo",
+    "thinwire.algorithms.demo:DeMoMethod",
     "thinwire.algorithms.gossip:DPSGD",
     "thinwire.algorithms.powergossip:PowerGossip",
     "thinwire.algorithms.ab:ABTraining",
@@ -44,6 +45,7 @@ BUILTIN = (
     "thinwire.integrations.torch_builtins:TorchPowerSGD",
     "thinwire.integrations.torch_builtins:TorchPostLocalSGD",
     "thinwire.integrations.torchft_diloco:TorchFTDiLoCo",
+    "thinwire.integrations.detonation_demo:PeerDeMo",
 )
 
 

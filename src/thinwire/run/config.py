@@ -15,7 +15,6 @@ from typing import Any
 from thinwire.algorithms.registry import check_world, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
 
-
 OPTIMIZERS = ("adam", "adamw", "sgd")  # --optimizer: sgd has momentum 0.9
 
 
@@ -31,7 +30,7 @@ class TrainConfig:
     steps: int | None = None  # None: the task's default budget
     batch_size: int | None = None  # per rank; None: the task's default
     lr: float | None = None  # None: the task's default
-    optimizer: str | None = None  # adam | adamw | sgd; None: the task's default (a method that is an optimizer: its name)
+    optimizer: str | None = None  # adam | adamw | sgd; None: the task's default (DeMo: the method's name)
     seed: int = 0
     data_dir: str | None = None
     links: tuple[str, ...] = ()  # "1gbit,50us": report modeled time at each

@@ -211,8 +211,11 @@ def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torc
         if not run.skip_mode:
             verdict.agree()  # after the method's collectives, which may still be in flight until after_backward
         t2 = time.perf_counter()
+        spent = _spent(method)
         run.optimizer.step()
         t3 = time.perf_counter()
+        # a method that is the optimizer (DeMo) encodes and communicates inside its step
+        in_step = _spent(method) - spent if method.replaces_optimizer else 0.0
         method.after_step()
     else:  # skipped on every rank alike, before anything is encoded or stepped
         run.optimizer.zero_grad(set_to_none=False)
@@ -220,11 +223,12 @@ def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torc
         if not clock.first_nonfinite:
             clock.first_nonfinite = {"step": step, "rank": verdict.bad[0], "parameter": verdict.bad[1]}
         t2 = t3 = time.perf_counter()
+        in_step = 0.0
     if step == run.steps:  # a stopped run is not over: its checkpoint holds the method mid-schedule
         method.finish()  # e.g. AB-training's final sync: one model on every rank
     t4 = time.perf_counter()
     run.step_seconds = t4 - t0  # the whole step, codec and communication included
-    clock.compute += (t1 - t0 - in_backward) + (t3 - t2)
+    clock.compute += (t1 - t0 - in_backward) + (t3 - t2 - in_step)
     clock.train_wall += t4 - t0
     clock.steps_run += 1
     if verdict.bad is None and not math.isfinite(loss.item()):

@@ -1,0 +1,188 @@
+"""Chunked DCT top-k: the strongest cosine coefficients of every chunk (DeMo's transform).
+
+Per tensor (:mod:`thinwire.numerics.dct`): an orthonormal DCT-II over ``chunk × chunk``
+blocks of the tensor seen as a matrix (``shape[0] × rest``; 1-D tensors in chunks of
+``chunk``), each side zero-padded to whole blocks; in every block the ``topk`` coefficients
+of largest magnitude are kept (all of them when a block holds fewer). DeMo (Peng,
+Quesnelle, Kingma, arXiv 2411.19870) compresses its momentum this way; the FFT method
+(``fft``) is its ancestor: a whole-tensor spectrum, its strongest bins kept.
+
+Wire (GATHER, fixed size: ``chunks × k`` coefficients), in this order:
+
+* ``rangefloat`` values: the window exponent E_max (one int32); ``sign`` values: the scale
+  (one fp32, the mean magnitude of the kept coefficients, which minimises the L2 error of
+  ``±scale``); ``fp32`` and ``bf16``: nothing;
+* positions: a ``(chunks, k)`` array of each kept coefficient's place in its block, in the
+  smallest integer type that holds a block's index (uint8 up to 256 coefficients per block,
+  int16 up to 32,768, else int32), ascending within a block;
+* values: fp32, bf16, range floats of ``bits`` bits (``thinwire.numerics.rangefloat``: the
+  FFT method's quantizer) or one sign bit each (1 = negative; zero is sent as +).
+
+GATHER: every rank adds every rank's coefficients into one dense block matrix, then runs
+one inverse transform (linearity: the inverse of the sum is the sum of the inverses), as
+``fft`` sums spectra. With ``topk`` at a block's size and fp32 values the codec is lossless
+up to fp32 rounding of the two transforms. The defaults (64, 32, bf16) are DeMo's chunk
+and top-k with thinwire's value format (DeMo sends fp32 values and int64 positions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range, not_negative
+from thinwire.codecs.config import CodecConfig, knob, require
+from thinwire.codecs.rangefloat import resolve_layout
+from thinwire.codecs.registry import register
+from thinwire.numerics import dct, rangefloat
+from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
+from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
+
+VALUES = ("fp32", "bf16", "rangefloat", "sign")
+CHUNK_MAX = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class DCTConfig(CodecConfig):
+    chunk: int = knob(64, "block side: matrices in chunk x chunk blocks, vectors in chunks of chunk",
+                      "2..1024, a power of two")
+    topk: int = knob(32, "coefficients kept per block (all of a smaller block's); lower = more compression",
+                     "1..chunk*chunk")
+    values: Literal["fp32", "bf16", "rangefloat", "sign"] = knob(
+        "bf16", "how kept coefficients travel: fp32, bf16, range floats of `bits`, or 1 sign bit + a per-tensor "
+        "scale", "fp32|bf16|rangefloat|sign")
+    bits: int = knob(8, "values=rangefloat: bits per coefficient", "3..8 or 16")
+    exp_bits: int = knob(3, "values=rangefloat: exponent bits", "1..bits-2")
+    man_bits: int | None = knob(None, "values=rangefloat: mantissa bits (default: the rest)", "bits-1-exp_bits")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.chunk >= 2, f"chunk must be >= 2, got {self.chunk}")
+        require(self.chunk & (self.chunk - 1) == 0,
+                f"chunk must be a power of two (blocks tile every tensor's padded sides), got {self.chunk}")
+        require(self.chunk <= CHUNK_MAX, f"chunk must be <= {CHUNK_MAX}, got {self.chunk}")
+        require(1 <= self.topk <= self.chunk**2,
+                f"topk must be in 1..{self.chunk**2} (a {self.chunk} x {self.chunk} block's coefficients), "
+                f"got {self.topk}")
+        require(self.values in VALUES, f"values must be one of {', '.join(VALUES)}, got {self.values!r}")
+        require(3 <= self.bits <= 8 or self.bits == 16, f"bits must be in 3..8 or 16, got {self.bits}")
+        resolve_layout(self)
+
+
+def position_dtype(size: int) -> torch.dtype:
+    """The smallest integer type holding every index of a block of ``size`` coefficients."""
+    return torch.uint8 if size <= 256 else torch.int16 if size <= 1 << 15 else torch.int32
+
+
+@register
+class DCT(Codec):
+    """The top-k chunked-DCT coefficients of every block, with their positions; summed in the
+    transform domain on decode."""
+
+    name = "dct"
+    summary = "keep the top-k coefficients of each chunk x chunk DCT-II block, bf16/fp32/range-float/1-bit (all_gather)"
+    Config = DCTConfig
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: DCTConfig) -> None:
+        super().__init__(config)
+        assert config.man_bits is not None  # filled by resolve_layout
+        self.wire = rangefloat.Wire(config.bits, config.exp_bits, config.man_bits)
+
+    def tiling(self, shape: torch.Size | tuple[int, ...]) -> dct.Tiling:
+        return dct.tiling(tuple(shape), self.config.chunk)
+
+    def kept(self, t: dct.Tiling) -> int:
+        """Coefficients kept per block of this tiling."""
+        return min(self.config.topk, t.size)
+
+    # -- layout --------------------------------------------------------------------------
+    def wire_spec(self, shape: torch.Size, dtype: torch.dtype, round: int = 0) -> list[WireSpec]:
+        t = self.tiling(shape)
+        k, count = self.kept(t), t.chunks * self.kept(t)
+        values = self.config.values
+        spec: list[WireSpec] = []
+        if values == "rangefloat":
+            spec.append(((1,), torch.int32))
+        elif values == "sign":
+            spec.append(((1,), torch.float32))
+        spec.append(((t.chunks, k), position_dtype(t.size)))
+        if values == "fp32":
+            spec.append(((count,), torch.float32))
+        elif values == "bf16":
+            spec.append(((count,), torch.bfloat16))
+        elif values == "rangefloat":
+            spec.append(self.wire.spec(count))
+        else:
+            spec.append(((packed_nbytes(count, 1),), torch.uint8))
+        return spec
+
+    def check_fields(self, payload: Payload) -> None:
+        """Positions inside a block and ascending (so distinct) within it; E_max within fp32's
+        exponents; a scale that is not negative."""
+        *header, pos, _ = payload.tensors
+        t = self.tiling(payload.shape)
+        if header and self.config.values == "rangefloat":
+            in_range(self.name, "the exponent E_max", header[0], E_MAX_LOW, E_MAX_HIGH)
+        elif header:
+            not_negative(self.name, "the scale", header[0])
+        in_range(self.name, "positions", pos, 0, t.size - 1)
+        if pos.shape[1] > 1 and not bool((pos[:, 1:] > pos[:, :-1]).all()):
+            raise PayloadError(f"{self.name}: positions must ascend within each block (each sent once)")
+
+    # -- work ----------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
+        t = self.tiling(x.shape)
+        if t.chunks == 0 or t.size == 0:
+            return Payload(tuple(torch.zeros(s, dtype=d, device=x.device) for s, d in self.wire_spec(x.shape, x.dtype)),
+                           x.shape, x.dtype)
+        pos, vals = dct.top_per_chunk(dct.forward(x, t), self.kept(t))
+        flat = vals.reshape(-1)  # (chunks * k,)
+        values = self.config.values
+        wire_pos = pos.to(position_dtype(t.size)).contiguous()
+        if values == "fp32":
+            return Payload((wire_pos, flat.contiguous()), x.shape, x.dtype)
+        if values == "bf16":
+            return Payload((wire_pos, flat.to(torch.bfloat16)), x.shape, x.dtype)
+        if values == "rangefloat":
+            e_max, codes = self.wire.encode(flat.contiguous())
+            return Payload((torch.tensor([e_max], dtype=torch.int32, device=x.device), wire_pos, codes),
+                           x.shape, x.dtype)
+        scale = flat.abs().mean().reshape(1)
+        return Payload((scale, wire_pos, pack(flat < 0, 1)), x.shape, x.dtype)
+
+    def coefficients(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions as int64, fp32 values), both (chunks, k): what the payload keeps."""
+        t = self.tiling(payload.shape)
+        *header, pos, wire = payload.tensors
+        count = pos.numel()
+        values = self.config.values
+        if values in ("fp32", "bf16"):
+            vals = wire.float()
+        elif values == "rangefloat":
+            vals = self.wire.decode(int(header[0].item()), wire, count)
+        else:
+            negative = unpack(wire, count, 1).to(torch.float32)  # 1 = negative
+            vals = header[0] * (1 - 2 * negative)
+        return pos.long(), vals.reshape(t.chunks, self.kept(t))
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        out = torch.empty(payload.shape, dtype=torch.float32, device=payload.tensors[-1].device)
+        self._sum([payload], out)
+        return out.to(payload.dtype)
+
+    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        """Every rank's coefficients added into one block matrix, then one inverse transform."""
+        self._sum(payloads, out)
+
+    def _sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        t = self.tiling(payloads[0].shape)
+        if math.prod(t.shape) == 0:
+            return
+        dense = torch.zeros(t.chunks, t.size, dtype=torch.float32, device=out.device)
+        for p in payloads:
+            dct.scatter_add(dense, *self.coefficients(p))
+        out.copy_(dct.inverse(dense, t).view(out.shape))
