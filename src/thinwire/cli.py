@@ -88,12 +88,13 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--methods", action="append", metavar="M1,M2,...",
                    help="method specs separated by commas (a key=value token continues the spec before it: "
                    "identity,topk:ratio=0.01,ef=false,torch-ddp); repeatable")
-    c.add_argument("--suite", choices=["seeds", "lowbandwidth"], help="instead of --methods: a preset of races; "
-                   "seeds = each of the five seed methods against its paper's peers, with the measured ratio next to "
-                   "the paper's headline claim; lowbandwidth = the DiLoCo family against synchronous training, local "
-                   "SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo, each figure against a target "
-                   "(PASS/MISS), times to a target loss per link (both: OUT/report.md, OUT/claims.csv; one race per "
-                   "group in OUT/<group>/)")
+    c.add_argument("--suite", choices=["seeds", "lowbandwidth", "transform"], help="instead of --methods: a preset "
+                   "of races; seeds = each of the five seed methods against its paper's peers, with the measured ratio "
+                   "next to the paper's headline claim; lowbandwidth = the DiLoCo family against synchronous "
+                   "training, local SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo; transform = DeMo "
+                   "(bf16 and 1-bit) against detonation's DeMo, the dct codec, fft, top-k, PowerSGD and fp32 "
+                   "all_reduce (the last two: each figure against a target, PASS/MISS, times to a target loss per "
+                   "link; all: OUT/report.md, OUT/claims.csv; one race per group in OUT/<group>/)")
     c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")

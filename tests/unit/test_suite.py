@@ -263,3 +263,53 @@ def test_the_lowbandwidth_suite_validates_on_its_tasks_and_every_peer_it_names_r
             assert all(k in group.peers for k in keys), (group.key, claim.text)
         if group.target_loss is not None:
             assert group.target_loss[0] in group.peers
+
+
+# -- the transform suite's pieces: a peer that cannot run, a claim for one link, the step kind ------
+STEP_GROUPS = (
+    Group("t", "Transform", "T et al.", "diloco:period=2", ("identity", "localsgd:period=2", "dasgd:period=2"),
+          (Claim("step at most 1.0x", "step", "localsgd:period=2", 1.0, target=True),
+           Claim("to target at 100 Mbit/s", "to-target", "identity", 5.0, target=True, link="100mbit"),
+           Claim("to target at 10 Mbit/s", "to-target", "identity", 5.0, target=True, link="10mbit"),
+           Claim("loss against DaSGD", "loss", "dasgd:period=2", None, "rel")),
+          target_loss=("identity", 0.02)),
+)
+
+
+def test_a_peer_left_out_a_claim_for_one_link_and_step_seconds(tmp_path):
+    calls: list[str] = []
+
+    def launch(cfg, show_progress=True):
+        summary = _loss_launcher(calls)(cfg, show_progress)
+        if cfg.method.startswith("diloco"):  # 0.3 s of codec and communication in 4 steps, against 0.6 s
+            summary.update(codec_seconds=0.1, comm_seconds=0.2)
+        return summary
+
+    races = suite.prepare(BASE, str(tmp_path / "suite"), groups=STEP_GROUPS)
+    races[0].specs.remove(next(s for s in races[0].specs if s.startswith("dasgd")))  # as if it cannot run here
+    races[0].skipped = {"dasgd:period=2": "dasgd: no such layer here"}
+    results = suite.run(races, STEP_GROUPS, launch=launch, show_progress=False, say=lambda s: None)
+    rows = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", STEP_GROUPS)["rows"]
+    assert "dasgd:period=2" not in calls
+    r = _row(rows, "t", "step at most")
+    assert r["measured"] == pytest.approx(0.3 / 0.6) and r["reading"] == "PASS" and "ms" in r["detail"]
+    assert [x["link"] for x in rows if x["claim"].startswith("to target at 100")] == [LINKS[1]]  # that link alone
+    r = _row(rows, "t", "to target at 10 Mbit/s", "10mbit")
+    assert r["measured"] is None and r["reading"] == "not measured" and "no 10mbit link" in r["detail"]
+    r = _row(rows, "t", "loss against DaSGD")
+    assert r["measured"] is None and "cannot run on this task: dasgd: no such layer here" in r["detail"]
+
+
+def test_the_transform_suite_leaves_out_detonation_on_convolutions_and_validates(tmp_path):
+    for task, skipped in (("charlm", set()), ("mnist1d", {"peer-demo"})):
+        base = TrainConfig(task=task, workers=suite.SUITE_WORKERS, steps=100, optimizer="adamw")
+        races = suite.prepare(base, str(tmp_path / task), groups=suite.TRANSFORM)
+        assert [r.specs[0].split(":")[0] for r in races] == ["demo", "demo", "demo", "dct"]
+        assert {s for r in races for s in r.skipped} == skipped
+        if skipped:
+            assert "1-D and 2-D parameters only" in races[0].skipped["peer-demo"]
+        for group, race in zip(suite.TRANSFORM, races):
+            for claim in group.claims:
+                assert claim.peer is None or claim.peer in group.peers or any(
+                    p.split(":")[0] == claim.peer for p in group.peers), (group.key, claim.text)
+            assert len(race.specs) + len(race.skipped) == len(group.specs)

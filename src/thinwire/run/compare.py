@@ -60,6 +60,7 @@ class Race:
     specs: list[str]
     out: Path
     target: float | None = None
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # spec -> why it cannot run here (suites)
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -117,13 +118,14 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
     resolved: list[str] = []
     for spec in specs:
         try:
-            cfg = dataclasses.replace(base, method=spec).resolve()
+            cfg = for_method(base, spec).resolve()
         except ValueError as e:
             raise ValueError(f"method {spec!r}: {e}") from None
         if cfg.method in resolved:
             raise ValueError(f"method {spec!r} appears twice (as {cfg.method})")
         resolved.append(cfg.method)
-        base = dataclasses.replace(cfg, method=base.method)  # task defaults filled once
+        # task defaults filled once (the optimizer by a method that is not one)
+        base = dataclasses.replace(cfg, method=base.method, optimizer=base.optimizer if _owns(spec) else cfg.optimizer)
     task = get_task(base.task)(seed=base.seed, data_dir=base.data_dir, **base.task_options)
     for spec in resolved:
         try:
@@ -131,6 +133,22 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
         except ValueError as e:
             raise ValueError(f"method {spec.split(':')[0]} cannot run on task {base.task}: {e}") from None
     return base, resolved
+
+
+def for_method(base: TrainConfig, spec: str, **changes: Any) -> TrainConfig:
+    """``base`` running ``spec``: a method that is an optimizer itself (DeMo) replaces the
+    race's ``--optimizer`` (its runs say so in their summary), the others train with it."""
+    optimizer = spec.partition(":")[0].strip() if _owns(spec) else base.optimizer
+    return dataclasses.replace(base, method=spec, optimizer=optimizer, **changes)
+
+
+def _owns(spec: str) -> bool:
+    from thinwire.algorithms.registry import own_optimizer
+
+    try:
+        return own_optimizer(spec)
+    except ValueError:
+        return False  # a bad spec: resolving it names the problem
 
 
 def slug(spec: str) -> str:
@@ -151,7 +169,7 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
     for i, spec in enumerate(race.specs, 1):
         label = spec.split(":")[0] if sum(s.split(":")[0] == spec.split(":")[0] for s in race.specs) == 1 else spec
         out = race.out / "runs" / f"{i:02d}-{slug(spec)}"
-        cfg = dataclasses.replace(race.base, method=spec, out=str(out), overwrite=True)
+        cfg = for_method(race.base, spec, out=str(out), overwrite=True)
         say(f"[{i}/{n}] {label} ({race.base.task}, {race.base.workers} workers, {race.base.steps} steps)")
         t0 = time.perf_counter()
         result: dict[str, Any] = {"label": label, "spec": spec, "out": str(out), "rows": [], "summary": None}

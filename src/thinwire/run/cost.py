@@ -63,7 +63,6 @@ whole steps is not credited: its prediction is an upper bound.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import tempfile
@@ -341,6 +340,8 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
     """Run ``steps`` warm-up and ``steps`` timed training steps of every method (whole periods
     for a periodic method: :func:`probe_steps`); per-step costs of the timed steps by spec,
     and the error of each probe that failed (the others still run)."""
+    from thinwire.run.compare import for_method
+
     if launch is None:
         from thinwire.run.launch import launch as default_launch
 
@@ -355,7 +356,7 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
             continue
         say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-            cfg = dataclasses.replace(base, method=spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True)
+            cfg = for_method(base, spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True)
             try:
                 summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
                 if summary is not None and summary.get("stopped_at") is not None:

@@ -5,6 +5,11 @@ pseudo-gradients, streamed fragments) against synchronous fp32 and bf16 training
 DaSGD, PyTorch's post-local SGD and torchft's DiLoCo, each figure beside a target of ours (PASS/MISS): final
 loss, bytes, the most sent in one step, the share of communication hidden, and the modeled
 time to a target loss (synchronous fp32 training's final loss + 2%) at each link.
+``thinwire compare --suite transform``: DeMo (bf16 and 1-bit coefficients) against
+detonation's DeMo, the ``dct`` codec with error feedback, the seed FFT method, top-k,
+PowerSGD and fp32 all_reduce, read against targets the same way. A peer whose method cannot
+run on the task's model (detonation's DeMo on convolutions) is left out of its race, and
+the claims that need it say why.
 
 One race per seed method (a ``thinwire compare`` of its own in ``OUT/<group>/``: report,
 CSV, plots), all on the same task, workers, steps and seed. A method that several races
@@ -60,6 +65,7 @@ class Claim:
     paper: float | None = None  # the paper's figure (or the target's), when it gives one
     unit: str = "x"
     target: bool = False  # a target of ours, read PASS/MISS, rather than a paper's claim
+    link: str | None = None  # per-link kinds: only the race's links that start with this (e.g. "10mbit")
 
 @dataclass(frozen=True)
 class Group:
@@ -163,7 +169,51 @@ LOWBANDWIDTH: tuple[Group, ...] = (
           target_loss=("identity", 0.02)),
 )
 
-SUITES = {"seeds": SEEDS, "lowbandwidth": LOWBANDWIDTH}
+# DeMo and the transform codecs (charlm with AdamW, or mnist1d) at equal steps: DeMo (bf16 and 1-bit
+# values), detonation's DeMo, the dct codec with error feedback, the seed FFT method, top-k with error
+# feedback and PowerSGD, against AdamW (or the task's optimizer) with fp32 all_reduce
+DEMO, DEMO_1BIT = "demo", "demo:values=sign"
+DEMO_AT_PEER_BYTES = "demo:topk=64"  # 4 B a coefficient (bf16 + int16 position) against detonation's 8 (fp32 + int32)
+PEER_DEMO = "peer-demo"
+_DEMO_TARGET_NOTE = ("Target loss: fp32 all_reduce's final test loss + 2%; times to it are modeled at each link from "
+                     "the evaluations (measured compute and codec time + the link's time for the bytes sent)")
+TRANSFORM: tuple[Group, ...] = (
+    Group("demo", "DeMo: each rank's momentum, its top chunked-DCT coefficients all_gathered, a sign step",
+          "Peng, Quesnelle, Kingma 2024 (arXiv 2411.19870)", DEMO,
+          ("identity", "fft", "dct:ef=true", "topk", "powersgd", DEMO_1BIT, PEER_DEMO),
+          (Claim("final loss within 3% of fp32 all_reduce", "loss", "identity", 0.03, "rel", target=True),
+           Claim("at least 30x fewer bytes per worker than fp32 all_reduce", "bytes", "identity", 30.0, target=True),
+           Claim("time to the target loss at 10 Mbit/s at least 3x shorter than fp32 all_reduce", "to-target",
+                 "identity", 3.0, target=True, link="10mbit"),
+           Claim("time to the target loss against fp32 all_reduce, at every link", "to-target", "identity"),
+           Claim("final loss against the dct codec as a gradient codec (error feedback, the run's optimizer)",
+                 "loss", "dct", None, "rel"),
+           Claim("final loss against detonation's DeMo (half its bytes)", "loss", PEER_DEMO, None, "rel")),
+          f"chunk 64, top 32 of each block's 4,096 coefficients, bf16 values, momentum decay 0.999, the run's "
+          f"lr (the paper's defaults but the value format). {_DEMO_TARGET_NOTE}",
+          target_loss=("identity", 0.02)),
+    Group("demo-1bit", "DeMo with 1-bit coefficients (sign and a per-tensor scale)", "ours", DEMO_1BIT, (DEMO,),
+          (Claim("final loss against bf16 coefficients", "loss", DEMO, None, "rel"),
+           Claim("bytes per worker against bf16 coefficients", "bytes", DEMO, None)),
+          "1 bit per kept coefficient and an int16 position: 2.125 B against bf16's 4"),
+    Group("demo-peer", "DeMo against detonation's at about equal bytes", "Peng et al. 2024; detonation 0.5.2",
+          DEMO_AT_PEER_BYTES, (PEER_DEMO,),
+          (Claim("final loss no higher than detonation's DeMo", "loss", PEER_DEMO, 0.0, "rel", target=True),
+           Claim("bytes per worker against detonation's DeMo (1x: equal)", "bytes", PEER_DEMO, None),
+           Claim("optimizer step (codec and communication seconds) at most 1.0x detonation's", "step", PEER_DEMO,
+                 1.0, target=True)),
+          "thinwire's DeMo keeps the top 64 of each block as bf16 + int16 (4 B each); detonation the top 32 as "
+          "fp32 + int32 (8 B each), in blocks whose sides are divisors of the tensor's"),
+    Group("dct", "The dct codec: chunked-DCT top-k gradients with error feedback", "DeMo's transform, as a codec",
+          "dct:ef=true", ("identity", "fft", "topk"),
+          (Claim("final loss against top-k with error feedback", "loss", "topk", None, "rel"),
+           Claim("final loss against the seed FFT method", "loss", "fft", None, "rel"),
+           Claim("fewer bytes than fp32 all_reduce", "bytes", "identity", None)),
+          "Default knobs (chunk 64, top 32, bf16) with error feedback; tensors under 1,024 values and 1-D ones "
+          "travel as fp32"),
+)
+
+SUITES = {"seeds": SEEDS, "lowbandwidth": LOWBANDWIDTH, "transform": TRANSFORM}
 OUTPUTS = ("report.md", "claims.csv")  # what a suite writes at the top of --out, besides its races
 
 
@@ -177,7 +227,35 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
     if found is not None:
         raise ValueError(f"--out {out} already holds a suite ({found.relative_to(path).as_posix()}); "
                          "pass --overwrite or choose another --out")
-    return [compare.prepare(base, g.specs, str(path / g.key), overwrite=overwrite) for g in groups]
+    races = []
+    for g in groups:
+        skipped = _cannot_run(base, g.peers)  # a peer that cannot run on the task is left out, with why
+        race = compare.prepare(base, [s for s in g.specs if s not in skipped], str(path / g.key), overwrite=overwrite)
+        race.skipped = skipped
+        races.append(race)
+    return races
+
+
+def _cannot_run(base: TrainConfig, specs: tuple[str, ...]) -> dict[str, str]:
+    """The peers among ``specs`` whose method cannot run on the task's model, with why
+    (detonation's DeMo on convolutions)."""
+    from thinwire.algorithms.registry import check_model, resolve_method
+    from thinwire.tasks import get as get_task
+
+    model = None
+    out = {}
+    for spec in specs:
+        try:
+            resolved = resolve_method(spec)
+        except ValueError:
+            continue  # a bad spec: the race's own checks name it
+        if model is None:
+            model = get_task(base.task)(seed=base.seed, data_dir=base.data_dir, **base.task_options).build_model()
+        try:
+            check_model(resolved, model)
+        except ValueError as e:
+            out[spec] = str(e).splitlines()[0]
+    return out
 
 
 def earlier_output(path: Path, groups: tuple[Group, ...] = SEEDS) -> Path | None:
@@ -227,7 +305,7 @@ def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any
     rows = []
     for race, res, group in zip(races, results, groups, strict=False):
         compare.finish(race, res, command + f"  (race {group.key})")
-        rows += measure(group, res, race.links)
+        rows += measure(group, res, race.links, race.skipped)
     path = Path(out)
     _write_claims(path / "claims.csv", rows)
     name = next((k for k, v in SUITES.items() if v == groups), "custom")
@@ -236,16 +314,29 @@ def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any
 
 
 # -- the measured ratios -------------------------------------------------------------------------
-def measure(group: Group, results: list[dict[str, Any]], links: tuple[str, ...]) -> list[dict[str, Any]]:
+def measure(group: Group, results: list[dict[str, Any]], links: tuple[str, ...],
+            skipped: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One row per claim and link (a claim that does not depend on the link: one row).
-    ``results`` are the race's, in the order of ``group.specs``."""
-    by_spec = dict(zip(group.specs, results, strict=False))
-    seed = results[0] if results else None
+    ``results`` are the race's, in the order of ``group.specs`` less the ``skipped`` ones
+    (spec -> why it could not run on the task)."""
+    skipped = skipped or {}
+    ran = [s for s in group.specs if s not in skipped]
+    by_spec = dict(zip(ran, results, strict=False))
+    for spec, why in skipped.items():
+        by_spec[spec] = {"label": spec.split(":")[0], "spec": spec, "status": "skipped", "error": why,
+                         "summary": None, "rows": []}
+    seed = by_spec.get(group.seed)
     target = _target_loss(group, by_spec)
     rows = []
     for claim in group.claims:
         per_link = claim.kind in ("speedup", "hidden", "to-target")
-        for link in (links if per_link else (None,)):
+        chosen = [x for x in links if claim.link is None or x.startswith(claim.link)] if per_link else [None]
+        if per_link and not chosen:  # the race has no such link: the claim is not measured
+            rows.append({"group": group.key, "seed": group.seed, "claim": claim.text, "kind": claim.kind,
+                         "peer": claim.peer or "", "link": claim.link or "", "paper": claim.paper, "measured": None,
+                         "unit": claim.unit, "detail": f"the race has no {claim.link} link (--link)",
+                         "reading": "not measured"})
+        for link in chosen:
             value, detail = _value(claim, seed, by_spec, group, link, target)
             rows.append({"group": group.key, "seed": group.seed, "claim": claim.text, "kind": claim.kind,
                          "peer": claim.peer or "", "link": link or "", "paper": claim.paper, "measured": value,
@@ -305,9 +396,15 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
     else:
         peer = _peer(by_spec, peer_label) if peer_label is not None else None
         peer_label = peer["label"] if peer is not None else peer_label
+    if peer is not None and peer["status"] == "skipped":
+        return None, f"{peer_label} cannot run on this task: {peer['error']}"
     if not _ok(peer):
         return None, f"{peer_label}'s run failed"
     p = peer["summary"]
+    if claim.kind == "step":
+        ms, mp = _step_seconds(s), _step_seconds(p)
+        return (ms / mp if mp > 0 else None), (f"{seed['label']} {1e3 * ms:.1f} ms / {peer_label} {1e3 * mp:.1f} "
+                                               "ms codec and communication per step")
     if claim.kind == "speedup":
         ts, tp = s["modeled_seconds_by_link"][link], p["modeled_seconds_by_link"][link]
         return tp / ts, f"{peer_label} {tp:.1f} s / {seed['label']} {ts:.1f} s"
@@ -330,6 +427,11 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
             return None, "no peak bytes per sync reported"
         return a / b, f"{seed['label']} {a / 1e6:.3f} MB / {peer_label} {b / 1e6:.3f} MB in one step"
     raise ValueError(f"unknown claim kind {claim.kind!r}")
+
+
+def _step_seconds(summary: dict[str, Any]) -> float:
+    """Codec and communication seconds per training step of a run."""
+    return (summary["codec_seconds"] + summary["comm_seconds"]) / max(1, summary["steps"])
 
 
 def _peak(summary: dict[str, Any]) -> float | None:
@@ -368,7 +470,7 @@ def _reading(claim: Claim, value: float | None) -> str:
         return "measured"
     if claim.target:
         assert claim.paper is not None
-        if claim.kind in ("loss", "peak"):  # lower is better
+        if claim.kind in ("loss", "peak", "step"):  # lower is better
             return "PASS" if value <= claim.paper else "MISS"
         return "PASS" if value >= claim.paper else "MISS"
     if claim.kind in ("speedup", "bytes", "to-target"):
@@ -448,5 +550,5 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "earlier_output", "finish",
-           "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss"]
+__all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "TRANSFORM",
+           "earlier_output", "finish", "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss"]
