@@ -40,18 +40,19 @@ import time
 from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
-from thinwire.run.suite import LOWBANDWIDTH, format_value, measure
+from thinwire.run.suite import LOWBANDWIDTH, SUITES, Group, format_value, measure
 
 LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
 SHAPED_MBIT = 100.0
 SHAPED_SPECS = ("streaming-diloco:period=20,fragments=4,delay=1", "diloco:period=20")
 HIDDEN_TARGET = 0.9
-OPS = {"loss": "<=", "peak": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">="}
+OPS = {"loss": "<=", "peak": "<=", "step": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">="}
 
 
-def run_suite(task: str, out: Path, steps: int | None) -> float:
-    cmd = [sys.executable, "-m", "thinwire", "compare", "--suite", "lowbandwidth", "--task", task, "--eval-every", "25",
-           "--out", str(out), "--overwrite", "--quiet", *[a for link in LINKS for a in ("--link", link)]]
+def run_suite(task: str, out: Path, steps: int | None, suite: str = "lowbandwidth",
+              extra: tuple[str, ...] = ()) -> float:
+    cmd = [sys.executable, "-m", "thinwire", "compare", "--suite", suite, "--task", task, "--eval-every", "25",
+           "--out", str(out), "--overwrite", "--quiet", *[a for link in LINKS for a in ("--link", link)], *extra]
     if steps is not None:
         cmd += ["--steps", str(steps)]
     t0 = time.perf_counter()
@@ -59,12 +60,15 @@ def run_suite(task: str, out: Path, steps: int | None) -> float:
     return time.perf_counter() - t0
 
 
-def suite_sections(report: Report, task: str, out: Path, seconds: float | None) -> None:
-    rows = claims(out)
-    report.add(f"### {task}: the lowbandwidth suite\n\n"
-               + (f"`thinwire compare --suite lowbandwidth --task {task} --eval-every 25 "
-                  + " ".join(f"--link {link}" for link in LINKS) + f" --out DIR` ({seconds:.0f} s)\n\n"
-                  if seconds is not None else f"read from the runs of an earlier `{_suite_command(out)}`\n\n")
+def suite_sections(report: Report, task: str, out: Path, seconds: float | None, suite: str = "lowbandwidth",
+                   extra: tuple[str, ...] = ()) -> list[dict]:
+    """The suite's method table and claims as a section, its targets as figures; the claims."""
+    groups = SUITES[suite]
+    rows = claims(out, groups, task)
+    report.add(f"### {task}: the {suite} suite\n\n"
+               + (f"`thinwire compare --suite {suite} --task {task} --eval-every 25 "
+                  + " ".join([*(f"--link {link}" for link in LINKS), *extra]) + f" --out DIR` ({seconds:.0f} s)\n\n"
+                  if seconds is not None else f"read from the runs of an earlier `{_suite_command(out, suite)}`\n\n")
                + method_table(out) + "\n\n"
                + table(["group", "claim", "link", "target", "measured", "reading", "from"],
                        [[c["group"], c["claim"], c["link"] or "any",
@@ -78,22 +82,28 @@ def suite_sections(report: Report, task: str, out: Path, seconds: float | None) 
         scale, unit = (100.0, "%") if c["unit"] == "rel" else (1.0, "x" if c["unit"] == "x" else "")
         report.figures.append(Figure(f"{task} {c['group']}: {c['claim']}{at}", scale * value, OPS[c["kind"]],
                                      scale * c["paper"], unit, c["detail"]))
+    return rows
 
 
-def _suite_command(out: Path) -> str:
+def _suite_command(out: Path, suite: str = "lowbandwidth") -> str:
     """The command that ran the suite in ``out``, as its report gives it, with --out as DIR."""
     for line in (out / "report.md").read_text().splitlines():
         if line.startswith("- command: `"):
             words = line[len("- command: `"):].rstrip("`").split()
             return " ".join("DIR" if i and words[i - 1] == "--out" else w for i, w in enumerate(words))
-    return "thinwire compare --suite lowbandwidth"
+    return f"thinwire compare --suite {suite}"
 
 
-def claims(out: Path) -> list[dict]:
+def claims(out: Path, groups: tuple[Group, ...] = LOWBANDWIDTH, task: str = "charlm") -> list[dict]:
     """The suite's rows, measured afresh from the runs in ``out`` (each group's runs in the
-    order of its specs, as ``thinwire compare`` numbers them)."""
+    order of its specs, as ``thinwire compare`` numbers them, less the peers that cannot
+    run on ``task``)."""
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.suite import cannot_run
+
     rows = []
-    for group in LOWBANDWIDTH:
+    for group in groups:
+        skipped = cannot_run(TrainConfig(task=task), group.peers)
         results = []
         for run in sorted((out / group.key / "runs").iterdir()):
             summary_path = run / "summary.json"
@@ -104,7 +114,7 @@ def claims(out: Path) -> list[dict]:
             results.append({"label": _short(summary["method"]) if ok else run.name, "spec": run.name,
                             "status": "ok" if ok and summary.get("status") == "ok" else "failed",
                             "summary": summary, "rows": [json.loads(x) for x in lines if x.strip()]})
-        rows += measure(group, results, LINKS)
+        rows += measure(group, results, LINKS, skipped)
     return rows
 
 

@@ -97,16 +97,24 @@ def forward(x: torch.Tensor, t: Tiling) -> torch.Tensor:
     return out.reshape(t.chunks, t.size)
 
 
-def inverse(coeffs: torch.Tensor, t: Tiling) -> torch.Tensor:
-    """The tensor of shape ``t.shape`` (fp32, a new tensor) whose coefficients are the
-    (chunks, size) ``coeffs``: the padding cropped."""
+def inverse(coeffs: torch.Tensor, t: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor of shape ``t.shape`` (fp32) whose coefficients are the (chunks, size)
+    ``coeffs``, the padding cropped: a new tensor, or written into ``out`` (``t``'s numel)."""
     p, q = t.grid
     blocks = coeffs.reshape(p, q, t.b1, t.b2) @ basis(t.b2, coeffs.device)
     if t.b1 > 1:
         blocks = basis(t.b1, coeffs.device).T @ blocks
-    m = blocks.transpose(1, 2).reshape(p * t.b1, q * t.b2)
-    if p * t.b1 != t.rows or q * t.b2 != t.cols:
+    m = blocks.transpose(1, 2)  # (p, b1, q, b2): the blocks back in place
+    whole = p * t.b1 == t.rows and q * t.b2 == t.cols
+    if out is not None and whole and out.is_contiguous():
+        out.view(p, t.b1, q, t.b2).copy_(m)  # one pass from the blocks into place
+        return out
+    m = m.reshape(p * t.b1, q * t.b2)
+    if not whole:
         m = m[: t.rows, : t.cols]
+    if out is not None:
+        out.view(t.rows, t.cols).copy_(m)
+        return out
     return m.reshape(t.shape)
 
 

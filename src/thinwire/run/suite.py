@@ -229,14 +229,14 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
                          "pass --overwrite or choose another --out")
     races = []
     for g in groups:
-        skipped = _cannot_run(base, g.peers)  # a peer that cannot run on the task is left out, with why
+        skipped = cannot_run(base, g.peers)  # a peer that cannot run on the task is left out, with why
         race = compare.prepare(base, [s for s in g.specs if s not in skipped], str(path / g.key), overwrite=overwrite)
         race.skipped = skipped
         races.append(race)
     return races
 
 
-def _cannot_run(base: TrainConfig, specs: tuple[str, ...]) -> dict[str, str]:
+def cannot_run(base: TrainConfig, specs: tuple[str, ...]) -> dict[str, str]:
     """The peers among ``specs`` whose method cannot run on the task's model, with why
     (detonation's DeMo on convolutions)."""
     from thinwire.algorithms.registry import check_model, resolve_method
@@ -550,5 +550,5 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "TRANSFORM",
+__all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "TRANSFORM", "cannot_run",
            "earlier_output", "finish", "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss"]
