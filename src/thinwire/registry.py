@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 
 class _Named(Protocol):
@@ -52,10 +52,15 @@ class Registry(Generic[T]):
     that load (which may be waiting to import the same module)."""
 
     def __init__(self, kind: str, load: Callable[[], None] | None = None, package: str = "",
-                 taken: Callable[[str], str | None] | None = None) -> None:
+                 taken: Callable[[str], str | None] | None = None,
+                 order: Callable[[Entry[T]], Any] | None = None) -> None:
         self.kind = kind
         self.package = package  # classes defined under it are built-in: they never wait for ``load``
         self.taken = taken
+        # the built-in entries' listing order after ``load`` (stable: ties keep registration order),
+        # so that it does not depend on which module a program happened to import first
+        self._order = order
+        self._builtin: set[str] = set()
         self._entries: dict[str, Entry[T]] = {}
         self._load = load
         self._state = "empty" if load is not None else "loaded"  # empty -> loading -> loaded
@@ -77,6 +82,8 @@ class Registry(Generic[T]):
                     return value  # the same thing again (a load tried again after a failure)
                 raise ValueError(f"{self.kind} {name!r} registered twice")
             self._entries[name] = Entry(name, value, Config, summary)
+            if builtin:
+                self._builtin.add(name)
         return value
 
     def register(self, value: V) -> V:
@@ -138,4 +145,10 @@ class Registry(Generic[T]):
             except BaseException:
                 self._state = "empty"
                 raise
+            if self._order is not None:
+                with self._entries_lock:
+                    order = self._order
+                    built = sorted((e for e in self._entries.values() if e.name in self._builtin), key=order)
+                    rest = [e for e in self._entries.values() if e.name not in self._builtin]
+                    self._entries = {e.name: e for e in [*built, *rest]}
             self._state = "loaded"

@@ -156,3 +156,13 @@ def test_a_task_that_names_its_knobs_options_still_works():
         Options = SyntheticOptions
 
     assert Older.Config is SyntheticOptions and Older(seed=0, dim=8).options.dim == 8
+
+
+def test_the_codec_listing_does_not_depend_on_which_codec_module_was_imported_first():
+    import subprocess
+    import sys
+
+    code = ("import {first}\nfrom thinwire.codecs.registry import available\nprint(','.join(available()))")
+    plain, early = (subprocess.run([sys.executable, "-c", code.format(first=m)], capture_output=True, text=True,
+                                   check=True).stdout for m in ("thinwire", "thinwire.codecs.dct"))
+    assert plain == early and plain.startswith("identity,")

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from thinwire.codecs.base import Codec
 from thinwire.knobs import convert
-from thinwire.registry import Registry
+from thinwire.registry import Entry, Registry
 
 C = TypeVar("C", bound=type[Codec])
 
@@ -25,7 +25,12 @@ def _load_builtin() -> None:
             importlib.import_module(f"thinwire.codecs.{info.name}")
 
 
-CODECS: Registry[type[Codec]] = Registry("codec", load=_load_builtin, package=__package__)
+def _listing(entry: Entry[type[Codec]]) -> tuple[int, str]:
+    module = entry.value.__module__.rpartition(".")[2]
+    return _ORDER.get(module, 99), module
+
+
+CODECS: Registry[type[Codec]] = Registry("codec", load=_load_builtin, package=__package__, order=_listing)
 
 
 def register(cls: C) -> C:
@@ -90,5 +95,7 @@ def _show(value: Any) -> str:
 
 
 _NOT_CODECS = {"base", "config", "registry"}
-# Listing order for `thinwire methods`: baselines first, then the rest alphabetically.
-_ORDER = {"identity": 0, "cast": 1, "topk": 2, "randomk": 3, "qsgd": 4, "sign": 5, "terngrad": 6, "powersgd": 7}
+# Listing order for `thinwire methods` (whatever module a program imported first): baselines first, then
+# the range-float quantizer, then the rest alphabetically.
+_ORDER = {"identity": 0, "cast": 1, "topk": 2, "randomk": 3, "qsgd": 4, "sign": 5, "terngrad": 6, "powersgd": 7,
+          "rangefloat": 8}
