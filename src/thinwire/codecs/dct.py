@@ -91,6 +91,15 @@ class DCT(Codec):
         super().__init__(config)
         assert config.man_bits is not None  # filled by resolve_layout
         self.wire = rangefloat.Wire(config.bits, config.exp_bits, config.man_bits)
+        self._work: dict[str, torch.Tensor] = {}  # scratch reused across tensors and steps
+
+    def _scratch(self, role: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """(rows, cols) fp32 scratch for ``role``, grown when too small; valid until the next
+        call for the same role (fresh large allocations cost several times a pass on the CPU)."""
+        buf = self._work.get(role)
+        if buf is None or buf.numel() < rows * cols or buf.device != device:
+            buf = self._work[role] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+        return buf[: rows * cols].view(rows, cols)
 
     def tiling(self, shape: torch.Size | tuple[int, ...]) -> dct.Tiling:
         return dct.tiling(tuple(shape), self.config.chunk)
@@ -139,7 +148,8 @@ class DCT(Codec):
         if t.chunks == 0 or t.size == 0:
             return Payload(tuple(torch.zeros(s, dtype=d, device=x.device) for s, d in self.wire_spec(x.shape, x.dtype)),
                            x.shape, x.dtype)
-        pos, vals = dct.top_per_chunk(dct.forward(x, t), self.kept(t))
+        mags = self._scratch("mags", t.chunks, t.size, x.device)
+        pos, vals = dct.top_per_chunk(dct.forward(x, t), self.kept(t), mags)
         flat = vals.reshape(-1)  # (chunks * k,)
         values = self.config.values
         wire_pos = pos.to(position_dtype(t.size)).contiguous()
@@ -182,7 +192,7 @@ class DCT(Codec):
         t = self.tiling(payloads[0].shape)
         if math.prod(t.shape) == 0:
             return
-        dense = torch.zeros(t.chunks, t.size, dtype=torch.float32, device=out.device)
+        dense = self._scratch("dense", t.chunks, t.size, out.device).zero_()
         for p in payloads:
             dct.scatter_add(dense, *self.coefficients(p))
         dct.inverse(dense, t, out)

@@ -118,14 +118,17 @@ def inverse(coeffs: torch.Tensor, t: Tiling, out: torch.Tensor | None = None) ->
     return m.reshape(t.shape)
 
 
-def top_per_chunk(coeffs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_per_chunk(coeffs: torch.Tensor, k: int,
+                  work: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, values): the ``k`` largest-magnitude coefficients of every row of the
     (chunks, size) ``coeffs``, positions ascending within a row (int64, (chunks, k)), values
-    at them ((chunks, k), the coefficients' dtype). Ties keep ``torch.topk``'s choice."""
+    at them ((chunks, k), the coefficients' dtype). Ties keep ``torch.topk``'s choice.
+    ``work``: scratch of ``coeffs``' shape and dtype for the magnitudes (else a new tensor)."""
     if k >= coeffs.shape[1]:
         pos = torch.arange(coeffs.shape[1], device=coeffs.device).expand(coeffs.shape[0], -1)
         return pos, coeffs
-    pos = torch.topk(coeffs.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    mags = torch.abs(coeffs, out=work) if work is not None else coeffs.abs()
+    pos = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
     return pos, coeffs.gather(1, pos)
 
 
