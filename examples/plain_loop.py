@@ -24,7 +24,9 @@ def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 
     model = torch.nn.Sequential(  # three layers: AB-training factors all but the first and the last
         torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4),
     ).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # a method that is an optimizer itself (DeMo: demo, peer-demo) replaces SGD; its sign steps want a small lr
+    optimizer = thinwire.method_optimizer(method, model.parameters(), lr=2e-3) or torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9)
     run = thinwire.attach(model, optimizer, method)  # <- the one line: codec, policy or algorithm
     # mixed precision: fp16 autocast with a loss scaler on GPUs, bf16 autocast on the CPU
     scaler = torch.amp.GradScaler(device.type, enabled=amp)

@@ -13,6 +13,9 @@ The public API (importing does no work beyond importing torch):
   plain or low-rank compressed (``thinwire.topology``); :class:`ABTraining`: low-rank
   ``A·B`` factors trained in groups (``thinwire.nn.Factorized``); all attach with
   ``after_backward()`` and ``after_step()``.
+* :class:`DeMo` (``thinwire.optim``): an optimizer that communicates, each rank's momentum
+  sent as its top chunked-DCT coefficients; :func:`method_optimizer` builds the optimizer of
+  a method that is one (``demo``, ``peer-demo``) from its spec.
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
 * :class:`Aggregator`: average any named tensors through codecs (the building block).
@@ -30,7 +33,7 @@ from thinwire.algorithms.diloco import DiLoCo
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
 from thinwire.algorithms.powergossip import PowerGossip
-from thinwire.algorithms.registry import METHODS
+from thinwire.algorithms.registry import METHODS, method_optimizer
 from thinwire.algorithms.streaming_diloco import StreamingDiLoCo
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
@@ -38,14 +41,14 @@ from thinwire.codecs.registry import build_codec
 from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter
 from thinwire.integrations import ddp
+from thinwire.optim import DeMo
 from thinwire.payload import Aggregation, Payload
 from thinwire.policy import Policy, Rule
 from thinwire.version import __version__
 
 __all__ = [
-    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DiLoCo", "DPSGD", "Link",
-    "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "StreamingDiLoCo", "SyncReducer",
-    "available_codecs",
-    "build_codec", "ddp",
+    "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DeMo", "DiLoCo", "DPSGD",
+    "Link", "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "StreamingDiLoCo",
+    "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
     "__version__",
 ]

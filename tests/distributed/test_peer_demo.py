@@ -233,32 +233,15 @@ def test_local_world_ends_where_gloo_ends(gloo):
 
 
 # -- through the trainer --------------------------------------------------------------------
-@pytest.fixture
-def registered(tmp_path):
-    """A module that registers peer-demo (until registry.BUILTIN lists it), imported by the
-    launcher and every rank; the registration is undone afterwards."""
-    from thinwire.algorithms.registry import METHODS
-
-    added = "peer-demo" not in METHODS
-    path = tmp_path / "register_peer_demo.py"
-    path.write_text("from thinwire.algorithms.registry import METHODS\n"
-                    "from thinwire.integrations.detonation_demo import PeerDeMo\n\n"
-                    "if 'peer-demo' not in METHODS:\n    METHODS.register(PeerDeMo)\n")
-    yield str(path)
-    if added:
-        METHODS.remove("peer-demo")
-
-
 @pytest.mark.timeout(120)
-def test_trainer_runs_and_resumes_it(registered, tmp_path):
+def test_trainer_runs_and_resumes_it(tmp_path):
     from thinwire.run import checkpoint
     from thinwire.run.config import TrainConfig
     from thinwire.run.launch import launch
 
     out = str(tmp_path / "a")
     cfg = TrainConfig(task="synthetic", method="peer-demo:chunk=8,topk=4", workers=2, steps=6, eval_every=3,
-                      lr=0.003, out=out, checkpoint_every=3, task_options=SMALL, batch_size=16,
-                      imports=(registered,)).resolve()
+                      lr=0.003, out=out, checkpoint_every=3, task_options=SMALL, batch_size=16).resolve()
     assert cfg.optimizer == "peer-demo"
     straight = launch(cfg, show_progress=False)
     assert straight is not None and straight["status"] == "ok", straight

@@ -14,6 +14,7 @@ import torch
 
 from thinwire.algorithms.registry import method_names
 from thinwire.comm.local import LocalWorld
+from thinwire.integrations.detonation_demo import detonation_available
 from thinwire.run import checkpoint
 from thinwire.run.checkpoint import CheckpointError
 from thinwire.run.config import RunFinished, TrainConfig, from_options, merge_saved
@@ -22,7 +23,9 @@ from thinwire.run.trainer import train_rank
 SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
 K = 4
 # PyTorch's DDP hooks need a real process group: tests/distributed/test_resume_gloo.py
-METHODS = sorted(n for n in method_names() if not n.startswith("torch-"))
+# every method but PyTorch's peers, and detonation's where it is installed (Python >= 3.11)
+METHODS = sorted(n for n in method_names()
+                 if not n.startswith("torch-") and (n != "peer-demo" or detonation_available()))
 # schedules short enough that the checkpoint at step K falls inside them: AB-training mid group
 # phase (factorised at step 1, synced at 6), DaSGD with an average in flight (launched at 4,
 # merged at 6), local SGD between averages, streaming DiLoCo with a fragment in flight (fragment 0

@@ -13,7 +13,9 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
+import thinwire
 import tiny
 from thinwire.algorithms.registry import build_method, resolve_method
 from thinwire.comm.local import LocalWorld
@@ -109,7 +111,7 @@ def test_ranks_follow_the_update_by_hand(n):
 
 
 @pytest.mark.parametrize("values", ["bf16", "sign", "rangefloat"])
-def test_every_rank_ends_with_the_same_bits_and_learns(values):
+def test_every_rank_ends_with_the_same_bits_and_sends_what_the_layout_says(values):
     def run(comm):
         flat, opt = _run(comm, 12, chunk=16, topk=8, values=values)
         return flat, opt.comm.meter.bytes_sent
@@ -187,3 +189,39 @@ def test_the_method_steps_with_its_optimizer_and_reports_its_seconds():
 
     (ok_a, a), (ok_b, b) = LocalWorld(2).run(run)
     assert ok_a and ok_b and torch.equal(a, b)
+
+
+def test_a_bf16_model_resumes_with_fp32_momenta():
+    base = copy.deepcopy(BASE).to(torch.bfloat16)
+
+    def run(comm, cut=None):
+        model = copy.deepcopy(base)
+        opt = DeMo(model.parameters(), lr=0.05, chunk=8, topk=3, comm=comm)
+        for step in range(6):
+            if step == cut:
+                saved = copy.deepcopy(opt.state_dict())
+                opt = DeMo(model.parameters(), lr=0.05, chunk=8, topk=3, comm=comm)
+                opt.load_state_dict(saved)
+                assert all(s["momentum"].dtype == torch.float32 for s in opt.state.values())
+            x, y = tiny.batch(100 * step + comm.rank, 6, 5, 3)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+        return tiny.flat(model)
+
+    straight = LocalWorld(2).run(run)
+    resumed = LocalWorld(2).run(lambda comm: run(comm, cut=3))
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_the_method_refuses_an_enabled_grad_scaler():
+    def run(comm):
+        model = copy.deepcopy(BASE)
+        opt = thinwire.method_optimizer("demo", model.parameters(), 0.05, comm=comm)
+        method = build_method("demo", model, opt, comm)
+        with pytest.raises(ValueError, match="enabled GradScaler"):
+            method.after_backward(scaler=torch.amp.GradScaler("cpu", enabled=True))
+        return method.after_backward(scaler=torch.amp.GradScaler("cpu", enabled=False))
+
+    assert LocalWorld(1).run(run) == [True]
+    assert thinwire.method_optimizer("topk", BASE.parameters(), 0.05) is None  # a codec: your own optimizer

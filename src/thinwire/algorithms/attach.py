@@ -23,7 +23,7 @@ import torch
 
 from thinwire.algorithms.averaging import comm_or_world
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import build_method, is_gradient_codec, resolve_method
+from thinwire.algorithms.registry import build_method, is_gradient_codec, own_optimizer, resolve_method
 from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
 from thinwire.policy import Policy
@@ -123,7 +123,6 @@ def attach(
     averaged while the backward pass goes on (see :class:`~thinwire.algorithms.sync.SyncReducer`
     for what a loop must then not do); False averages them in ``after_backward``.
     """
-    comm = comm_or_world(comm)
     spec: str | Policy | Codec
     if isinstance(method, str):
         spec = resolve_method(method)
@@ -136,6 +135,8 @@ def attach(
                              f"thinwire.attach(model, optimizer, {method!r})")
     else:  # a built codec or a Policy
         spec = method
+    if not own_optimizer(spec):  # an optimizer that is the method (DeMo) brings the communicator it was built with
+        comm = comm_or_world(comm)
     built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb, overlap=overlap,
                          find_unused_parameters=find_unused_parameters)
     return Attached(built, model)

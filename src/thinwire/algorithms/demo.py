@@ -56,13 +56,21 @@ class DeMoMethod(Method):
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
                  overlap: bool = True, **knobs: Any) -> None:
-        super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         if not isinstance(optimizer, DeMo):
-            raise ValueError("demo is an optimizer itself: train with thinwire.optim.DeMo(model.named_parameters(), "
-                             "lr=...) in place of yours (no attach needed), or run it with thinwire train")
+            raise ValueError("demo is an optimizer itself: build it with thinwire.method_optimizer(spec, "
+                             "model.parameters(), lr) (or thinwire.optim.DeMo) in place of yours")
+        if comm is not None and comm is not optimizer.comm:
+            raise ValueError("demo: pass the communicator its optimizer was built with (its bytes are metered there)")
+        super().__init__(model, optimizer, optimizer.comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self.demo: DeMo = optimizer
 
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
+        """Nothing: DeMo communicates in its step. An enabled ``GradScaler`` is refused: it
+        skips ``optimizer.step()`` on a rank that overflowed, alone, and the other ranks would
+        wait in DeMo's all_gather for it."""
+        if scaler is not None and scaler.is_enabled():
+            raise ValueError("demo cannot run under an enabled GradScaler (a step skipped on one rank would leave "
+                             "the others waiting in its all_gather): use bf16 autocast, which needs no scaler")
         return True
 
     def after_step(self) -> None:

@@ -130,6 +130,18 @@ def own_optimizer(spec: str | Policy | Codec) -> bool:
     return isinstance(spec, str) and kind_of(spec) == "method" and method_config(spec)[0].replaces_optimizer
 
 
+def method_optimizer(spec: str | Policy | Codec, params: Any, lr: float, *, weight_decay: float = 0.0,
+                     comm: Communicator | None = None) -> torch.optim.Optimizer | None:
+    """The optimizer of a method that is one (``demo``, ``peer-demo``), built on ``params`` in
+    place of yours; None for every other spec (train with your own optimizer). ``comm``: the
+    default ``torch.distributed`` group when None."""
+    if not own_optimizer(spec):
+        return None
+    assert isinstance(spec, str)  # own_optimizer holds for method specs only
+    cls, config = method_config(spec)
+    return cls.make_optimizer(config, list(params), lr, weight_decay, comm)
+
+
 def check_model(spec: str | Policy | Codec, model: torch.nn.Module) -> None:
     """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
     excluded layer names, for instance); a codec or policy runs on any model."""

@@ -86,15 +86,16 @@ class TrainConfig:
                 f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
         self._check_outputs(facts)
         method, rules = self._method(facts)
-        if own_optimizer(method):  # DeMo: the method is the optimizer (a resumed run's config names it)
-            name = method.partition(":")[0]
+        own = own_optimizer(method)  # DeMo: the method is the optimizer (a resumed run's config names it)
+        name = method.partition(":")[0]
+        if facts.meta is not None:  # a checkpoint of another run says so first
+            self._check_resume(facts, method, steps=steps, batch=batch, opt=name if own else opt, lr=lr)
+        if own:
             require(self.optimizer in (None, name), f"{name} is an optimizer itself, so it replaces "
                     f"--optimizer {self.optimizer}: drop --optimizer (--lr sets its learning rate)")
             opt = name
         else:
             require(opt in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt!r}")
-        if facts.meta is not None:
-            self._check_resume(facts, method, steps=steps, batch=batch, opt=opt, lr=lr)
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import build_method, kind_of, method_config
+from thinwire.algorithms.registry import build_method, method_optimizer
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import sent_bytes
@@ -61,11 +61,8 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
 def optimizer_for(spec: Any, name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
                   comm: Communicator) -> torch.optim.Optimizer:
     """The run's optimizer: the method's own where the method is one (DeMo), else ``name``."""
-    if isinstance(spec, str) and kind_of(spec) == "method":
-        cls, config = method_config(spec)
-        if cls.replaces_optimizer:
-            return cls.make_optimizer(config, params, lr, weight_decay, comm)
-    return build_optimizer(name, params, lr, weight_decay)
+    own = method_optimizer(spec, params, lr, weight_decay=weight_decay, comm=comm)
+    return own if own is not None else build_optimizer(name, params, lr, weight_decay)
 
 
 @dataclass
