@@ -19,7 +19,7 @@ PACKAGE = SRC / "thinwire"
 LAYERS: list[set[str]] = [
     {"cli", "__main__", "__init__"},
     {"run", "tasks"},
-    {"algorithms", "integrations"},
+    {"algorithms", "integrations", "optim"},
     {"aggregate", "policy", "nn"},
     {"feedback", "codecs", "comm", "topology"},
     {"numerics"},

@@ -127,7 +127,10 @@ def skip_unsafe(spec: str) -> str | None:
 def own_optimizer(spec: str | Policy | Codec) -> bool:
     """Whether a resolved spec names a method that is an optimizer itself (DeMo), built in
     place of the run's Adam or SGD (:attr:`Method.replaces_optimizer`)."""
-    return isinstance(spec, str) and kind_of(spec) == "method" and method_config(spec)[0].replaces_optimizer
+    try:
+        return isinstance(spec, str) and kind_of(spec) == "method" and method_config(spec)[0].replaces_optimizer
+    except ValueError:
+        return False  # not a method spec (a policy's label): no method of its own
 
 
 def method_optimizer(spec: str | Policy | Codec, params: Any, lr: float, *, weight_decay: float = 0.0,
