@@ -112,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seeds: {time.perf_counter() - t0:.0f} s", flush=True)
     code = report.finish(args.json)
     if not args.quick and not sources:
-        lines = [f"# {report.title}", "", f"`{command.rstrip()}`", "", *report.sections, "## Figures", "",
-                 *[f"- {f.line()}" for f in report.figures], ""]
-        RESULTS.write_text("\n".join(lines))
+        RESULTS.write_text("\n\n".join([f"# {report.title}", f"`{command.rstrip()}`", *report.sections,
+                                        "## Figures", "\n".join(f"- {f.line()}" for f in report.figures)]) + "\n")
     return code
 
 
