@@ -77,6 +77,8 @@ def suite_sections(report: Report, task: str, out: Path, seconds: float | None, 
     for c in rows:
         if c["reading"] not in ("PASS", "MISS", "not measured") or c["paper"] is None:
             continue
+        if "cannot run on this task" in c["detail"]:  # a peer left out of the race, with why: no figure
+            continue
         value = c["measured"] if c["measured"] is not None else math.nan
         at = f" @ {c['link']}" if c["link"] else ""
         scale, unit = (100.0, "%") if c["unit"] == "rel" else (1.0, "x" if c["unit"] == "x" else "")
@@ -135,13 +137,13 @@ def method_table(out: Path) -> str:
 
 
 def _short(spec: str) -> str:
-    """The spec with only the knobs that tell this suite's runs apart (period, a compressing
-    codec with its bits or ratio, fragments, delay, alpha)."""
+    """The spec with only the knobs that tell a suite's runs apart (period, a compressing
+    codec with its bits or ratio, fragments, delay, alpha; DeMo's topk and values)."""
     name, _, knobs = spec.partition(":")
     keep = []
     for knob in knobs.split(","):
         key, _, value = knob.partition("=")
-        if key in ("period", "fragments", "delay", "alpha"):
+        if key in ("period", "fragments", "delay", "alpha") or (name == "demo" and key in ("topk", "values")):
             keep.append(knob)
         elif key == "codec" and not value.startswith("identity"):
             codec, _, inner = value.partition(":")
