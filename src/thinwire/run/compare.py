@@ -145,10 +145,7 @@ def for_method(base: TrainConfig, spec: str, **changes: Any) -> TrainConfig:
 def _owns(spec: str) -> bool:
     from thinwire.algorithms.registry import own_optimizer
 
-    try:
-        return own_optimizer(spec)
-    except ValueError:
-        return False  # a bad spec: resolving it names the problem
+    return own_optimizer(spec)  # False for a bad spec too: resolving it names the problem
 
 
 def slug(spec: str) -> str:
