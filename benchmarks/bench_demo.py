@@ -39,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Figure, Report, load_note, parser, table
-from bench_diloco import run_suite, suite_sections
+from _common import Figure, Report, load_note, table
+from bench_diloco import command_of, suite_parser, suites
 
 EXTRA = ("--workers", "4", "--optimizer", "adamw")
 PEER_GROUP = "demo-peer"
@@ -81,38 +81,21 @@ def seeds_section(report: Report, tmp: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
-    p.add_argument("--tasks", default="charlm", help="tasks to race, comma-separated (default: charlm)")
-    p.add_argument("--from", dest="source", metavar="DIR[,DIR]",
-                   help="read each task's suite from its DIR (finished --suite transform runs, in the order of "
-                   "--tasks) instead of running it")
-    p.add_argument("--keep", metavar="DIR", help="run the suites into DIR/<task> and keep them")
+    p = suite_parser(__doc__, "transform")
     p.add_argument("--seeds", action="store_true", help="also race demo against detonation's at three seeds")
     args = p.parse_args(argv)
-    given = list(argv if argv is not None else sys.argv[1:])
-    if "--json" in given:  # where run_all collects the report: not part of the command
-        i = given.index("--json")
-        del given[i : i + 2]
-    command = "python benchmarks/bench_demo.py" + " ".join(["", *given])
-    report = Report("DeMo and the transform family: loss, bytes and time to a target loss", command.rstrip())
+    command = command_of("bench_demo.py", argv)
+    report = Report("DeMo and the transform family: loss, bytes and time to a target loss", command)
     report.add(load_note())
-    steps = 200 if args.quick else None
-    sources = args.source.split(",") if args.source else []
-    with tempfile.TemporaryDirectory(prefix="bench-demo-") as tmp:
-        for i, task in enumerate(args.tasks.split(",")):
-            if i < len(sources):
-                suite_sections(report, task, Path(sources[i]), None, "transform")
-                continue
-            out = Path(args.keep or tmp) / task
-            seconds = run_suite(task, out, steps, "transform", EXTRA)
-            suite_sections(report, task, out, seconds, "transform", EXTRA)
-        if args.seeds and not args.quick:
-            t0 = time.perf_counter()
+    suites(report, args, "transform", EXTRA)
+    if args.seeds and not args.quick:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-demo-") as tmp:
             seeds_section(report, Path(tmp))
-            print(f"seeds: {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"seeds: {time.perf_counter() - t0:.0f} s", flush=True)
     code = report.finish(args.json)
-    if not args.quick and not sources:
-        RESULTS.write_text("\n\n".join([f"# {report.title}", f"`{command.rstrip()}`", *report.sections,
+    if not args.quick and not args.source:
+        RESULTS.write_text("\n\n".join([f"# {report.title}", f"`{command}`", *report.sections,
                                         "## Figures", "\n".join(f"- {f.line()}" for f in report.figures)]) + "\n")
     return code
 

@@ -199,33 +199,48 @@ def _shaped_run(pair, spec: str, steps: int, port: int) -> dict:
         return json.loads((Path(tmp) / "summary.json").read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
+def suite_parser(doc: str, suite: str):
+    """The arguments a suite benchmark takes: ``--tasks``, ``--from``, ``--keep`` (and the common ones)."""
+    p = parser(doc)
     p.add_argument("--tasks", default="charlm", help="tasks to race, comma-separated (default: charlm)")
     p.add_argument("--from", dest="source", metavar="DIR[,DIR]",
-                   help="read each task's suite from its DIR (finished --suite lowbandwidth runs, in the order of "
+                   help=f"read each task's suite from its DIR (finished --suite {suite} runs, in the order of "
                    "--tasks) instead of running it")
     p.add_argument("--keep", metavar="DIR", help="run the suites into DIR/<task> and keep them")
-    p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
-    args = p.parse_args(argv)
+    return p
+
+
+def command_of(script: str, argv: list[str] | None) -> str:
+    """The command that ran ``script``, less ``--json`` (where run_all collects the report)."""
     given = list(argv if argv is not None else sys.argv[1:])
-    if "--json" in given:  # where run_all collects the report: not part of the command
+    if "--json" in given:
         i = given.index("--json")
         del given[i : i + 2]
-    command = "python benchmarks/bench_diloco.py" + " ".join(["", *given])
-    report = Report("The DiLoCo family: loss, bytes and time to a target loss; hiding over a real link",
-                    command.rstrip())
-    report.add(f"{load_note()}")
+    return " ".join([f"python benchmarks/{script}", *given])
+
+
+def suites(report: Report, args, suite: str = "lowbandwidth", extra: tuple[str, ...] = ()) -> None:
+    """Each of ``--tasks``' suite sections: read from ``--from``, or run (into ``--keep``)."""
     steps = 200 if args.quick else None
     sources = args.source.split(",") if args.source else []
-    with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-suite-") as tmp:
         for i, task in enumerate(args.tasks.split(",")):
             if i < len(sources):
-                suite_sections(report, task, Path(sources[i]), None)
+                suite_sections(report, task, Path(sources[i]), None, suite)
                 continue
             out = Path(args.keep or tmp) / task
-            seconds = run_suite(task, out, steps)
-            suite_sections(report, task, out, seconds)
+            seconds = run_suite(task, out, steps, suite, extra)
+            suite_sections(report, task, out, seconds, suite, extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = suite_parser(__doc__, "lowbandwidth")
+    p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
+    args = p.parse_args(argv)
+    report = Report("The DiLoCo family: loss, bytes and time to a target loss; hiding over a real link",
+                    command_of("bench_diloco.py", argv))
+    report.add(f"{load_note()}")
+    suites(report, args)
     if not args.skip_shaped:
         shaped_section(report, 60 if args.quick else 120)
     return report.finish(args.json)

@@ -11,13 +11,26 @@ from torch import nn
 
 def net(inputs: int, hidden: int, classes: int, *, bn: bool = False, act: type[nn.Module] = nn.Tanh) -> nn.Module:
     """Linear, [BatchNorm], activation, Linear; every parameter drawn from N(0, 0.25), seed 0."""
-    g = torch.Generator().manual_seed(0)
     norm = [nn.BatchNorm1d(hidden)] if bn else []
-    m = nn.Sequential(nn.Linear(inputs, hidden), *norm, act(), nn.Linear(hidden, classes))
+    return seeded(nn.Sequential(nn.Linear(inputs, hidden), *norm, act(), nn.Linear(hidden, classes)))
+
+
+def seeded(model: nn.Module, scale: float = 0.5) -> nn.Module:
+    """``model`` with every parameter drawn from N(0, scale²), in order, from generator seed 0:
+    the same model on every rank and in every process."""
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def rule_batch(rank: int, step: int, inputs: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of 16 at ``step`` (generator ``1000 step + rank``): gaussian inputs,
+    and a learnable rule for 3 classes, how many of the first two inputs are positive."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, inputs, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 
 def batch(seed: int, size: int, inputs: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:

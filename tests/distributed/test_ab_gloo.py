@@ -8,24 +8,19 @@ import pytest
 import torch
 from torch import nn
 
+import tiny
 from spawn import run_ranks
 
 SPEC = "ab:group_size=2,warmup=4,cycle=8,full_steps=2,cutoff=0.3,rebound=2"
 
 
 def _base() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
+    return tiny.seeded(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                     nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)))
 
 
 def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 6, generator=g)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # a learnable rule
+    return tiny.rule_batch(rank, step)
 
 
 def _train(comm, steps: int):

@@ -7,24 +7,18 @@ import pytest
 import torch
 from torch import nn
 
+import tiny
 from spawn import run_ranks
 
 STEPS = 12
 
 
 def _base() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 3))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
+    return tiny.seeded(nn.Sequential(nn.Linear(8, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 3)), 0.3)
 
 
 def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 8, generator=g)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return tiny.rule_batch(rank, step, inputs=8)
 
 
 def _train(rank, world, spec):

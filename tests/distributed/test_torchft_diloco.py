@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import tiny
 from spawn import run_ranks
 from thinwire.integrations.torchft_diloco import torchft_available
 
@@ -21,18 +22,11 @@ SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 
 
 
 def _base() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
+    return tiny.seeded(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)), 0.3)
 
 
 def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 8, generator=g)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return tiny.rule_batch(rank, step, inputs=8)
 
 
 def _train(rank, spec, inner):
