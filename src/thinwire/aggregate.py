@@ -91,7 +91,19 @@ class Aggregator:
     names (DDP buckets). ``as_given``: every tensor goes through the codec chosen for it,
     however small or one-dimensional (no fp32 fallback): for a flat vector such as a whole
     model's state, which :meth:`flat` builds.
+
+    Over a world whose ``comm.hierarchy`` is set (ranks grouped into nodes), constructing an
+    ``Aggregator`` gives a :class:`~thinwire.hierarchical.HierarchicalAggregator`: the same
+    buckets, averaged uncompressed inside each node and through the codec between nodes.
     """
+
+    def __new__(cls, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, comm: Communicator,
+                **kwargs: object) -> Aggregator:
+        if cls is Aggregator and getattr(comm, "hierarchy", None) is not None:
+            from thinwire.hierarchical import HierarchicalAggregator
+
+            return super().__new__(HierarchicalAggregator)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -445,6 +457,10 @@ class Aggregator:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore exactly; the codecs must be the ones the state was saved with."""
+        if state.get("nodes") is not None and type(self) is Aggregator:
+            count, per_node = state["nodes"]
+            raise ValueError(f"checkpoint was saved with {count} node(s) x {per_node} rank(s); this run has no "
+                             "nodes (flat): residuals are per shard, so resume with the same --ranks-per-node")
         saved, ours = list(state["codecs"]), [c.describe() for c in self.codecs]
         if saved != ours:
             raise ValueError(f"checkpoint was saved with codecs {saved}, this aggregator has {ours}")

@@ -378,11 +378,11 @@ def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Ten
     return torch.empty(numel, dtype=torch.float32, device=like.device)
 
 
-def _counts(meter: ByteMeter) -> dict[tuple[str, int], OpCount]:
+def _counts(meter: ByteMeter) -> dict[tuple[str, int, str], OpCount]:
     return {k: OpCount(**vars(c)) for k, c in meter.by_group.items()}
 
 
-def _since(meter: ByteMeter, before: dict[tuple[str, int], OpCount]) -> ByteMeter:
+def _since(meter: ByteMeter, before: dict[tuple[str, int, str], OpCount]) -> ByteMeter:
     """What ``meter`` counted since ``before`` (:func:`_counts`), as a meter of its own."""
     out = ByteMeter()
     for key, c in meter.by_group.items():

@@ -51,6 +51,11 @@ class Codec:
     # DDP hook and the gradient reducer then launch such buckets from the backward pass itself
     # and land them on their worker thread (thinwire.aggregate.pipelines)
     concurrent: bool = False
+    # True when a piece of a tensor (a flat slice of it) may be encoded on its own as well as
+    # the whole: then a hierarchical average splits every tensor between a node's ranks by
+    # element; else (codecs that need a tensor's shape: low-rank, transforms, kernels, and
+    # any codec that does not say) whole tensors are dealt out between them, balanced by size
+    elementwise: bool = False
 
     @property
     def is_identity(self) -> bool:

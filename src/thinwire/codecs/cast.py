@@ -27,6 +27,7 @@ class _Cast(Codec):
     Config = CastConfig
     aggregation = Aggregation.SUM
     fusable = True
+    elementwise = True
     concurrent = True
 
     def compresses(self, shape: torch.Size) -> bool:

@@ -22,6 +22,7 @@ class Identity(Codec):
     """Sends the tensor as fp32. Lossless; SUM (all_reduce)."""
 
     name = "identity"
+    elementwise = True
     summary = "fp32 all_reduce, no compression (the baseline)"
     Config = IdentityConfig
     aggregation = Aggregation.SUM

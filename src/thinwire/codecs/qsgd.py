@@ -71,6 +71,8 @@ class TableCodec(Codec):
     dense defaults. :meth:`numpy_path` says which path a tensor takes (tests turn it off to
     compare with the torch path)."""
 
+    elementwise = True
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self._scratch = Scratch()  # CPU chunk buffers

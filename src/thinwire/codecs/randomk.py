@@ -48,6 +48,7 @@ class RandomK(Codec):
     """Sends k values at positions shared by all ranks; the values are all_reduced."""
 
     name = "randomk"
+    elementwise = True
     summary = "send k = ratio*N values at seeded positions shared by all ranks (all_reduce), EF on"
     Config = RandomKConfig
     aggregation = Aggregation.SUM

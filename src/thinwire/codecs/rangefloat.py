@@ -69,6 +69,7 @@ class RangeFloat(Codec):
     """n-bit floats with a data-driven exponent window; relative error <= 2^-(man_bits+1) inside it."""
 
     name = "rangefloat"
+    elementwise = True
     summary = "n-bit floats (sign, exponent, mantissa) with the exponent window set by max |x| (all_gather)"
     Config = RangeFloatConfig
     aggregation = Aggregation.GATHER

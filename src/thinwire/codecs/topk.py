@@ -70,6 +70,7 @@ class TopK(Codec):
     """
 
     name = "topk"
+    elementwise = True
     summary = "send the k = ratio*N largest-magnitude values + int32 indices (all_gather), EF on"
     Config = TopKConfig
     aggregation = Aggregation.GATHER

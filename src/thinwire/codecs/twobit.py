@@ -122,6 +122,7 @@ class TwoBit(Codec):
     """Codes +t / -t / 0 against a per-tensor threshold, four values per byte."""
 
     name = "twobit"
+    elementwise = True
     summary = "adaptive 2-bit: +t / -t / 0 with t = alpha * rms(u) (or fixed), t + packed codes (all_gather), EF on"
     Config = TwoBitConfig
     aggregation = Aggregation.GATHER

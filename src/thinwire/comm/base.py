@@ -9,11 +9,14 @@ keeps them from deadlocking); callers derive the order from the explicit step co
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from thinwire.comm.meter import ByteMeter
+
+if TYPE_CHECKING:
+    from thinwire.comm.nodes import Hierarchy, NodeLayout
 
 
 class Handle(Protocol):
@@ -35,21 +38,53 @@ class Done:
 
 
 class Communicator:
-    """A group of ``world_size`` ranks; this object is rank ``rank`` of it."""
+    """A group of ``world_size`` ranks; this object is rank ``rank`` of it.
+
+    Which link its traffic crosses (for the meter's two-link counts): ``scope``, ``"intra"``
+    for a group inside one node, ``"inter"`` (the default: every rank its own node) for one
+    across nodes; or, for a world over several ranks per node, ``nodes`` (its layout), which
+    attributes each rank's ring traffic to the link towards its successor. ``hierarchy``,
+    when set, is the world's node groups: every :class:`~thinwire.aggregate.Aggregator` over
+    this communicator then averages in two levels.
+    """
 
     rank: int
     world_size: int
+    scope: str = "inter"
+    nodes: NodeLayout | None = None
+    hierarchy: Hierarchy | None = None
 
     def __init__(self, rank: int, world_size: int, meter: ByteMeter | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.meter = meter if meter is not None else ByteMeter()
 
+    def _record(self, op: str, nbytes: int, peer: int | None = None) -> None:
+        layout = self.nodes
+        if layout is None or layout.world_size != self.world_size:
+            self.meter.record(op, nbytes, self.world_size, self.scope)
+        elif peer is not None:  # point to point: the link between the two ranks
+            link = "intra" if layout.node(peer) == layout.node(self.rank) else "inter"
+            self.meter.record(op, nbytes, self.world_size, link)
+        else:  # a ring over the ranks in order: the slow link bounds it; a node's last rank crosses
+            successor = (self.rank + 1) % self.world_size
+            sent_on = "intra" if layout.node(successor) == layout.node(self.rank) else "inter"
+            self.meter.record(op, nbytes, self.world_size, "inter" if layout.count > 1 else "intra", sent_on)
+
     # -- public, metered ----------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Sum ``t`` over all ranks, in place."""
-        self.meter.record("all_reduce", _nbytes(t), self.world_size)
+        self._record("all_reduce", _nbytes(t))
         return self._finish(self._all_reduce(t, async_op), async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Sum ``t`` (``world_size`` equal chunks, flat) over all ranks; rank ``i`` gets the
+        sum of chunk ``i`` in ``out``."""
+        if t.dim() != 1 or out.dim() != 1 or t.numel() != self.world_size * out.numel() or t.dtype != out.dtype:
+            raise ValueError(f"reduce_scatter needs a flat input of {self.world_size} x the output's numel, same "
+                             f"dtype; got {tuple(t.shape)} {t.dtype} into {tuple(out.shape)} {out.dtype}")
+        self._record("reduce_scatter", _nbytes(t))
+        return self._finish(self._reduce_scatter(t, out, async_op), async_op)
 
     def all_gather(self, t: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Write every rank's ``t`` into ``out`` (shape ``(world_size, *t.shape)``, same dtype)."""
@@ -57,13 +92,13 @@ class Communicator:
             raise ValueError(
                 f"all_gather out must be {(self.world_size, *t.shape)} {t.dtype}, got {tuple(out.shape)} {out.dtype}"
             )
-        self.meter.record("all_gather", _nbytes(t), self.world_size)
+        self._record("all_gather", _nbytes(t))
         return self._finish(self._all_gather(t, out, async_op), async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``t`` on every rank with rank ``src``'s ``t``."""
         if self.rank == src:
-            self.meter.record("broadcast", _nbytes(t), self.world_size)
+            self._record("broadcast", _nbytes(t))
         self._broadcast(t, src)
 
     def exchange(
@@ -75,7 +110,7 @@ class Communicator:
         """
         for peer, t in sends.items():
             self._check_peer(peer)
-            self.meter.record("send", _nbytes(t), self.world_size)
+            self._record("send", _nbytes(t), peer)
         for peer in recvs:
             self._check_peer(peer)
         return self._finish(self._exchange(sends, recvs, async_op), async_op)
@@ -99,6 +134,9 @@ class Communicator:
         raise NotImplementedError
 
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
+        raise NotImplementedError
+
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
         raise NotImplementedError
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:

@@ -5,6 +5,7 @@ ranks and a ``B``-byte payload (one rank, or nothing to send: 0 s):
 
 * ring all_reduce: ``2(n-1)α + 2(n-1)/n * B/β``
 * all_gather of a ``B``-byte contribution: ``(n-1)α + (n-1) * B/β``
+* ring reduce_scatter of a ``B``-byte input: ``(n-1)α + (n-1)/n * B/β``
 * broadcast (not in §0.4; set-up only): ``(n-1)α + (n-1) * B/β``, the root sending ``n-1``
   copies, which is what the meter counts for it
 * neighbour exchange with degree ``k``: ``α + k * B/β`` (sends serialised on one NIC)
@@ -99,6 +100,12 @@ class Link:
             return 0.0
         return (n - 1) * self.latency_s + (n - 1) * nbytes / self.bandwidth_Bps
 
+    def reduce_scatter_time(self, nbytes: int, n: int) -> float:
+        """Ring reduce_scatter of a ``nbytes`` input (every rank's whole tensor) over ``n`` ranks."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.latency_s + (n - 1) / n * nbytes / self.bandwidth_Bps
+
     def broadcast_time(self, nbytes: int, n: int) -> float:
         """Broadcast of ``nbytes``: the root sends ``n-1`` copies (matches the meter)."""
         return self.all_gather_time(nbytes, n)
@@ -110,26 +117,27 @@ class Link:
         return self.latency_s + degree * nbytes / self.bandwidth_Bps
 
 
-def meter_seconds(link: Link, meter: ByteMeter, n: int) -> float:
+def meter_seconds(link: Link, meter: ByteMeter, n: int, intra: Link | None = None) -> float:
     """Modeled seconds of everything ``meter`` counted, on ``link``; each collective over
     the ranks it spanned (sub-group collectives over their group; ``n`` is the world size,
-    used for counts recorded without one).
+    used for counts recorded without one). ``intra``: the link inside a node, for the
+    collectives counted on it (default: ``link`` too).
 
     Exact for a sequence of blocking collectives: every model time is linear in the number
     of calls and in the bytes, so per-op totals suffice. Point-to-point sends are charged
     one latency each (an upper bound when several sends share one exchange).
     """
-    groups = meter.by_group or {(op, n): c for op, c in meter.ops.items()}
+    groups = meter.by_group or {(op, n, "inter"): c for op, c in meter.ops.items()}
     total = 0.0
-    for (op, n), c in groups.items():
-        if op == "all_reduce":
-            fixed = link.all_reduce_time(0, n)
-            total += c.calls * fixed + link.all_reduce_time(c.payload_bytes, n) - fixed
-        elif op in ("all_gather", "broadcast"):
-            fixed = link.all_gather_time(0, n)
-            total += c.calls * fixed + link.all_gather_time(c.payload_bytes, n) - fixed
+    for (op, n, scope), c in groups.items():
+        on = intra if scope == "intra" and intra is not None else link
+        timed = {"all_reduce": on.all_reduce_time, "all_gather": on.all_gather_time,
+                 "broadcast": on.all_gather_time, "reduce_scatter": on.reduce_scatter_time}.get(op)
+        if timed is not None:
+            fixed = timed(0, n)
+            total += c.calls * fixed + timed(c.payload_bytes, n) - fixed
         elif op == "send":
-            total += c.calls * link.latency_s + c.payload_bytes / link.bandwidth_Bps
+            total += c.calls * on.latency_s + c.payload_bytes / on.bandwidth_Bps
     return total
 
 
@@ -231,6 +239,10 @@ class EmulatedLink(Communicator):
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
         deadline = self._book(self.link.all_gather_time(_nbytes(t), self.world_size))
         return _Delayed(self.inner._all_gather(t, out, async_op), deadline)
+
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
+        deadline = self._book(self.link.reduce_scatter_time(_nbytes(t), self.world_size))
+        return _Delayed(self.inner._reduce_scatter(t, out, async_op), deadline)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         deadline = self._book(self.link.broadcast_time(_nbytes(t), self.world_size))

@@ -194,6 +194,15 @@ class LocalComm(Communicator):
         t.copy_(acc)
         return Done()
 
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
+        values = self._gather_copies(t, "reduce_scatter")
+        k = out.numel()
+        acc = values[0][self.rank * k : (self.rank + 1) * k]
+        for v in values[1:]:  # rank order, as all_reduce
+            acc = acc + v[self.rank * k : (self.rank + 1) * k]
+        out.copy_(acc)
+        return Done()
+
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
         for i, v in enumerate(self._gather_copies(t, "all_gather")):
             out[i].copy_(v)

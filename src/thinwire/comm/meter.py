@@ -2,7 +2,15 @@
 
 Standard algorithms: ring all_reduce of ``B`` bytes sends ``2(n-1)/n * B`` in ``2(n-1)``
 messages; all_gather of a ``B``-byte contribution sends ``(n-1) * B`` in ``n-1`` messages;
+ring reduce_scatter of a ``B``-byte input sends ``(n-1)/n * B`` in ``n-1`` messages;
 point-to-point sends ``B`` in one message. One rank (n = 1) sends nothing.
+
+Two links (hierarchical runs, :mod:`thinwire.comm.nodes`): every count also carries the link
+it belongs to, ``"intra"`` (inside a node) or ``"inter"`` (between nodes). ``by_group`` keys
+a collective by the link that bounds its time (a collective whose ranks span nodes waits on
+the slow link); ``by_link`` counts the bytes this rank itself put on each link (in a ring
+over ranks laid out node by node, only a node's last rank sends across). A run without
+nodes counts everything as ``"inter"``: every rank is its own node.
 """
 
 from __future__ import annotations
@@ -19,15 +27,21 @@ def sent_bytes(op: str, nbytes: int, n: int) -> float:
     if op in ("all_gather", "broadcast"):
         # broadcast is counted as the tree/ring volume the root sends; used only for set-up
         return (n - 1) * nbytes
+    if op == "reduce_scatter":
+        return (n - 1) / n * nbytes
     if op == "send":
         return float(nbytes)
-    raise ValueError(f"unknown op {op!r}; expected all_reduce, all_gather, broadcast or send")
+    raise ValueError(f"unknown op {op!r}; expected all_reduce, all_gather, reduce_scatter, broadcast or send")
 
 
 def sent_messages(op: str, n: int) -> int:
     if n <= 1:
         return 0
-    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "broadcast": n - 1, "send": 1}[op]
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "broadcast": n - 1,
+            "send": 1}[op]
+
+
+LINKS = ("intra", "inter")
 
 
 @dataclass
@@ -44,12 +58,17 @@ class ByteMeter:
 
     ops: dict[str, OpCount] = field(default_factory=dict)
     enabled: bool = True
-    by_group: dict[tuple[str, int], OpCount] = field(default_factory=dict)  # (op, ranks in the collective)
+    # (op, ranks in the collective, the link bounding its time)
+    by_group: dict[tuple[str, int, str], OpCount] = field(default_factory=dict)
+    by_link: dict[str, OpCount] = field(default_factory=dict)  # what this rank sent on each link
 
-    def record(self, op: str, nbytes: int, n: int) -> None:
+    def record(self, op: str, nbytes: int, n: int, link: str = "inter", sent_on: str | None = None) -> None:
+        """Count one ``op`` of a ``nbytes`` payload over ``n`` ranks, bounded by ``link``,
+        this rank's bytes crossing ``sent_on`` (default: ``link``)."""
         if not self.enabled:
             return
-        for c in (self.ops.setdefault(op, OpCount()), self.by_group.setdefault((op, n), OpCount())):
+        for c in (self.ops.setdefault(op, OpCount()), self.by_group.setdefault((op, n, link), OpCount()),
+                  self.by_link.setdefault(sent_on or link, OpCount())):
             c.calls += 1
             c.bytes += sent_bytes(op, nbytes, n)
             c.messages += sent_messages(op, n)
@@ -63,12 +82,22 @@ class ByteMeter:
     def messages(self) -> int:
         return sum(c.messages for c in self.ops.values())
 
+    def link_bytes(self, link: str) -> float:
+        """Bytes this rank sent on ``link`` (``"intra"`` or ``"inter"``)."""
+        c = self.by_link.get(link)
+        return c.bytes if c is not None else 0.0
+
+    def link_messages(self, link: str) -> int:
+        c = self.by_link.get(link)
+        return c.messages if c is not None else 0
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {op: vars(c).copy() for op, c in self.ops.items()}
 
     def reset(self) -> None:
         self.ops.clear()
         self.by_group.clear()
+        self.by_link.clear()
 
     def paused(self) -> _Paused:
         return _Paused(self)

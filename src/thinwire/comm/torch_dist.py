@@ -46,6 +46,7 @@ def collective_timeout() -> float:
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # all_gather into one flat tensor: ``all_gather_single`` where it exists (it deprecates the other)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 EXIT_SETTLE_S = 0.2  # at exit, how long gloo's threads get to release the last works
@@ -153,6 +154,22 @@ class TorchComm(Communicator):
         with _launching():
             work = _all_gather_flat(dst.view(-1), src, group=self.group, async_op=True)
         return _Works([work], None if direct else (lambda: self._copy_rows(dst, out)), src, dst)
+
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
+        if self.world_size == 1:
+            out.copy_(t)
+            return Done()
+        src = t.contiguous()
+        if self._gather_rows is not None:  # chunk i is our rank i's; torch hands chunk j to its rank j
+            chunks = src.view(self.world_size, -1)
+            src = torch.empty_like(chunks)
+            for i, j in enumerate(self._gather_rows):
+                src[j].copy_(chunks[i])
+            src = src.view(-1)
+        dst = out if out.is_contiguous() else torch.empty_like(out)
+        with _launching():
+            work = _reduce_scatter_flat(dst, src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Works([work], None if dst is out else (lambda: out.copy_(dst)), src, dst)
 
     def _copy_rows(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         if self._gather_rows is None:

@@ -419,7 +419,8 @@ def _meter_state(meter) -> dict[str, Any]:
         return [c.calls, c.bytes, c.messages, c.payload_bytes]
 
     return {"ops": {op: counts(c) for op, c in meter.ops.items()},
-            "by_group": [[op, n, *counts(c)] for (op, n), c in meter.by_group.items()]}
+            "by_group": [[op, n, *counts(c), link] for (op, n, link), c in meter.by_group.items()],
+            "by_link": {link: counts(c) for link, c in meter.by_link.items()}}
 
 
 def _load_meter(meter, state: dict[str, Any]) -> None:
@@ -429,7 +430,13 @@ def _load_meter(meter, state: dict[str, Any]) -> None:
         return OpCount(calls=int(v[0]), bytes=float(v[1]), messages=int(v[2]), payload_bytes=int(v[3]))
 
     meter.ops = {op: count(v) for op, v in state["ops"].items()}
-    meter.by_group = {(row[0], int(row[1])): count(row[2:]) for row in state["by_group"]}
+    # rows saved before two links were counted have no link: everything was "inter" then
+    meter.by_group = {(row[0], int(row[1]), row[6] if len(row) > 6 else "inter"): count(row[2:6])
+                      for row in state["by_group"]}
+    meter.by_link = {link: count(v) for link, v in state.get("by_link", {}).items()}
+    if not meter.by_link and meter.ops:
+        meter.by_link = {"inter": count([sum(getattr(c, f) for c in meter.ops.values())
+                                         for f in ("calls", "bytes", "messages", "payload_bytes")])}
 
 
 def _peak_rss() -> int | None:

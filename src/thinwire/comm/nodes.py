@@ -1,0 +1,161 @@
+"""Nodes: which ranks share a machine, and the communicators inside and between them.
+
+Real clusters have two links: ranks on one node talk over NVLink, PCIe or shared memory,
+nodes talk over a network ten to a thousand times slower. A :class:`NodeLayout` says which
+ranks share a node, in torchrun's numbering: ``ranks_per_node`` consecutive ranks per node,
+node ``k`` holding ranks ``k*L .. k*L+L-1`` (``GROUP_RANK = k``, ``LOCAL_RANK = rank - k*L``).
+
+A :class:`Hierarchy` holds two communicators built once, identically on every rank, from the
+world: ``intra`` over this rank's node (its rank is the local rank) and ``inter`` over the
+ranks with this local rank, one per node (its rank is the node). An
+:class:`~thinwire.aggregate.Aggregator` over a world that carries a hierarchy averages in two
+levels (:mod:`thinwire.hierarchical`): uncompressed inside the node, through the codec
+between nodes.
+
+Under an :class:`~thinwire.comm.link.EmulatedLink` world, ``inter`` shares the world's link
+(the node's network card: one queue) and ``intra`` gets its own, :data:`INTRA_LINK` unless
+given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.comm.base import Communicator
+
+# The link inside a node when none is given: 100 Gbit/s and 10 µs per message, the order of
+# PCIe 4.0 x16 or shared memory between processes (NVLink is several times faster still).
+INTRA_LINK = "100gbit,10us"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """``world_size`` ranks, ``ranks_per_node`` consecutive ranks on each node."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(f"--ranks-per-node {self.ranks_per_node} must divide the world of "
+                             f"{self.world_size} ranks")
+
+    @property
+    def count(self) -> int:
+        """How many nodes."""
+        return self.world_size // self.ranks_per_node
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks on ``node``, by local rank."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peers(self, local_rank: int) -> list[int]:
+        """The ranks with ``local_rank``, one per node, by node."""
+        return [k * self.ranks_per_node + local_rank for k in range(self.count)]
+
+    def __str__(self) -> str:
+        return f"{self.count} node(s) x {self.ranks_per_node} rank(s)"
+
+
+def torchrun_layout(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """``(LOCAL_WORLD_SIZE, GROUP_RANK, LOCAL_RANK)`` as torchrun sets them, or None outside it."""
+    env = os.environ if env is None else env
+    if "LOCAL_WORLD_SIZE" not in env or "GROUP_RANK" not in env:
+        return None
+    try:
+        return int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), int(env.get("LOCAL_RANK", "0"))
+    except ValueError:
+        raise ValueError(f"torchrun's LOCAL_WORLD_SIZE, GROUP_RANK and LOCAL_RANK must be integers, got "
+                         f"{env['LOCAL_WORLD_SIZE']!r}, {env['GROUP_RANK']!r}, {env.get('LOCAL_RANK')!r}") from None
+
+
+def layout_for(world_size: int, ranks_per_node: int | str | None, rank: int | None = None,
+               env: Mapping[str, str] | None = None) -> NodeLayout | None:
+    """The layout a run asked for: ``ranks_per_node`` ranks per node (an integer, or ``"auto"``:
+    torchrun's ``LOCAL_WORLD_SIZE``), or None (no nodes: every rank its own). Under torchrun
+    (``rank`` given) the layout must be torchrun's: the same ranks per node, and this rank at
+    ``GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``."""
+    if ranks_per_node is None:
+        return None
+    launched = torchrun_layout(env) if rank is not None else None
+    if ranks_per_node == "auto":
+        if launched is None:
+            raise ValueError("--ranks-per-node auto takes the layout from torchrun (LOCAL_WORLD_SIZE); "
+                             "give a number of ranks per node instead")
+        ranks_per_node = launched[0]
+    layout = NodeLayout(world_size, int(ranks_per_node))
+    if launched is not None and rank is not None:
+        local_world, group_rank, local_rank = launched
+        if local_world != layout.ranks_per_node:
+            raise ValueError(f"--ranks-per-node {layout.ranks_per_node} disagrees with torchrun's layout: "
+                             f"LOCAL_WORLD_SIZE={local_world}")
+        if rank != group_rank * local_world + local_rank:
+            raise ValueError(f"torchrun placed rank {rank} at node {group_rank}, local rank {local_rank}: not "
+                             f"{local_world} consecutive ranks per node, which --ranks-per-node needs")
+    return layout
+
+
+@dataclass
+class Hierarchy:
+    """A world's node groups: ``intra`` (this rank's node, ranked by local rank) and ``inter``
+    (this local rank on every node, ranked by node)."""
+
+    layout: NodeLayout
+    intra: Communicator
+    inter: Communicator
+
+    @property
+    def node(self) -> int:
+        return self.inter.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.intra.rank
+
+
+def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | None = None) -> Hierarchy:
+    """Create every node's and every local rank's group (all ranks call this, in the same
+    order), set ``world.nodes`` and ``world.hierarchy`` and return the hierarchy. Each rank
+    first checks that all ranks agree on the layout (one small all_gather, not metered).
+    ``intra_link``: the link inside a node for an emulated world (default :data:`INTRA_LINK`)."""
+    from thinwire.comm.link import EmulatedLink, Link
+
+    if layout.world_size != world.world_size:
+        raise ValueError(f"the node layout has {layout.world_size} ranks, the world {world.world_size}")
+    _agree(world, layout)
+    base = world.inner if isinstance(world, EmulatedLink) else world
+    intra = inter = None
+    for node in range(layout.count):  # every group is created by every rank, in this order
+        intra = base.subgroup(layout.node_ranks(node)) or intra
+    for local in range(layout.ranks_per_node):
+        inter = base.subgroup(layout.peers(local)) or inter
+    assert intra is not None and inter is not None  # every rank is on one node and has one local rank
+    if isinstance(world, EmulatedLink):
+        inter = EmulatedLink(inter, world.link, sleep=world.sleep, _clock=world._clock)  # the node's NIC
+        intra = EmulatedLink(intra, Link.parse(intra_link or INTRA_LINK), sleep=world.sleep)
+    intra.scope, inter.scope = "intra", "inter"
+    hierarchy = Hierarchy(layout, intra, inter)
+    world.nodes = layout
+    world.hierarchy = hierarchy if layout.ranks_per_node > 1 else None
+    return hierarchy
+
+
+def _agree(world: Communicator, layout: NodeLayout) -> None:
+    """Refuse a layout the ranks do not share (each rank derives it from its own environment)."""
+    mine = torch.tensor([layout.world_size, layout.ranks_per_node], dtype=torch.int64)
+    every = torch.empty(world.world_size, 2, dtype=torch.int64)
+    with world.meter.paused():
+        world.all_gather(mine, every)
+    seen = {tuple(row) for row in every.tolist()}
+    if len(seen) != 1:
+        raise ValueError(f"ranks disagree on the node layout (world size, ranks per node): {sorted(seen)}")

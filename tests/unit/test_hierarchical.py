@@ -1,0 +1,258 @@
+"""Two-level averaging against the in-process communicator: exact against flat with identity,
+every codec's stage between nodes equal to that codec's flat average of the node means,
+shards that cover every tensor once, per-shard residuals that resume exactly, and the
+meter's two links."""
+
+import pytest
+import torch
+
+from thinwire.aggregate import Aggregator
+from thinwire.codecs.registry import build_codec
+from thinwire.comm.local import LocalWorld
+from thinwire.comm.meter import sent_bytes
+from thinwire.comm.nodes import NodeLayout, build_hierarchy, layout_for
+from thinwire.hierarchical import HierarchicalAggregator, shard
+
+# a conv kernel, matrices, odd sizes (element pieces of unequal length) and 1-D tensors (fp32)
+SHAPES = {"conv.weight": (16, 8, 3, 3), "conv.bias": (16,), "fc.weight": (41, 63), "fc.bias": (41,),
+          "out.weight": (5, 41), "tiny": (1,)}
+CODECS = ["identity", "bf16", "topk:ratio=0.1", "qsgd", "signsgd", "terngrad", "randomk:ratio=0.2", "twobit",
+          "rangefloat", "powersgd:rank=2,min_numel=16", "dct:chunk=8,topk=4", "fft", "kernels:min_numel=100"]
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    return [(k, torch.zeros(s)) for k, s in SHAPES.items()]
+
+
+def _grads(rank: int, step: int = 0, integer: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if integer:  # multiples of 6: every division by 2, 3 or 6 and every sum below is exact in fp32
+        return {k: 6.0 * torch.randint(-1000, 1000, s, generator=g).float() for k, s in SHAPES.items()}
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def _world(comm, ranks_per_node):
+    build_hierarchy(comm, NodeLayout(comm.world_size, ranks_per_node))
+    return comm
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (2, 3), (3, 2)])
+def test_identity_equals_flat_exactly(nodes, per_node):
+    n = nodes * per_node
+
+    def fn(comm):
+        flat_g, hier_g = _grads(comm.rank, integer=True), _grads(comm.rank, integer=True)
+        Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm).reduce_(flat_g)
+        _world(comm, per_node)
+        agg = Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
+        assert isinstance(agg, HierarchicalAggregator)
+        agg.reduce_(hier_g)
+        return flat_g, hier_g
+
+    for flat_g, hier_g in LocalWorld(n).run(fn):
+        for name in SHAPES:
+            ref = sum(_grads(r, integer=True)[name] for r in range(n)) / n
+            assert torch.equal(flat_g[name], ref) and torch.equal(hier_g[name], ref), name
+
+
+def _node_means(nodes: int, per_node: int, step: int) -> list[dict[str, torch.Tensor]]:
+    """Each node's mean, summed in local-rank order after dividing by the ranks per node (the
+    in-process reduce_scatter's order): what stage 1 must give, bit for bit."""
+    out = []
+    for k in range(nodes):
+        g = [_grads(k * per_node + r, step) for r in range(per_node)]
+        out.append({name: sum((x[name] / per_node for x in g[1:]), g[0][name] / per_node) for name in SHAPES})
+    return out
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (2, 3)])
+def test_each_codec_averages_the_node_means_between_nodes(spec, nodes, per_node):
+    """Stage 1 is lossless and stage 3 hands every rank of a node the same bits: every rank's
+    result equals, bit for bit, the codec's flat average over the nodes of the exact node
+    means, piece by piece (two steps, so error feedback and codec state are in play)."""
+    steps = 2
+
+    def hier(comm):
+        _world(comm, per_node)
+        codecs = {}
+        agg = Aggregator(_named(), lambda name, _t: codecs.setdefault("c", build_codec(spec)), comm)
+        outs = []
+        for step in range(steps):
+            g = _grads(comm.rank, step)
+            agg.reduce_(g)
+            outs.append(g)
+        return outs, agg
+
+    results = LocalWorld(nodes * per_node).run(hier)
+    agg0 = results[0][1]
+    for r, (outs, _) in enumerate(results):  # the same bits on every rank of the world
+        for step in range(steps):
+            for name in SHAPES:
+                assert torch.equal(outs[step][name], results[0][0][step][name]), (r, step, name)
+
+    means = [_node_means(nodes, per_node, step) for step in range(steps)]
+    for b, st in zip(agg0.buckets, agg0.stages):
+        for local, pieces in enumerate(st.shards):
+            if not pieces:
+                continue
+
+            def flat(comm, pieces=pieces, codec_spec=spec, bucket=b):
+                codec = build_codec(codec_spec) if not bucket.codec.is_identity else bucket.codec
+                ref = Aggregator([(p.name, torch.zeros(p.shape)) for p in pieces], lambda _n, _t: codec, comm,
+                                 as_given=True)
+                outs = []
+                for step in range(steps):
+                    x = {p.name: means[step][comm.rank][p.name].reshape(-1)[p.start : p.start + p.numel]
+                         .clone().view(p.shape) for p in pieces}
+                    ref.reduce_(x)
+                    outs.append(x)
+                return outs
+
+            ref_outs = LocalWorld(nodes).run(flat)[0]
+            for step in range(steps):
+                for p in pieces:
+                    got = results[0][0][step][p.name].reshape(-1)[p.start : p.start + p.numel]
+                    assert torch.equal(got, ref_outs[step][p.name].reshape(-1)), (spec, local, p.name, step)
+
+
+def test_one_node_averages_without_the_codec():
+    def fn(comm):
+        _world(comm, 3)
+        g = _grads(comm.rank)
+        Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.01"), comm).reduce_(g)
+        return g, comm.meter.link_bytes("inter")
+
+    ref = _node_means(1, 3, 0)[0]
+    for g, inter in LocalWorld(3).run(fn):
+        assert inter == 0
+        for name in SHAPES:
+            assert torch.equal(g[name], ref[name])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7])
+def test_shards_cover_every_tensor_once(ranks):
+    slots = [(k, torch.Size(s)) for k, s in SHAPES.items()] + [("big", torch.Size([300, 7]))]
+    by_element = shard(slots, ranks, by_element=True)
+    for name, shape in slots:
+        covered = torch.zeros(shape.numel(), dtype=torch.int64)
+        for pieces in by_element:
+            for p in pieces:
+                if p.name == name:
+                    covered[p.start : p.start + p.numel] += 1
+        assert torch.equal(covered, torch.ones_like(covered)), name
+    sizes = [sum(p.numel for p in pieces) for pieces in by_element]
+    assert max(sizes) - min(sizes) <= len(slots)  # at most one element more per tensor
+
+    whole = shard(slots, ranks, by_element=False)
+    owners = [p.name for pieces in whole for p in pieces]
+    assert sorted(owners) == sorted(name for name, _ in slots)  # each tensor once, whole
+    assert all(p.start == 0 and p.numel == torch.Size(p.shape).numel() for pieces in whole for p in pieces)
+    loads = [sum(p.numel for p in pieces) for pieces in whole]
+    assert max(loads) - min(loads) <= max(s.numel() for _, s in slots)  # greedy, largest first
+    for pieces in whole + by_element:  # segments: pieces back to back from 0
+        offsets = [p.offset for p in pieces]
+        assert offsets == [sum(q.numel for q in pieces[:i]) for i in range(len(pieces))]
+
+
+def test_residuals_are_per_parameter_and_resume_exactly():
+    def fn(comm):
+        _world(comm, 2)
+        make = lambda: Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
+        agg = make()
+        for step in range(2):
+            agg.reduce_(_grads(comm.rank, step))
+        state = agg.state_dict()
+        cont = _grads(comm.rank, 2)
+        agg.reduce_(cont)
+        again = make()
+        again.load_state_dict(state)
+        resumed = _grads(comm.rank, 2)
+        again.reduce_(resumed)
+        return cont, resumed, agg.feedback.residuals, state, agg, comm.rank % 2
+
+    for cont, resumed, residuals, state, agg, local in LocalWorld(4).run(fn):
+        for name in SHAPES:
+            assert torch.equal(cont[name], resumed[name]), name
+        assert state["nodes"] == [2, 2]
+        # one residual per compressed parameter, shaped as this local rank's piece of it
+        pieces = {p.name: p for b, st in zip(agg.buckets, agg.stages) if not b.codec.is_identity
+                  for p in st.shards[local]}
+        assert set(residuals) == set(pieces) and len(pieces) == 2  # conv and fc weights (the rest: fp32)
+        for name, p in pieces.items():
+            assert tuple(residuals[name].shape) == p.shape
+
+
+def test_a_hierarchical_state_does_not_load_into_a_flat_run():
+    def fn(comm):
+        build = lambda: Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
+        flat = build()
+        _world(comm, 2)
+        hier = build()
+        hier.reduce_(_grads(comm.rank))
+        with pytest.raises(ValueError, match="2 node.*no nodes"):
+            flat.load_state_dict(hier.state_dict())
+        with pytest.raises(ValueError, match="no nodes.*2 node"):
+            hier.load_state_dict(flat.state_dict())
+        return True
+
+    assert all(LocalWorld(4).run(fn))
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (2, 3)])
+def test_the_meter_counts_each_link(nodes, per_node):
+    n = nodes * per_node
+    numel = sum(torch.Size(s).numel() for s in SHAPES.values())
+
+    def fn(comm):
+        _world(comm, per_node)
+        agg = Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
+        agg.reduce_(_grads(comm.rank))
+        return comm.meter, agg, comm.rank % per_node
+
+    for meter, agg, local in LocalWorld(n).run(fn):
+        (st,) = agg.stages  # identity: one fused fp32 bucket
+        seg = st.segment
+        intra = sent_bytes("reduce_scatter", 4 * per_node * seg, per_node) + sent_bytes("all_gather", 4 * seg, per_node)
+        assert meter.link_bytes("intra") == pytest.approx(intra, rel=1e-12)
+        mine = sum(p.numel for p in st.shards[local])  # the shard, not its padding, crosses nodes
+        assert meter.link_bytes("inter") == pytest.approx(sent_bytes("all_reduce", 4 * mine, nodes), rel=1e-12)
+        assert numel // per_node - len(SHAPES) <= mine <= seg <= numel // per_node + len(SHAPES)  # 1/L of it
+
+
+def test_a_flat_ring_over_nodes_crosses_from_each_nodes_last_rank():
+    def fn(comm):
+        comm.nodes = NodeLayout(4, 2)
+        comm.all_reduce(torch.zeros(1000))
+        comm.exchange({(comm.rank + 1) % 4: torch.zeros(10)}, {(comm.rank - 1) % 4: torch.zeros(10)})
+        return comm.meter
+
+    meters = LocalWorld(4).run(fn)
+    ring = sent_bytes("all_reduce", 4000, 4)
+    for rank, meter in enumerate(meters):
+        last = rank % 2 == 1  # its successor is on the other node
+        assert meter.link_bytes("inter") == (ring + 40 if last else 0)
+        assert meter.link_bytes("intra") == (0 if last else ring + 40)
+        assert ("all_reduce", 4, "inter") in meter.by_group  # the slow link bounds the flat collective
+
+
+def test_bad_layouts_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="--ranks-per-node 3 must divide the world of 4 ranks"):
+        NodeLayout(4, 3)
+    with pytest.raises(ValueError, match="disagrees with torchrun's layout: LOCAL_WORLD_SIZE=4"):
+        layout_for(8, 2, rank=0, env={"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "LOCAL_RANK": "0"})
+    with pytest.raises(ValueError, match="auto takes the layout from torchrun"):
+        layout_for(4, "auto")
+    with pytest.raises(ValueError, match="not 2 consecutive ranks per node"):
+        layout_for(4, "auto", rank=1, env={"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "LOCAL_RANK": "0"})
+    assert layout_for(4, "auto", rank=3, env={"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                                               "LOCAL_RANK": "1"}) == NodeLayout(4, 2)
+    assert layout_for(4, None) is None
+
+
+def test_ranks_that_disagree_on_the_layout_are_refused():
+    def fn(comm):
+        build_hierarchy(comm, NodeLayout(4, 2 if comm.rank else 4))
+
+    with pytest.raises(ValueError, match="ranks disagree on the node layout"):
+        LocalWorld(4).run(fn)
