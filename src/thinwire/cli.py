@@ -6,6 +6,7 @@ Bad input never shows a traceback: one line naming the rule broken, exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ def _train_parser(sub: Any) -> None:
                    help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
     t.add_argument("--emulate-link", action=argparse.BooleanOptionalAction,
                    help="delay real collectives by the first --link's modeled time (default: no)")
+    _node_options(t)
     t.add_argument("--out", help="write metrics.jsonl and summary.json here")
     t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
     t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
@@ -82,6 +84,15 @@ def _train_parser(sub: Any) -> None:
     _import_option(t)
 
 
+def _node_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks-per-node", metavar="L|auto",
+                   help="ranks per node (auto: torchrun's LOCAL_WORLD_SIZE): average uncompressed inside each node and "
+                   "through the method's codec between nodes; with --workers N, N/L emulated nodes (default: flat)")
+    p.add_argument("--intra-link", metavar="LINK",
+                   help="the link inside a node, modeled and emulated as --link is between nodes (default: "
+                   "100gbit,10us; needs --ranks-per-node)")
+
+
 def _compare_parser(sub: Any) -> None:
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
@@ -102,6 +113,7 @@ def _compare_parser(sub: Any) -> None:
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
     c.add_argument("--emulate-link", action="store_true",
                    help="delay real collectives by the first --link's modeled time")
+    _node_options(c)
     c.add_argument("--out", required=True, help="directory for report.md, results.csv, the PNGs and runs/")
     c.add_argument("--overwrite", action="store_true", help="allow --out to replace an earlier comparison")
     c.add_argument("--target", type=float,
@@ -140,6 +152,7 @@ def _cost_parser(sub: Any) -> None:
     k.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help="task option, e.g. model=vgg (repeatable)")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
+    _node_options(k)
     _max_workers_option(k)
     _import_option(k)
 
@@ -267,13 +280,15 @@ def _train(args: argparse.Namespace) -> int:
 
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
-                "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers")  # train's options, by field
+                "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
+                "intra_link")  # train's options, by field
 
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
-                  "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers")
+                  "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers",
+                  "ranks_per_node", "intra_link")
 COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
-               "max_workers")
+               "max_workers", "ranks_per_node", "intra_link")
 
 
 def _config(args: argparse.Namespace, fields: Sequence[str], **fixed: Any) -> Any:
@@ -309,7 +324,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
     base = _config(args, COMPARE_FIELDS, workers=workers)
     try:
-        _check_task(base.resolve())
+        base = _nodes_resolved(base)
         if args.suite:
             races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
         else:
@@ -360,7 +375,7 @@ def _cost(args: argparse.Namespace) -> int:
                    links=tuple(args.links or DEFAULT_LINKS))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
-        _check_task(base.resolve())
+        base = _nodes_resolved(base)
         base, resolved = resolve_methods(base, [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE])
     except ValueError as e:
         raise BadInput(str(e)) from None
@@ -371,10 +386,14 @@ def _cost(args: argparse.Namespace) -> int:
         return 1  # no reference to compare against
     ref = costs[resolved[0]]
     links = [Link.parse(text) for text in base.links]
-    table = Table(title=f"{base.task} · {base.workers} workers · predicted milliseconds per step (probe: "
+    per_node = int(base.ranks_per_node or 1)  # resolved: a number
+    nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
+             "MB and messages: between nodes)" if per_node > 1 else "")
+    table = Table(title=f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
                   f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods)",
                   caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
-                  f"bytes / bandwidth); wait = the collectives' time here, with no link; window = the backward time "
+                  f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
+                  f"with no link; window = the backward time "
                   f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
                   f"bandwidths at which the method's step is "
                   f"faster than bf16's, at the latency of {base.links[0]}. A periodic method's sync is spread over "
@@ -412,6 +431,14 @@ def _number(text: str) -> Any:
     return text
 
 
+def _nodes_resolved(base):
+    """``base`` checked (the task built once) with its nodes resolved: ranks per node a
+    number, the intra-node link filled in (the runs' configs are resolved one by one later)."""
+    resolved = base.resolve()
+    _check_task(resolved)
+    return dataclasses.replace(base, ranks_per_node=resolved.ranks_per_node, intra_link=resolved.intra_link)
+
+
 def _check_task(cfg) -> None:
     """Build the task once here so a missing or corrupt data directory fails before any rank starts."""
     from thinwire.algorithms.registry import check_model
@@ -428,7 +455,9 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{s['task']} · {s['method'].split(':')[0]} · {s['workers']} workers · {s['steps']} steps")
+    nodes = "" if (s.get("ranks_per_node") or 1) == 1 else f" ({s['workers'] // s['ranks_per_node']} nodes)"
+    table = Table(title=f"{s['task']} · {s['method'].split(':')[0]} · {s['workers']} workers{nodes} · "
+                  f"{s['steps']} steps")
     table.add_column("figure")
     table.add_column("value", justify="right", overflow="fold")
     table.add_row("method", s["method"])
@@ -436,6 +465,10 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
         if s.get(key) is not None:
             table.add_row(key.replace("_", " "), f"{s[key]:.4f}")
     table.add_row("bytes sent per worker", _size(s["bytes_sent_per_worker"]))
+    by_link = s.get("bytes_by_link_per_worker") or {}
+    if (s.get("ranks_per_node") or 1) > 1:
+        table.add_row("of which inside / between nodes", f"{_size(by_link.get('intra', 0))} / "
+                      f"{_size(by_link.get('inter', 0))}")
     table.add_row("fp32 all_reduce would send", _size(s["fp32_bytes_per_worker"]))
     if s.get("compression_ratio"):
         table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thinwire.aggregate import Aggregator, CodecChooser, _buffer, _Bucket, _Flight
+from thinwire.aggregate import Aggregator, CodecChooser, _Bucket, _buffer, _Flight
 from thinwire.comm.meter import sent_bytes
 from thinwire.feedback import ErrorFeedback
 
@@ -236,13 +236,13 @@ class HierarchicalAggregator(Aggregator):
                 parts.setdefault(p.name, []).append((p, gathered[r, p.offset : p.offset + p.numel]))
         for s in b.slots:
             out = tensors[s.name]
-            pieces = parts.get(s.name, [])
+            written = parts.get(s.name, [])
             if out.is_contiguous():
                 flat = out.view(-1)
-                for p, values in pieces:
+                for p, values in written:
                     flat[p.start : p.start + p.numel].copy_(values)
             else:
-                out.copy_(torch.cat([values for _, values in pieces]).view(out.shape))
+                out.copy_(torch.cat([values for _, values in written]).view(out.shape))
 
     def _account_intra(self, b: _Bucket, st: _Stage, ranks: int) -> None:
         """The node stages' bytes (a reduce_scatter and an all_gather of the buckets' fp32

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"cli", "__main__", "__init__"},
     {"run", "tasks"},
     {"algorithms", "integrations", "optim"},
-    {"aggregate", "policy", "nn"},
+    {"aggregate", "hierarchical", "policy", "nn"},
     {"feedback", "codecs", "comm", "topology"},
     {"numerics"},
     {"payload", "knobs", "registry", "timing", "version"},  # leaves: they import no thinwire module

@@ -121,6 +121,8 @@ def groups_of(config: ABConfig, workers: int) -> list[list[int]]:
 class ABTraining(Method):
     """Factored weights trained in groups (A or B), synchronised every ``cycle`` steps."""
 
+    flat_only = "its groups of ranks train factors on their own; they are not nodes"
+
     name = "ab"
     summary = "AB-training: low-rank A·B factors trained in independent groups, synchronised every cycle"
 

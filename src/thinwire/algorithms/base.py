@@ -54,7 +54,9 @@ class Method(ABC):
     ``loss.backward()`` and blocks it, as PyTorch's DDP does: its seconds there are not
     compute), ``peer`` (PyTorch's own implementation, listed apart as a peer to compare
     against), ``skip_unsafe`` (why a step dropped on every rank after its backward pass,
-    for a non-finite gradient, would leave the method's state unclean; None: it would not).
+    for a non-finite gradient, would leave the method's state unclean; None: it would not),
+    ``flat_only`` (why the method cannot average in two levels, uncompressed inside a node
+    and compressed between nodes (``--ranks-per-node``); None: it can).
 
     The constructor takes the model, the optimizer (None where the method has no schedule
     of its own), the communicator (default: the default ``torch.distributed`` group) and a
@@ -70,6 +72,7 @@ class Method(ABC):
     peer: ClassVar[bool] = False
     skip_unsafe: ClassVar[str | None] = None
     replaces_optimizer: ClassVar[bool] = False
+    flat_only: ClassVar[str | None] = None
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
@@ -257,6 +260,8 @@ class Gossip(Method):
     models differ, so the trainer evaluates their mean (:attr:`decentralized`). Mixing
     happens in :meth:`after_backward`, before the optimizer applies the gradient computed
     at the old model (the D-PSGD order); :meth:`after_step` does nothing."""
+
+    flat_only = "it exchanges with its graph neighbours by rank, not through a node's groups"
 
     decentralized = True
 

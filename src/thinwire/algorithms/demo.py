@@ -41,6 +41,8 @@ class DeMoConfig:
 class DeMoMethod(Method):
     """DeMo: each rank's momentum, its top DCT coefficients all_gathered, a sign step."""
 
+    flat_only = "its momenta are the codec's residuals of whole tensors, which two levels would split by rank"
+
     name = "demo"
     summary = ("DeMo: an optimizer; each rank keeps its momentum, all_gathers its top chunked-DCT coefficients "
                "and steps with the sign of their mean")

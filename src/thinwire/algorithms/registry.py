@@ -124,6 +124,14 @@ def skip_unsafe(spec: str) -> str | None:
     return METHODS[parse_spec(spec)[0]].skip_unsafe if kind_of(spec) == "method" else None
 
 
+def flat_only(spec: str | Policy | Codec) -> str | None:
+    """Why the method of a resolved spec cannot average in two levels (:attr:`Method.flat_only`),
+    or None when it can (codecs and policies always can)."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        return METHODS[parse_spec(spec)[0]].flat_only
+    return None
+
+
 def own_optimizer(spec: str | Policy | Codec) -> bool:
     """Whether a resolved spec names a method that is an optimizer itself (DeMo), built in
     place of the run's Adam or SGD (:attr:`Method.replaces_optimizer`)."""

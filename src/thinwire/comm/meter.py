@@ -87,6 +87,13 @@ class ByteMeter:
         c = self.by_link.get(link)
         return c.bytes if c is not None else 0.0
 
+    def bound_bytes(self, link: str) -> float:
+        """Bytes of the collectives whose time ``link`` bounds (``by_group``), this rank's."""
+        return sum(c.bytes for (_, _, scope), c in self.by_group.items() if scope == link)
+
+    def bound_messages(self, link: str) -> int:
+        return sum(c.messages for (_, _, scope), c in self.by_group.items() if scope == link)
+
     def link_messages(self, link: str) -> int:
         c = self.by_link.get(link)
         return c.messages if c is not None else 0

@@ -230,6 +230,8 @@ class PeerDeMo(Method):
     """detonation's DeMo optimizer (``detonation.optim.demo.DeMo``), its all_gathers through
     thinwire's communicator; the method itself only counts steps and reports."""
 
+    flat_only = "detonation's optimizer averages over one flat group"
+
     name = "peer-demo"
     summary = ("detonation's DeMo optimizer (decoupled momentum: DCT blocks of the residual, top-k all_gather, "
                "sign-SGD step); replaces --optimizer")

@@ -140,6 +140,8 @@ class TorchBuiltin(Method):
     subclasses that only pick one (fp16, bf16); PowerSGD and post-local SGD build their hook
     and its state in ``_hook``."""
 
+    flat_only = "PyTorch's hooks average over one flat process group"
+
     name = "torch-ddp"
     summary = "PyTorch DDP, default all_reduce (allreduce_hook), fp32"
     averages_in_backward = True

@@ -113,6 +113,8 @@ class TorchFTDiLoCo(Method):
     """torchft's DiLoCo over its own gloo process group, one replica group per rank; its
     allreduces are metered by thinwire's meter."""
 
+    flat_only = "torchft's DiLoCo averages over its own flat process group"
+
     name = "torch-diloco"
     summary = ("torchft's DiLoCo (torchft.local_sgd.DiLoCo): every period inner steps, an outer Nesterov SGD step "
                "on the averaged pseudo-gradient, over torchft's own gloo process group")

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinwire.algorithms.registry import check_world, own_optimizer, resolve_method, skip_unsafe
+from thinwire.algorithms.registry import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
 
 OPTIMIZERS = ("adam", "adamw", "sgd")  # --optimizer: sgd has momentum 0.9
@@ -46,6 +46,9 @@ class TrainConfig:
     on_nonfinite: str = "raise"  # a NaN/Inf gradient: raise (name it) or skip the step on every rank
     imports: tuple[str, ...] = ()  # modules (dotted names or .py files) imported before methods resolve: user codecs
     max_workers: int | None = None  # the most local ranks to spawn; None: what this machine can hold (worker_limit)
+    # ranks per node (an int, or "auto": torchrun's LOCAL_WORLD_SIZE); None: flat, every rank its own node
+    ranks_per_node: int | str | None = None
+    intra_link: str | None = None  # the link inside a node (modeled, emulated); None: comm.nodes.INTRA_LINK
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -81,11 +84,16 @@ class TrainConfig:
         require(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         links = tuple(str(Link.parse(s)) for s in self.links)
         require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
+        per_node, intra = self._nodes(facts)
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
         require(self.on_nonfinite in ("raise", "skip"),
                 f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
         self._check_outputs(facts)
         method, rules = self._method(facts)
+        if per_node is not None and per_node > 1:
+            why = flat_only(method)
+            require(why is None, f"--ranks-per-node: {method.split(':')[0]} cannot average in two levels: {why}; "
+                    "leave --ranks-per-node out to run it flat")
         own = own_optimizer(method)  # DeMo: the method is the optimizer (a resumed run's config names it)
         name = method.partition(":")[0]
         if facts.meta is not None:  # a checkpoint of another run says so first
@@ -99,7 +107,19 @@ class TrainConfig:
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,
+            ranks_per_node=per_node, intra_link=intra,
         )
+
+    def _nodes(self, facts: Facts) -> tuple[int | None, str | None]:
+        """Ranks per node (torchrun's for ``auto``) and the link inside a node, checked."""
+        from thinwire.comm.link import Link
+        from thinwire.comm.nodes import INTRA_LINK
+
+        layout = facts.layout
+        if layout is None:
+            require(self.intra_link is None, "--intra-link needs --ranks-per-node (the link inside a node)")
+            return None, None
+        return layout.ranks_per_node, str(Link.parse(self.intra_link or INTRA_LINK))
 
     def _check_outputs(self, facts: Facts) -> None:
         """Where the run writes: somewhere for checkpoints, nothing of another run replaced."""
@@ -177,6 +197,7 @@ class Facts:
     decides: bool  # this process decides for the run (rank 0 under torchrun; the launcher otherwise)
     worker_limit: tuple[int, str] | None  # the most local ranks this machine holds, and why (None: torchrun)
     out: str | None  # where the run writes (a resume without --out: its own run directory)
+    layout: Any = None  # the NodeLayout --ranks-per-node asks for (None: flat)
     policy: Any = None  # the --policy file's Policy
     resume_dir: Any = None  # the checkpoint directory --resume means, its metadata and its run directory
     meta: dict[str, Any] | None = None
@@ -212,6 +233,7 @@ def plan(cfg: TrainConfig) -> Facts:
                   world=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.workers,
                   decides=os.environ.get("RANK", "0") == "0", worker_limit=None if torchrun else worker_limit(),
                   out=cfg.out)
+    facts = dataclasses.replace(facts, layout=node_layout(cfg.ranks_per_node, facts.world, torchrun))
     if cfg.policy is not None and cfg.method == "identity":  # with a --method too, validate() refuses the pair
         from thinwire.policy import Policy
 
@@ -223,6 +245,19 @@ def plan(cfg: TrainConfig) -> Facts:
         if not facts.continuing:
             facts = dataclasses.replace(facts, holds_run=_holds_run(facts.out))
     return facts
+
+
+def node_layout(ranks_per_node: int | str | None, world: int, torchrun: bool) -> Any:
+    """The NodeLayout of ``--ranks-per-node`` over ``world`` ranks (under torchrun: checked
+    against torchrun's own layout), or None."""
+    from thinwire.comm.nodes import layout_for
+
+    if isinstance(ranks_per_node, str) and ranks_per_node != "auto":
+        try:
+            ranks_per_node = int(ranks_per_node)
+        except ValueError:
+            raise ValueError(f"ranks-per-node must be a number of ranks or auto, got {ranks_per_node!r}") from None
+    return layout_for(world, ranks_per_node, rank=int(os.environ["RANK"]) if torchrun else None)
 
 
 def _resume_facts(cfg: TrainConfig, facts: Facts) -> Facts:

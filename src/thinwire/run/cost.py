@@ -81,7 +81,7 @@ _SAME = 1e-9  # relative distance under which two crossings (in x = 1/β) are on
 
 def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s: float, window_s: float,
                            early_share: float, wait_s: float = 0.0,
-                           leads: tuple[tuple[float, float], ...] = ()) -> float:
+                           leads: tuple[tuple[float, float], ...] = (), intra_s: float = 0.0) -> float:
     """Modeled seconds of codec and communication work hidden behind the backward pass on
     ``link``: ``min(window_s, early_share · (codec_s + max(wait_s, messages · α + bytes / β)))``.
 
@@ -99,9 +99,10 @@ def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s
     buckets queue on the one background thread, so the part left at ``reduce()`` is
     ``max(0, max_i(S_i · G − lead_i))`` with ``S_i`` the share of bucket ``i`` and those after
     it, and the hidden part is ``early · G`` minus that (``leads`` = ((W, s),) is the formula
-    above).
+    above). ``intra_s``: the seconds of the collectives inside a node, on their own link
+    (hierarchical runs; ``bytes`` and ``messages`` are then those between nodes).
     """
-    busy = codec_s + max(wait_s, messages * link.latency_s + bytes / link.bandwidth_Bps)
+    busy = codec_s + max(wait_s, intra_s + messages * link.latency_s + bytes / link.bandwidth_Bps)
     return _hidden(busy, _groups(leads, window_s, early_share))
 
 
@@ -153,6 +154,9 @@ class StepCost:
     leads: tuple[tuple[float, float], ...] = ()  # per launched bucket: (seconds before reduce(), share)
     peak_bytes: float | None = None  # the most one worker sent in one step (methods that report it)
     probe_steps: int = 0  # timed steps of the probe (a whole number of periods for periodic methods)
+    # hierarchical runs: the collectives inside a node, timed on the intra-node link (bytes and
+    # messages above are then those of the collectives between nodes)
+    intra_s: float = 0.0
 
     def seconds(self, link: Link) -> float:
         return self._at(link.latency_s, 1.0 / link.bandwidth_Bps)
@@ -161,11 +165,11 @@ class StepCost:
         """Seconds per step of codec and communication work hidden behind the backward pass."""
         return overlap_hidden_seconds(link, bytes=self.bytes, messages=self.messages, codec_s=self.codec_s,
                                       window_s=self.window_s, early_share=self.early_share, wait_s=self.wait_s,
-                                      leads=self.leads)
+                                      leads=self.leads, intra_s=self.intra_s)
 
     def _at(self, latency_s: float, x: float) -> float:
         """Step time at latency ``latency_s`` and ``x`` = 1 / bandwidth (seconds per byte)."""
-        busy = self.codec_s + max(self.wait_s, self.messages * latency_s + self.bytes * x)
+        busy = self.codec_s + max(self.wait_s, self.intra_s + self.messages * latency_s + self.bytes * x)
         return self.compute_s + busy - _hidden(busy, _groups(self.leads, self.window_s, self.early_share))
 
     def _lines(self, latency_s: float) -> list[tuple[float, float]]:
@@ -176,7 +180,8 @@ class StepCost:
         groups = _groups(self.leads, self.window_s, self.early_share)
         keep = 1.0 - min(sum(share for _, share in groups), 1.0)
         out = []
-        for at0, slope in ((self.codec_s + self.wait_s, 0.0), (self.codec_s + self.messages * latency_s, self.bytes)):
+        for at0, slope in ((self.codec_s + self.wait_s, 0.0),
+                           (self.codec_s + self.intra_s + self.messages * latency_s, self.bytes)):
             out.append((self.compute_s + keep * at0, keep * slope))
             for lead, tail in _tails(groups):
                 out.append((self.compute_s + (keep + tail) * at0 - lead, (keep + tail) * slope))
@@ -302,7 +307,7 @@ def probe_steps(spec: str, steps: int) -> int:
     return -(-max(steps, period) // period) * period
 
 
-def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepCost:
+def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: Link | None = None) -> StepCost:
     """Per-step figures between two metrics.jsonl records (cumulative counters; records
     without the overlap counters: no overlap).
 
@@ -311,7 +316,8 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepC
     cumulative share, of the elements averaged by every
     ``reduce()`` so far (one per step that was not skipped); the span's own share is
     recovered with equal elements per step: ``(s_last · n_last − s_first · n_first) /
-    (n_last − n_first)``, ``n`` = step − skipped steps."""
+    (n_last − n_first)``, ``n`` = step − skipped steps. ``intra``: the link inside a node,
+    which times the records' ``intra_bytes`` and ``intra_messages`` apart (hierarchical runs)."""
     steps = last["step"] - first["step"]
     if steps <= 0:
         raise ValueError(f"records at steps {first['step']} and {last['step']} span no steps")
@@ -323,10 +329,14 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any]) -> StepC
     n_last = last["step"] - (last.get("skipped_steps") or 0)
     s_first, s_last = first.get("overlap_early_share") or 0.0, last.get("overlap_early_share") or 0.0
     share = _share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
+    intra_bytes = delta("intra_bytes") / steps if intra is not None else 0.0
+    intra_messages = delta("intra_messages") / steps if intra is not None else 0.0
+    intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps if intra is not None else 0.0
     return StepCost(method=method, compute_s=(last["compute_seconds"] - first["compute_seconds"]) / steps,
                     codec_s=(last["codec_seconds"] - first["codec_seconds"]) / steps,
-                    bytes=(last["bytes_sent"] - first["bytes_sent"]) / steps,
-                    messages=(last["messages"] - first["messages"]) / steps,
+                    bytes=(last["bytes_sent"] - first["bytes_sent"]) / steps - intra_bytes,
+                    messages=(last["messages"] - first["messages"]) / steps - intra_messages,
+                    intra_s=intra_s,
                     wait_s=(last["comm_seconds"] - first["comm_seconds"]) / steps,
                     window_s=max(delta("overlap_window_seconds"), 0.0) / steps,
                     early_share=share,
@@ -362,7 +372,9 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
                 if summary is not None and summary.get("stopped_at") is not None:
                     raise KeyboardInterrupt  # a signal stopped the probe: so does thinwire cost
                 rows = _rows(Path(tmp) / "metrics.jsonl")
-                out[spec] = from_rows(spec, rows[-2], rows[-1]) if len(rows) >= 2 else from_summary(spec, summary)
+                intra = Link.parse(base.intra_link) if base.intra_link else None
+                out[spec] = (from_rows(spec, rows[-2], rows[-1], intra) if len(rows) >= 2
+                             else from_summary(spec, summary))
             except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
                 failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return out, failed

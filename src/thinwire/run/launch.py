@@ -202,11 +202,17 @@ def _device() -> torch.device:
 
 
 def _maybe_emulate(comm: Communicator, cfg: TrainConfig) -> Communicator:
-    if not cfg.emulate_link:
-        return comm
-    from thinwire.comm.link import EmulatedLink, Link
+    """The run's communicator: delayed by the first link (``--emulate-link``), its ranks
+    grouped into nodes (``--ranks-per-node``)."""
+    if cfg.emulate_link:
+        from thinwire.comm.link import EmulatedLink, Link
 
-    return EmulatedLink(comm, Link.parse(cfg.links[0]))
+        comm = EmulatedLink(comm, Link.parse(cfg.links[0]))
+    if cfg.ranks_per_node is not None:
+        from thinwire.comm.nodes import NodeLayout, build_hierarchy
+
+        build_hierarchy(comm, NodeLayout(comm.world_size, int(cfg.ranks_per_node)), cfg.intra_link)
+    return comm
 
 
 # -- local spawn ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from thinwire.algorithms.base import Method
 from thinwire.algorithms.registry import build_method, method_optimizer
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
-from thinwire.comm.meter import sent_bytes
+from thinwire.comm.meter import LINKS, sent_bytes
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter, finite
@@ -482,6 +482,9 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
     record.update(
         bytes_sent=comm.meter.bytes_sent,
         messages=comm.meter.messages,
+        # of those, the collectives inside a node (on the fast link; thinwire cost times them apart)
+        intra_bytes=comm.meter.bound_bytes("intra"),
+        intra_messages=comm.meter.bound_messages("intra"),
         fp32_bytes=fp32_per_step * (step - clock.skipped),  # skipped steps send nothing either way
         elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
         wall_seconds=clock.train_wall,  # training steps only, as in summary.json
@@ -496,8 +499,9 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         record.update(overlap_steps=o["steps"], overlap_window_seconds=o["window_seconds"],
                       overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"],
                       overlap_lead_seconds_and_shares=o["leads"])
+    intra = Link.parse(cfg.intra_link) if cfg.intra_link else None
     for link in cfg.links:
-        record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method)
+        record[f"modeled_seconds@{link}"] = _modeled(Link.parse(link), comm, clock, t, method, intra)
     return record
 
 
@@ -529,15 +533,15 @@ def _decentralized_eval(task, model, comm) -> dict[str, Any]:
     return out
 
 
-def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None) -> float:
-    """compute + codec + modeled communication: the run's time on ``link``. Communication a
-    method overlaps with computation (DaSGD's delayed averages) counts only where it
-    outlasts the computation it ran behind."""
-    comm_s = meter_seconds(link, comm.meter, comm.world_size)
-    return clock.compute + timing.codec_seconds + comm_s - _hidden(link, comm, method)
+def _modeled(link: Link, comm: Communicator, clock: Clock, timing, method=None, intra: Link | None = None) -> float:
+    """compute + codec + modeled communication: the run's time on ``link`` (between nodes;
+    ``intra`` inside them). Communication a method overlaps with computation (DaSGD's delayed
+    averages) counts only where it outlasts the computation it ran behind."""
+    comm_s = meter_seconds(link, comm.meter, comm.world_size, intra)
+    return clock.compute + timing.codec_seconds + comm_s - _hidden(link, comm, method, intra)
 
 
-def _hidden(link: Link, comm: Communicator, method: Method) -> float:
+def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None = None) -> float:
     """Modeled codec and communication seconds the method overlaps with computation on
     ``link``: what the method hides itself (DaSGD's averages behind whole steps) and the
     gradient buckets it averaged beside the backward pass
@@ -549,10 +553,14 @@ def _hidden(link: Link, comm: Communicator, method: Method) -> float:
     n = o["reduces"] if o is not None else 0
     if o is None or not n:
         return hidden
+    meter = comm.meter
+    intra_bytes = meter.bound_bytes("intra") if intra is not None else 0.0
+    intra_messages = meter.bound_messages("intra") if intra is not None else 0
+    intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps if intra is not None else 0.0
     return hidden + n * overlap_hidden_seconds(
-        link, bytes=comm.meter.bytes_sent / n, messages=comm.meter.messages / n,
+        link, bytes=(meter.bytes_sent - intra_bytes) / n, messages=(meter.messages - intra_messages) / n,
         codec_s=method.timing.codec_seconds / n, window_s=o["window_seconds"] / n, early_share=o["early_share"],
-        leads=tuple(map(tuple, o["leads"])))
+        leads=tuple(map(tuple, o["leads"])), intra_s=intra_s / n)
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -586,7 +594,12 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
     fp32 = fp32_per_step * (done - clock.skipped)  # what fp32 would have sent for the steps that communicated
     own = method.state_dict()  # first: it may land work in flight, whose seconds count below
     t = _timing(method, clock)
-    modeled = {link: _modeled(Link.parse(link), comm, clock, t, method) for link in cfg.links}
+    intra = Link.parse(cfg.intra_link) if cfg.intra_link else None
+    modeled = {link: _modeled(Link.parse(link), comm, clock, t, method, intra) for link in cfg.links}
+    with comm.meter.paused():  # bytes per link, summed over ranks
+        links = torch.tensor([comm.meter.link_bytes(k) for k in LINKS] + [comm.meter.link_messages(k) for k in LINKS],
+                             dtype=torch.float64, device=device)
+        comm.all_reduce(links)
     return {
         "task": cfg.task,
         "method": cfg.method,
@@ -606,10 +619,16 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "comm_seconds": t.comm_seconds,
         "modeled_seconds": modeled[cfg.links[0]] if cfg.links else None,
         "modeled_seconds_by_link": modeled,
-        "modeled_comm_seconds_by_link": {link: meter_seconds(Link.parse(link), comm.meter, comm.world_size)
+        "modeled_comm_seconds_by_link": {link: meter_seconds(Link.parse(link), comm.meter, comm.world_size, intra)
                                          for link in cfg.links},  # before any overlap is credited
-        "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method) for link in cfg.links},
+        "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method, intra) for link in cfg.links},
         "messages_per_worker": comm.meter.messages,
+        # inside a node and between nodes (without --ranks-per-node every rank is its own node)
+        "ranks_per_node": cfg.ranks_per_node or 1,
+        "intra_link": cfg.intra_link,
+        "bytes_by_link_per_worker": {k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
+        "messages_by_link_per_worker": {k: links[len(LINKS) + i].item() / comm.world_size
+                                        for i, k in enumerate(LINKS)},
         "skipped_steps": clock.skipped,
         "first_nonfinite": dict(clock.first_nonfinite) or None,
         **_verdict(clock, done, last_eval),
