@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume_gloo import SMALL, _same
 
 from spawn import free_port, run_ranks
-from test_resume_gloo import SMALL, _same
 from thinwire.aggregate import Aggregator
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.meter import sent_bytes
@@ -62,8 +62,8 @@ def _ranks(rank: int, world: int) -> dict:
     assert comm.meter.link_bytes("inter") == pytest.approx(sent_bytes("all_reduce", 4 * numel / 2, 2), rel=0.02)
 
     coded = _grads(rank, integer=False)
-    agg = Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("topk:ratio=0.1,"
-                                                                                                   "min_numel=100"), comm)
+    topk = build_codec("topk:ratio=0.1,min_numel=100")
+    agg = Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: topk, comm)
     agg.reduce_(coded)
     return coded
 

@@ -256,3 +256,61 @@ def test_ranks_that_disagree_on_the_layout_are_refused():
 
     with pytest.raises(ValueError, match="ranks disagree on the node layout"):
         LocalWorld(4).run(fn)
+
+
+# -- two-level model averaging: local steps local to a node, averages on the schedule -------------
+def _local_model_methods():
+    from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
+    from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
+    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+
+    # no overlap: the reference sets each gradient after two backward passes
+    return {"localsgd": lambda m, o, c: LocalSGD(m, o, c, LocalSGDConfig(period=3, warmup=2), overlap=False),
+            "dasgd": lambda m, o, c: DaSGD(m, o, c, DaSGDConfig(period=3, delay="1"), overlap=False),
+            "diloco": lambda m, o, c: DiLoCo(m, o, c, DiLoCoConfig(period=3, outer_lr=0.7), overlap=False)}
+
+
+@pytest.mark.parametrize("name", ["localsgd", "dasgd", "diloco"])
+def test_two_level_model_averaging_is_flat_averaging_over_nodes_of_node_mean_gradients(name):
+    """2 nodes x 2 ranks: every step's gradients are averaged inside the node, the scheduled
+    averages run between nodes. Bit for bit the run of 2 flat ranks whose gradient is the mean
+    of their node's two batches' gradients (dividing by 2 and summing two terms rounds alike)."""
+    import copy
+
+    from torch import nn
+
+    import tiny
+
+    make = _local_model_methods()[name]
+    base = tiny.net(6, 16, 3)
+    steps = 8
+
+    def train(comm, batches_of):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        method = make(model, opt, comm)
+        for step in range(steps):
+            grads = []
+            for seed in batches_of(comm.rank, step):
+                opt.zero_grad()
+                x, y = tiny.batch(seed, 8, 6, 3)
+                nn.functional.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, *gs in zip(model.parameters(), *grads):
+                p.grad = sum((g / len(gs) for g in gs[1:]), gs[0] / len(gs)) if len(gs) > 1 else gs[0]
+            method.after_backward()
+            opt.step()
+            method.after_step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def two_level(comm):
+        _world(comm, 2)
+        return train(comm, lambda rank, step: [100 * step + rank])
+
+    def flat(comm):  # node k's ranks are 2k and 2k + 1
+        return train(comm, lambda node, step: [100 * step + 2 * node, 100 * step + 2 * node + 1])
+
+    hier = LocalWorld(4).run(two_level)
+    ref = LocalWorld(2).run(flat)
+    for rank, got in enumerate(hier):
+        assert torch.equal(got, ref[rank // 2]), (name, rank)

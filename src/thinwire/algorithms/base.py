@@ -196,6 +196,12 @@ class PeriodicAveraging(Method):
     :meth:`after_local_step`, called after every step past the warm-up with the count of
     local steps, averages through :meth:`averager` and adds its own other seconds (gathering,
     merging) to ``self._timing``.
+
+    Over a world with nodes (``comm.hierarchy``, ``--ranks-per-node``) the local steps are
+    local to a node, not to a rank: every step's gradients are averaged inside the node in
+    fp32 (plain DDP there, :attr:`node`), so a node's ranks keep one model, and the averages
+    on the schedule go uncompressed inside each node and through the codec between nodes
+    (the layout of HSDP with DiLoCo between nodes).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -206,6 +212,10 @@ class PeriodicAveraging(Method):
         self.state = ModelState(model, optimizer, self.config.average_momentum)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.warmup = GradientMean(trainable, self.comm, bucket_mb, overlap=overlap, armed=self.config.warmup > 0)
+        hierarchy = self.comm.hierarchy
+        # with nodes: the local steps' gradient mean inside the node (every step past the warm-up)
+        self.node = None if hierarchy is None else GradientMean(trainable, hierarchy.intra, bucket_mb,
+                                                                overlap=overlap, armed=self.config.warmup == 0)
         self.step = 0  # optimizer steps completed; identical on every rank
         self._timing = Timing()
         self.aggregators: list[Aggregator] = []  # what the averages go through (see averager())
@@ -220,7 +230,8 @@ class PeriodicAveraging(Method):
 
     @property
     def timing(self) -> Timing:
-        return Timing.total([self._timing, self.warmup.timing, *(a.timing for a in self.aggregators)])
+        node = [self.node.timing] if self.node is not None else []
+        return Timing.total([self._timing, self.warmup.timing, *node, *(a.timing for a in self.aggregators)])
 
     @property
     def warming_up(self) -> bool:
@@ -228,15 +239,25 @@ class PeriodicAveraging(Method):
         return self.step < self.config.warmup
 
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
-        """During the warm-up, replace every gradient with its mean over the ranks."""
+        """During the warm-up, replace every gradient with its mean over the ranks; after it,
+        with nodes, with its mean over the node's ranks."""
         if self.warming_up:
             self.warmup.reduce()
+        else:
+            self.node_mean()
         return True
+
+    def node_mean(self) -> None:
+        """With nodes, replace every gradient with its mean inside the node (a local step)."""
+        if self.node is not None:
+            self.node.reduce()
 
     def after_step(self) -> None:
         """Count the step; past the warm-up, run the subclass's schedule."""
         self.step += 1
         self.warmup.armed = self.warming_up  # the warm-up's gradients overlap backward
+        if self.node is not None:
+            self.node.armed = not self.warming_up
         local = self.step - self.config.warmup
         if local > 0:
             self.after_local_step(local)
@@ -246,12 +267,21 @@ class PeriodicAveraging(Method):
         """The schedule after local step ``local`` (1, 2, ... after the warm-up)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "sync": self.warmup.state_dict()}
+        state = {"step": self.step, "sync": self.warmup.state_dict()}
+        if self.node is not None:
+            state["node"] = self.node.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.warmup.load_state_dict(state["sync"])
         self.warmup.armed = self.warming_up
+        if self.node is not None:
+            if "node" not in state:
+                raise ValueError("checkpoint was saved without nodes (flat); this run has --ranks-per-node: resume "
+                                 "with the same --ranks-per-node")
+            self.node.load_state_dict(state["node"])
+            self.node.armed = not self.warming_up
 
 
 class Gossip(Method):

@@ -131,8 +131,10 @@ class DaSGD(PeriodicAveraging):
 
     # -- the trainer's interface --------------------------------------------------------------
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
-        """During the warm-up, replace every gradient with its mean over the ranks (and time it)."""
+        """During the warm-up, replace every gradient with its mean over the ranks (and time it);
+        after it, with nodes, with its mean inside the node."""
         if not self.warming_up:
+            self.node_mean()
             return True
         now = time.perf_counter()
         before = self.warmup.timing.comm_seconds
