@@ -9,6 +9,12 @@ crosses the shaped link. Leaving the ``with`` block (or an error) deletes both n
 which deletes the veth pair and its shaping. Latency is not shaped (no ``netem`` here): it
 is the veth's own, a few microseconds.
 
+Each namespace may also be a *node* of several ranks (:meth:`ShapedPair.popen_node`): ranks
+inside one namespace bind gloo to its veth address too, but traffic between two addresses of
+the same namespace goes over its loopback (the kernel's local route), so only the traffic
+between the two nodes crosses the shaped pair. :meth:`ShapedPair.counters` reads the veth's
+byte and packet counters (``ip -s -j link``) to set against what thinwire's meter counted.
+
 Not part of the package.
 """
 
@@ -75,6 +81,37 @@ class ShapedPair:
         env = dict(env, MASTER_ADDR=ADDRESSES[0], RANK=str(rank), WORLD_SIZE="2",
                    GLOO_SOCKET_IFNAME=self.devices[rank])
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *cmd], env=env, **kw)
+
+
+    def popen_node(self, node: int, local: int, per_node: int, cmd: Sequence[str], env: dict[str, str],
+                   **kw) -> subprocess.Popen:
+        """Start ``cmd`` as local rank ``local`` of node ``node`` (its namespace), with
+        ``per_node`` ranks on each of the two nodes, numbered as torchrun numbers them (rank =
+        node * per_node + local; ``LOCAL_RANK``, ``GROUP_RANK``, ``LOCAL_WORLD_SIZE`` set)."""
+        rank = node * per_node + local
+        env = dict(env, MASTER_ADDR=ADDRESSES[0], RANK=str(rank), WORLD_SIZE=str(2 * per_node),
+                   LOCAL_RANK=str(local), GROUP_RANK=str(node), LOCAL_WORLD_SIZE=str(per_node),
+                   GLOO_SOCKET_IFNAME=self.devices[node])
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *cmd], env=env, **kw)
+
+    def counters(self) -> dict[str, int]:
+        """The first namespace's veth counters: ``tx_bytes``/``tx_packets`` (node 0 to node 1)
+        and ``rx_bytes``/``rx_packets`` (node 1 to node 0), headers included."""
+        return veth_counters(self.devices[0])
+
+
+def veth_counters(device: str, namespace: str | None = None) -> dict[str, int]:
+    """``device``'s byte and packet counters (``ip -s -j link show``), in ``namespace`` or the
+    caller's own (a rank inside a namespace reads its own veth)."""
+    import json
+
+    cmd = ["ip", *(["-n", namespace] if namespace else []), "-s", "-j", "link", "show", "dev", device]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+    stats = json.loads(done.stdout)[0]["stats64"]
+    return {"tx_bytes": stats["tx"]["bytes"], "tx_packets": stats["tx"]["packets"],
+            "rx_bytes": stats["rx"]["bytes"], "rx_packets": stats["rx"]["packets"]}
 
 
 def _ip(*args: str) -> None:

@@ -314,3 +314,51 @@ def test_two_level_model_averaging_is_flat_averaging_over_nodes_of_node_mean_gra
     ref = LocalWorld(2).run(flat)
     for rank, got in enumerate(hier):
         assert torch.equal(got, ref[rank // 2]), (name, rank)
+
+
+# -- the cost model's two links --------------------------------------------------------------------
+def test_modeled_seconds_time_each_link_and_share_the_nodes_link():
+    from thinwire.comm.link import Link, meter_seconds
+    from thinwire.comm.meter import ByteMeter
+
+    slow, fast = Link.parse("100mbit,1ms"), Link.parse("100gbit,10us")
+    meter = ByteMeter()
+    meter.record("reduce_scatter", 4_000_000, 2, "intra")
+    meter.record("all_gather", 2_000_000, 2, "intra")
+    meter.record("all_reduce", 2_000_000, 2, "inter")
+    intra = fast.reduce_scatter_time(4_000_000, 2) + fast.all_gather_time(2_000_000, 2)
+    assert meter_seconds(slow, meter, 4, fast) == pytest.approx(intra + slow.all_reduce_time(2_000_000, 2), rel=1e-12)
+    meter.inter_share = 2  # two ranks of the node send between nodes at once: each gets half the link
+    half = Link(latency_s=slow.latency_s, bandwidth_Bps=slow.bandwidth_Bps / 2)
+    assert meter_seconds(slow, meter, 4, fast) == pytest.approx(intra + half.all_reduce_time(2_000_000, 2), rel=1e-12)
+    assert meter.bound_bytes("intra") == sent_bytes("reduce_scatter", 4_000_000, 2) + sent_bytes("all_gather",
+                                                                                                 2_000_000, 2)
+
+
+def test_cost_rows_time_the_intra_node_collectives_apart():
+    from thinwire.comm.link import Link
+    from thinwire.run.cost import from_rows
+
+    first = {"step": 2, "compute_seconds": 1.0, "codec_seconds": 0.0, "comm_seconds": 0.0, "bytes_sent": 0.0,
+             "messages": 0, "intra_bytes": 0.0, "intra_messages": 0, "inter_share": 2}
+    last = dict(first, step=4, compute_seconds=1.2, bytes_sent=3e6, messages=10, intra_bytes=2e6, intra_messages=6)
+    fast, slow = Link.parse("8gbit,10us"), Link.parse("80mbit,1ms")
+    c = from_rows("m", first, last, fast)
+    assert c.bytes == pytest.approx(2 * 0.5e6) and c.messages == pytest.approx(2)  # the node's link: twice ours
+    assert c.intra_s == pytest.approx(3 * 10e-6 + 1e6 / 1e9)
+    assert c.seconds(slow) == pytest.approx(0.1 + c.intra_s + 2 * 1e-3 + 1e6 / 1e7)
+    one = from_rows("m", first, last)  # no intra link: everything on the one link (the node's share twice)
+    assert (one.bytes, one.messages, one.intra_s) == (2 * 0.5e6 + 1e6, 5, 0.0)
+
+
+def test_an_emulated_world_gives_each_rank_its_part_of_the_nodes_link():
+    from thinwire.comm.link import EmulatedLink, Link
+
+    def fn(comm):
+        world = EmulatedLink(comm, Link.parse("100mbit,1ms"), sleep=False)
+        h = build_hierarchy(world, NodeLayout(4, 2), "10gbit,5us")
+        return h.intra.link, h.inter.link, world.meter.inter_share
+
+    for intra, inter, share in LocalWorld(4).run(fn):
+        assert intra == Link.parse("10gbit,5us") and share == 2
+        assert inter == Link.parse("50mbit,1ms")

@@ -121,7 +121,9 @@ def meter_seconds(link: Link, meter: ByteMeter, n: int, intra: Link | None = Non
     """Modeled seconds of everything ``meter`` counted, on ``link``; each collective over
     the ranks it spanned (sub-group collectives over their group; ``n`` is the world size,
     used for counts recorded without one). ``intra``: the link inside a node, for the
-    collectives counted on it (default: ``link`` too).
+    collectives counted on it (default: ``link`` too). The bytes between nodes take
+    ``meter.inter_share`` times their own time: that many ranks of the node send at once on
+    its one link.
 
     Exact for a sequence of blocking collectives: every model time is linear in the number
     of calls and in the bytes, so per-op totals suffice. Point-to-point sends are charged
@@ -131,6 +133,8 @@ def meter_seconds(link: Link, meter: ByteMeter, n: int, intra: Link | None = Non
     total = 0.0
     for (op, n, scope), c in groups.items():
         on = intra if scope == "intra" and intra is not None else link
+        if scope == "inter" and meter.inter_share > 1:  # the node's ranks share its link: each gets a part
+            on = Link(latency_s=on.latency_s, bandwidth_Bps=on.bandwidth_Bps / meter.inter_share)
         timed = {"all_reduce": on.all_reduce_time, "all_gather": on.all_gather_time,
                  "broadcast": on.all_gather_time, "reduce_scatter": on.reduce_scatter_time}.get(op)
         if timed is not None:

@@ -10,7 +10,10 @@ it belongs to, ``"intra"`` (inside a node) or ``"inter"`` (between nodes). ``by_
 a collective by the link that bounds its time (a collective whose ranks span nodes waits on
 the slow link); ``by_link`` counts the bytes this rank itself put on each link (in a ring
 over ranks laid out node by node, only a node's last rank sends across). A run without
-nodes counts everything as ``"inter"``: every rank is its own node.
+nodes counts everything as ``"inter"``: every rank is its own node. ``inter_share``: how many
+of a node's ranks send between nodes at once, sharing its network link (the ranks per node in
+a hierarchical run, where every local rank averages its shard between nodes; 1 otherwise):
+the link's time for this rank's bytes is that many times theirs alone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class ByteMeter:
     # (op, ranks in the collective, the link bounding its time)
     by_group: dict[tuple[str, int, str], OpCount] = field(default_factory=dict)
     by_link: dict[str, OpCount] = field(default_factory=dict)  # what this rank sent on each link
+    inter_share: int = 1  # a node's ranks sending between nodes at once, on one link
 
     def record(self, op: str, nbytes: int, n: int, link: str = "inter", sent_on: str | None = None) -> None:
         """Count one ``op`` of a ``nbytes`` payload over ``n`` ranks, bounded by ``link``,

@@ -12,9 +12,11 @@ ranks with this local rank, one per node (its rank is the node). An
 levels (:mod:`thinwire.hierarchical`): uncompressed inside the node, through the codec
 between nodes.
 
-Under an :class:`~thinwire.comm.link.EmulatedLink` world, ``inter`` shares the world's link
-(the node's network card: one queue) and ``intra`` gets its own, :data:`INTRA_LINK` unless
-given.
+The ``L`` ranks of a node average their shards between nodes at the same time, on the node's
+one network link: each gets ``1/L`` of its bandwidth. The meter says so (``inter_share``, for
+the cost model), and under an :class:`~thinwire.comm.link.EmulatedLink` world ``inter`` runs
+on the world's link at ``1/L`` of its bandwidth (each rank emulates its own part of the
+card), while ``intra`` gets a link of its own, :data:`INTRA_LINK` unless given.
 """
 
 from __future__ import annotations
@@ -140,13 +142,16 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
     for local in range(layout.ranks_per_node):
         inter = base.subgroup(layout.peers(local)) or inter
     assert intra is not None and inter is not None  # every rank is on one node and has one local rank
-    if isinstance(world, EmulatedLink):
-        inter = EmulatedLink(inter, world.link, sleep=world.sleep, _clock=world._clock)  # the node's NIC
+    share = layout.ranks_per_node
+    if isinstance(world, EmulatedLink):  # this rank's part of the node's card
+        part = Link(latency_s=world.link.latency_s, bandwidth_Bps=world.link.bandwidth_Bps / share)
+        inter = EmulatedLink(inter, part, sleep=world.sleep, _clock=world._clock)
         intra = EmulatedLink(intra, Link.parse(intra_link or INTRA_LINK), sleep=world.sleep)
     intra.scope, inter.scope = "intra", "inter"
     hierarchy = Hierarchy(layout, intra, inter)
     world.nodes = layout
-    world.hierarchy = hierarchy if layout.ranks_per_node > 1 else None
+    world.hierarchy = hierarchy if share > 1 else None
+    world.meter.inter_share = share
     return hierarchy
 
 

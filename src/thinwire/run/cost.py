@@ -317,7 +317,9 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
     ``reduce()`` so far (one per step that was not skipped); the span's own share is
     recovered with equal elements per step: ``(s_last · n_last − s_first · n_first) /
     (n_last − n_first)``, ``n`` = step − skipped steps. ``intra``: the link inside a node,
-    which times the records' ``intra_bytes`` and ``intra_messages`` apart (hierarchical runs)."""
+    which times the records' ``intra_bytes`` and ``intra_messages`` apart (hierarchical runs).
+    The bytes between nodes count ``inter_share`` times (the record's: that many ranks of a
+    node share its link), so ``bytes`` is what the node's link carries for this rank's share."""
     steps = last["step"] - first["step"]
     if steps <= 0:
         raise ValueError(f"records at steps {first['step']} and {last['step']} span no steps")
@@ -329,14 +331,18 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
     n_last = last["step"] - (last.get("skipped_steps") or 0)
     s_first, s_last = first.get("overlap_early_share") or 0.0, last.get("overlap_early_share") or 0.0
     share = _share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
-    intra_bytes = delta("intra_bytes") / steps if intra is not None else 0.0
-    intra_messages = delta("intra_messages") / steps if intra is not None else 0.0
-    intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps if intra is not None else 0.0
+    nic = int(last.get("inter_share") or 1)  # a node's ranks share its link between nodes
+    intra_bytes, intra_messages = delta("intra_bytes") / steps, delta("intra_messages") / steps
+    inter_bytes = nic * ((last["bytes_sent"] - first["bytes_sent"]) / steps - intra_bytes)
+    messages = (last["messages"] - first["messages"]) / steps
+    if intra is not None:  # the collectives inside a node on their own link
+        intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps
+        messages -= intra_messages
+    else:  # one link for everything
+        intra_s, inter_bytes = 0.0, inter_bytes + intra_bytes
     return StepCost(method=method, compute_s=(last["compute_seconds"] - first["compute_seconds"]) / steps,
                     codec_s=(last["codec_seconds"] - first["codec_seconds"]) / steps,
-                    bytes=(last["bytes_sent"] - first["bytes_sent"]) / steps - intra_bytes,
-                    messages=(last["messages"] - first["messages"]) / steps - intra_messages,
-                    intra_s=intra_s,
+                    bytes=inter_bytes, messages=messages, intra_s=intra_s,
                     wait_s=(last["comm_seconds"] - first["comm_seconds"]) / steps,
                     window_s=max(delta("overlap_window_seconds"), 0.0) / steps,
                     early_share=share,

@@ -485,6 +485,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         # of those, the collectives inside a node (on the fast link; thinwire cost times them apart)
         intra_bytes=comm.meter.bound_bytes("intra"),
         intra_messages=comm.meter.bound_messages("intra"),
+        inter_share=comm.meter.inter_share,
         fp32_bytes=fp32_per_step * (step - clock.skipped),  # skipped steps send nothing either way
         elapsed_seconds=time.perf_counter() - t_start,  # evaluation included
         wall_seconds=clock.train_wall,  # training steps only, as in summary.json
@@ -554,11 +555,14 @@ def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None =
     if o is None or not n:
         return hidden
     meter = comm.meter
-    intra_bytes = meter.bound_bytes("intra") if intra is not None else 0.0
-    intra_messages = meter.bound_messages("intra") if intra is not None else 0
-    intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps if intra is not None else 0.0
+    intra_bytes, intra_messages = meter.bound_bytes("intra"), meter.bound_messages("intra")
+    inter_bytes = meter.inter_share * (meter.bytes_sent - intra_bytes)  # the node's link carries its ranks' share
+    if intra is not None:  # the collectives inside a node on their own link
+        intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps
+    else:
+        intra_s, inter_bytes, intra_messages = 0.0, inter_bytes + intra_bytes, 0
     return hidden + n * overlap_hidden_seconds(
-        link, bytes=(meter.bytes_sent - intra_bytes) / n, messages=(meter.messages - intra_messages) / n,
+        link, bytes=inter_bytes / n, messages=(meter.messages - intra_messages) / n,
         codec_s=method.timing.codec_seconds / n, window_s=o["window_seconds"] / n, early_share=o["early_share"],
         leads=tuple(map(tuple, o["leads"])), intra_s=intra_s / n)
 
