@@ -147,7 +147,10 @@ def rank_main(model_name: str, warmup: int, blocks: int, arms: list[str], device
             state = post.PostLocalSGDState(process_group=None, subgroup=intra_group, start_localSGD_iter=1)
             model.register_comm_hook(state, post.post_localSGD_hook)
             averager = PeriodicModelAverager(period=PERIOD, warmup_steps=1)
-            after_step = (lambda averager=averager, net=net: averager.average_parameters(net.parameters()))
+
+            def after_step(averager=averager, net=net) -> None:
+                averager.average_parameters(net.parameters())
+
             torch_bytes[arm] = {"inter": 0.0, "intra": 0.0}
 
         def step(i: int, model=model, opt=opt, loss_fn=loss_fn, batches=batches, after_backward=after_backward,
@@ -342,7 +345,8 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
                 if kind == "hier":
                     report.figures.append(Figure(f"cost_model_error_{model}_{arm.replace(':', '_')}_{rate}mbit",
                                                  abs(predicted / measured - 1), "<=", MODEL_ERROR, "",
-                                                 f"predicted {1e3 * predicted:.0f} ms, measured {1e3 * measured:.0f} ms"))
+                                                 f"predicted {1e3 * predicted:.0f} ms, "
+                                                 f"measured {1e3 * measured:.0f} ms"))
         report.add(f"### {label}, {rate} Mbit/s between the nodes ({len(sec['compute'])} timed blocks, "
                    f"{time.perf_counter() - t0:.0f} s; {load_note()}); compute-only floor {1e3 * floor:.0f} ms\n\n"
                    + table(["arm", "ms/step (median)", "range", "/ compute", "/ flat, same codec",
@@ -405,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from _shaped_link import unavailable
 
-    report = Report("Hierarchical reduction: two nodes of two ranks over a shaped link",
-                    "python benchmarks/bench_hierarchical.py" + (f" --model {args.model}" if args.model != "all" else ""))
+    command = "python benchmarks/bench_hierarchical.py" + (f" --model {args.model}" if args.model != "all" else "")
+    report = Report("Hierarchical reduction: two nodes of two ranks over a shaped link", command)
     why = unavailable()
     failed = False
     if why is not None:
