@@ -130,6 +130,15 @@ BAD = [
     (["--method", "torch-powersgd", "--on-nonfinite", "skip"], "--on-nonfinite skip cannot keep torch-powersgd clean"),
     (["--import", "no_such_codec_module"], "--import no_such_codec_module: ModuleNotFoundError"),
     (["--import", "/nonexistent/codecs.py"], "--import /nonexistent/codecs.py: ImportError: no such file"),
+    (["--workers", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide the world of 4 ranks"),
+    (["--workers", "4", "--ranks-per-node", "two"], "ranks-per-node must be a number of ranks or auto"),
+    (["--workers", "4", "--ranks-per-node", "auto"], "--ranks-per-node auto takes the layout from torchrun"),
+    (["--workers", "4", "--intra-link", "10gbit,1us"], "--intra-link needs --ranks-per-node"),
+    (["--workers", "4", "--ranks-per-node", "2", "--intra-link", "fast"], "link must look like"),
+    (["--workers", "4", "--ranks-per-node", "2", "--method", "powergossip"],
+     "powergossip cannot average in two levels: it exchanges with its graph neighbours by rank"),
+    (["--workers", "4", "--ranks-per-node", "2", "--method", "demo"], "demo cannot average in two levels"),
+    (["--workers", "4", "--ranks-per-node", "2", "--method", "torch-ddp"], "torch-ddp cannot average in two levels"),
 ]
 
 
@@ -446,6 +455,8 @@ def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
     (["--methods", "identity", "--suite", "seeds"], "compare needs exactly one of --methods and --suite"),
     (["--suite", "seeds", "--target", "0.5"], "--target applies to --methods races"),
     (["--suite", "all"], "invalid choice: 'all'"),
+    (["--methods", "identity,ab", "--workers", "4", "--ranks-per-node", "2"], "ab cannot average in two levels"),
+    (["--methods", "identity", "--workers", "4", "--ranks-per-node", "8"], "must divide the world of 4 ranks"),
 ])
 def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path):
     assert main(["compare", "--task", "synthetic", "--out", str(tmp_path / "o"), *args]) == 2
@@ -468,6 +479,7 @@ def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
     (["--methods", "identity,identity"], "appears twice"),
     (["--probe-steps", "1"], "probe-steps must be >= 2"),
     (["--link", "fast"], "link"),
+    (["--workers", "4", "--intra-link", "1gbit,1us"], "--intra-link needs --ranks-per-node"),
 ])
 def test_cost_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     assert main(["cost", "--task", "synthetic", *args]) == 2
