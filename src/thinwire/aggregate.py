@@ -480,9 +480,6 @@ class Reduction:
         self.done = False
         # when the first collective was started (after encoding): where communication begins
         self.started_at = min((f.started_at for _, f in launched), default=0.0)
-        # bytes each rank put on the wire (the round-0 payloads: one-round codecs)
-        self.wire_bytes = sum(f.wire.numel() * f.wire.element_size() if b.codec.aggregation is Aggregation.SUM
-                              else b.row_bytes for b, f in launched if f.wire is not None)
 
     def is_completed(self) -> bool:
         """Whether every round-0 collective has completed (no side effects; landing, and a

@@ -241,7 +241,7 @@ class HierarchicalAggregator(Aggregator):
                 flat = out.view(-1)
                 for p, values in written:
                     flat[p.start : p.start + p.numel].copy_(values)
-            else:
+            elif written:
                 out.copy_(torch.cat([values for _, values in written]).view(out.shape))
 
     def _account_intra(self, b: _Bucket, st: _Stage, ranks: int) -> None:

@@ -316,6 +316,86 @@ def test_two_level_model_averaging_is_flat_averaging_over_nodes_of_node_mean_gra
         assert torch.equal(got, ref[rank // 2]), (name, rank)
 
 
+def test_dasgd_hides_each_averages_traffic_between_nodes():
+    """What DaSGD credits as hidden is each average's traffic behind the steps as the meter
+    counted it at the launch: flat, one all_reduce of the model; in two levels, the shard's
+    all_reduce between nodes (the node's link shared by its 2 ranks), not the node's
+    reduce_scatter, which blocked before the steps began."""
+    import copy
+
+    from torch import nn
+
+    import tiny
+    from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig
+    from thinwire.comm.link import Link
+
+    base = tiny.net(6, 16, 3)
+    numel = sum(p.numel() for p in base.parameters())
+    slow = Link.parse("100mbit,1ms")
+
+    def train(comm):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        method = DaSGD(model, opt, comm, DaSGDConfig(period=2, delay="1", warmup=2), overlap=False)
+        for step in range(10):
+            opt.zero_grad()
+            x, y = tiny.batch(100 * step + comm.rank, 8, 6, 3)
+            nn.functional.cross_entropy(model(x), y).backward()
+            method.after_backward()
+            opt.step()
+            method.after_step()
+        return method
+
+    def hier(comm):
+        _world(comm, 2)
+        return train(comm)
+
+    shared = Link(latency_s=slow.latency_s, bandwidth_Bps=slow.bandwidth_Bps / 2)
+    for ranks_per_node, methods in ((None, LocalWorld(4).run(train)), (2, LocalWorld(4).run(hier))):
+        for method in methods:
+            windows = method._windows
+            assert len(windows) >= 3
+            if ranks_per_node is None:
+                counted, share = {("all_reduce", 4, "inter"): (1, 4 * numel)}, 1
+                one = slow.all_reduce_time(4 * numel, 4)
+            else:  # the one flat tensor in two pieces, the first one element longer when odd
+                half = -(-numel // 2)
+                mine = half if method.comm.rank % 2 == 0 else numel - half
+                counted, share = {("all_reduce", 2, "inter"): (1, 4 * mine)}, 2
+                one = shared.all_reduce_time(4 * mine, 2)
+            for sent, _ in windows:
+                assert {k: (c.calls, c.payload_bytes) for k, c in sent.by_group.items()} == counted
+                assert sent.inter_share == share
+            expect = sum(min(one, window) for _, window in windows)
+            assert method.hidden_seconds(slow) == pytest.approx(expect, rel=1e-9) and expect > 0
+
+
+def test_methods_that_run_flat_only_refuse_a_communicator_with_nodes():
+    from thinwire.algorithms.registry import build_method
+
+    def fn(comm):
+        _world(comm, 2)
+        model = torch.nn.Linear(4, 2)
+        with pytest.raises(ValueError, match="powergossip cannot average in two levels: it exchanges with its graph"):
+            build_method("powergossip", model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+        return build_method("localsgd", model, torch.optim.SGD(model.parameters(), lr=0.1), comm).comm.hierarchy
+
+    assert all(h is not None for h in LocalWorld(4).run(fn))
+
+
+def test_the_ddp_hook_keeps_two_level_buckets_on_one_thread():
+    """Identity buckets pipeline across threads in a flat hook; over nodes a bucket runs
+    collectives inside the node at launch and at landing, so the hook keeps both on one thread."""
+    from thinwire.integrations.ddp import HookState
+
+    def fn(comm):
+        flat = HookState(build_codec("identity"), comm, {}).pipelines
+        _world(comm, 2)
+        return flat, HookState(build_codec("identity"), comm, {}).pipelines
+
+    assert LocalWorld(4).run(fn) == [(True, False)] * 4
+
+
 # -- the cost model's two links --------------------------------------------------------------------
 def test_modeled_seconds_time_each_link_and_share_the_nodes_link():
     from thinwire.comm.link import Link, meter_seconds
@@ -349,6 +429,23 @@ def test_cost_rows_time_the_intra_node_collectives_apart():
     assert c.seconds(slow) == pytest.approx(0.1 + c.intra_s + 2 * 1e-3 + 1e6 / 1e7)
     one = from_rows("m", first, last)  # no intra link: everything on the one link (the node's share twice)
     assert (one.bytes, one.messages, one.intra_s) == (2 * 0.5e6 + 1e6, 5, 0.0)
+
+
+def test_cost_from_a_summary_times_the_intra_node_bytes_apart_too():
+    """Without two metrics records, the summary's per-link counts give the same split."""
+    from thinwire.comm.link import Link
+    from thinwire.run.cost import from_summary
+
+    summary = {"steps": 2, "compute_seconds": 0.2, "codec_seconds": 0.0, "comm_seconds": 0.0,
+               "bytes_sent_per_worker": 3e6, "messages_per_worker": 10, "ranks_per_node": 2,
+               "bytes_by_link_per_worker": {"intra": 2e6, "inter": 1e6},
+               "messages_by_link_per_worker": {"intra": 6, "inter": 4}}
+    fast = Link.parse("8gbit,10us")
+    c = from_summary("m", summary, fast)
+    assert c.bytes == pytest.approx(2 * 0.5e6) and c.messages == pytest.approx(2)
+    assert c.intra_s == pytest.approx(3 * 10e-6 + 1e6 / 1e9)
+    one = from_summary("m", summary)  # no intra link: every byte on the one link, as before
+    assert (one.bytes, one.messages, one.intra_s) == (1.5e6, 5, 0.0)
 
 
 def test_an_emulated_world_gives_each_rank_its_part_of_the_nodes_link():

@@ -83,6 +83,9 @@ class Method(ABC):
         self.model: torch.nn.Module | None = model
         self.optimizer = optimizer
         self.comm = comm_or_world(comm)
+        if self.flat_only is not None and self.comm.hierarchy is not None:
+            raise ValueError(f"{self.name} cannot average in two levels: {self.flat_only}; give it a communicator "
+                             "without nodes")
         self.bucket_mb = bucket_mb
         self.overlap = overlap
 

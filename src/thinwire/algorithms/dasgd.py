@@ -56,7 +56,8 @@ from thinwire.aggregate import Aggregator, Reduction, Watch
 from thinwire.algorithms.base import Loss, PeriodicAveraging
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
-from thinwire.comm.link import Link
+from thinwire.comm.link import Link, meter_seconds
+from thinwire.comm.meter import ByteMeter
 from thinwire.knobs import knob, require
 from thinwire.payload import Aggregation, Payload
 
@@ -125,9 +126,9 @@ class DaSGD(PeriodicAveraging):
         self._warm = {"comm": 0.0, "step": 0.0, "n": 0}
         self._last_step_end: float | None = None
         self._backward_end: float | None = None
-        self._in_flight: tuple[int, float] | None = None  # (wire bytes, launch time) of the pending average
-        # per merged average: (wire bytes, seconds between launch and merge)
-        self._windows: list[tuple[int, float]] = []
+        self._in_flight: tuple[ByteMeter, float] | None = None  # (its traffic, launch time) of the pending average
+        # per merged average: (its traffic, seconds between launch and merge)
+        self._windows: list[tuple[ByteMeter, float]] = []
 
     # -- the trainer's interface --------------------------------------------------------------
     def after_backward(self, loss: Loss = None, *, scaler: Any = None) -> bool:
@@ -183,9 +184,11 @@ class DaSGD(PeriodicAveraging):
                 self._plain = self.averager(buf)
             agg = self._plain
         t1 = time.perf_counter()
+        before = self.comm.meter.counts()
         self._pending = agg.start({"model": buf})  # encodes, then starts the collective
         self._watch.start(self._pending, self._pending.started_at)
-        self._in_flight = (self._pending.wire_bytes, time.perf_counter())
+        # what runs behind the next steps: in two levels the node's reduce_scatter has blocked already
+        self._in_flight = (self.comm.meter.since(before, "inter"), time.perf_counter())
         self.launches += 1
         self._timing.codec_seconds += t1 - t0
         assert self.delay is not None  # agreed before the first local step
@@ -195,7 +198,7 @@ class DaSGD(PeriodicAveraging):
 
     def _merge(self) -> None:
         t0 = time.perf_counter()
-        if self._in_flight is not None:  # bytes, and the seconds of work the transfer had to hide behind
+        if self._in_flight is not None:  # traffic, and the seconds of work the transfer had to hide behind
             self._windows.append((self._in_flight[0], t0 - self._in_flight[1]))
             self._in_flight = None
         if self._pending is not None:
@@ -245,11 +248,12 @@ class DaSGD(PeriodicAveraging):
         return self._watch.total
 
     def hidden_seconds(self, link: Link) -> float:
-        """Modeled seconds of the averages' all_reduces on ``link`` that the steps between
-        launch and merge hide: ``min(T_link(bytes), window)`` per merged average (what
-        ``meter_seconds`` counts beyond the exposed part)."""
+        """Modeled seconds of the averages' collectives on ``link`` that the steps between
+        launch and merge hide: ``min(T_link(average), window)`` per merged average, each
+        average's traffic as the meter counted it at its launch (what ``meter_seconds``
+        counts beyond the exposed part; in two levels, the collectives between nodes)."""
         n = self.comm.world_size
-        return sum(min(link.all_reduce_time(nbytes, n), window) for nbytes, window in self._windows)
+        return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows)
 
     def hidden_fraction(self) -> float | None:
         """1 - blocked / communication time (None before any average completed)."""

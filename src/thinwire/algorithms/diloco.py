@@ -54,7 +54,7 @@ from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
-from thinwire.comm.meter import ByteMeter, OpCount
+from thinwire.comm.meter import ByteMeter
 from thinwire.knobs import knob, require
 
 OUTER = ("sgd", "adam")
@@ -204,11 +204,11 @@ class DiLoCo(PeriodicAveraging):
         f.agg.step = f.syncs  # the codec's step (its seeds): identical on every rank
         t1 = time.perf_counter()
         at_once = local is None or self.delay == 0
-        before = _counts(self.comm.meter)
+        before = self.comm.meter.counts()
         f.pending = f.agg.start({"model": delta})
         if not at_once:  # an average behind the next steps: its seconds, and the steps it runs behind
             f.watch.start(f.pending, f.pending.started_at)
-            f.launched = (_since(self.comm.meter, before), time.perf_counter())
+            f.launched = (self.comm.meter.since(before, "inter"), time.perf_counter())  # not the node's stage
         f.landed = False
         self._timing.codec_seconds += t1 - t0
         if local is None or at_once:
@@ -299,7 +299,8 @@ class DiLoCo(PeriodicAveraging):
     def hidden_seconds(self, link: Link) -> float:
         """Modeled seconds of the syncs' collectives on ``link`` that the steps between launch
         and merge hide: ``min(T_link(sync), window)`` per merged sync (none with no delay: a
-        sync merged at its launch hides nothing and is not counted)."""
+        sync merged at its launch hides nothing and is not counted; in two levels, the
+        collectives between nodes)."""
         n = self.comm.world_size
         return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows)
 
@@ -377,17 +378,3 @@ def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Ten
         return buf
     return torch.empty(numel, dtype=torch.float32, device=like.device)
 
-
-def _counts(meter: ByteMeter) -> dict[tuple[str, int, str], OpCount]:
-    return {k: OpCount(**vars(c)) for k, c in meter.by_group.items()}
-
-
-def _since(meter: ByteMeter, before: dict[tuple[str, int, str], OpCount]) -> ByteMeter:
-    """What ``meter`` counted since ``before`` (:func:`_counts`), as a meter of its own."""
-    out = ByteMeter()
-    for key, c in meter.by_group.items():
-        b = before.get(key, OpCount())
-        if c.calls != b.calls:
-            out.by_group[key] = OpCount(c.calls - b.calls, c.bytes - b.bytes, c.messages - b.messages,
-                                        c.payload_bytes - b.payload_bytes)
-    return out

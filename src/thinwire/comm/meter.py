@@ -105,6 +105,24 @@ class ByteMeter:
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {op: vars(c).copy() for op, c in self.ops.items()}
 
+    def counts(self) -> dict[tuple[str, int, str], OpCount]:
+        """A copy of the per-collective counts (``by_group``), for :meth:`since`."""
+        return {k: OpCount(**vars(c)) for k, c in self.by_group.items()}
+
+    def since(self, before: dict[tuple[str, int, str], OpCount], link: str | None = None) -> ByteMeter:
+        """What this meter counted after ``before`` (:meth:`counts`), as a meter of its own
+        with the same ``inter_share``: the traffic of one piece of work, for ``meter_seconds``;
+        ``link``: only the collectives bounded by that link."""
+        out = ByteMeter(inter_share=self.inter_share)
+        for key, c in self.by_group.items():
+            if link is not None and key[2] != link:
+                continue
+            b = before.get(key, OpCount())
+            if c.calls != b.calls:
+                out.by_group[key] = OpCount(c.calls - b.calls, c.bytes - b.bytes, c.messages - b.messages,
+                                            c.payload_bytes - b.payload_bytes)
+        return out
+
     def reset(self) -> None:
         self.ops.clear()
         self.by_group.clear()

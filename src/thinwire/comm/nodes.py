@@ -157,10 +157,21 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
 
 def _agree(world: Communicator, layout: NodeLayout) -> None:
     """Refuse a layout the ranks do not share (each rank derives it from its own environment)."""
-    mine = torch.tensor([layout.world_size, layout.ranks_per_node], dtype=torch.int64)
-    every = torch.empty(world.world_size, 2, dtype=torch.int64)
+    device = _control_device()
+    mine = torch.tensor([layout.world_size, layout.ranks_per_node], dtype=torch.int64, device=device)
+    every = torch.empty(world.world_size, 2, dtype=torch.int64, device=device)
     with world.meter.paused():
         world.all_gather(mine, every)
     seen = {tuple(row) for row in every.tolist()}
     if len(seen) != 1:
         raise ValueError(f"ranks disagree on the node layout (world size, ranks per node): {sorted(seen)}")
+
+
+def _control_device() -> torch.device:
+    """Where the layout check's tensors live: the rank's GPU under NCCL (which reduces only
+    GPU tensors), else the CPU (gloo, and in-process worlds)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

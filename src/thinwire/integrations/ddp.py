@@ -83,8 +83,10 @@ class HookState:
     def pipelines(self) -> bool:
         """Every codec of the hook launches from the backward pass and lands on the worker
         (:func:`thinwire.aggregate.pipelines`: identity and the casts); decided for the whole
-        hook, so every rank issues every collective from the same thread, in bucket order."""
-        return all(pipelines(c) for c in self.codecs)
+        hook, so every rank issues every collective from the same thread, in bucket order.
+        Never over nodes: a two-level bucket runs collectives inside the node both when it
+        launches and when it lands, so both must stay on one thread."""
+        return getattr(self.comm, "hierarchy", None) is None and all(pipelines(c) for c in self.codecs)
 
     def _single(self) -> Codec:
         """The one codec of every parameter (when there is no ``assignment``)."""

@@ -276,14 +276,24 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
 
 
-def from_summary(method: str, summary: dict[str, Any]) -> StepCost:
-    """Per-step figures of a whole run from its summary.json (runs without ``overlap``: none)."""
+def from_summary(method: str, summary: dict[str, Any], intra: Link | None = None) -> StepCost:
+    """Per-step figures of a whole run from its summary.json (runs without ``overlap``: none).
+    ``intra``, as for :func:`from_rows`: the link inside a node, which times the bytes and
+    messages the summary counts there apart; the bytes between nodes then count
+    ``ranks_per_node`` times (the node's ranks share its link)."""
     steps = summary["steps"]
     overlap = summary.get("overlap") or {}
+    nbytes, messages, intra_s = summary["bytes_sent_per_worker"], summary["messages_per_worker"], 0.0
+    by_link = summary.get("bytes_by_link_per_worker") or {}
+    if intra is not None and by_link:
+        inside = by_link.get("intra", 0.0)
+        inside_messages = (summary.get("messages_by_link_per_worker") or {}).get("intra", 0.0)
+        intra_s = (inside_messages * intra.latency_s + inside / intra.bandwidth_Bps) / steps
+        nbytes = int(summary.get("ranks_per_node") or 1) * (nbytes - inside)
+        messages -= inside_messages
     return StepCost(method=method, compute_s=summary["compute_seconds"] / steps,
                     codec_s=summary["codec_seconds"] / steps,
-                    bytes=summary["bytes_sent_per_worker"] / steps,
-                    messages=summary["messages_per_worker"] / steps,
+                    bytes=nbytes / steps, messages=messages / steps, intra_s=intra_s,
                     wait_s=summary.get("comm_seconds", 0.0) / steps,
                     window_s=(overlap.get("window_seconds") or 0.0) / steps,
                     early_share=overlap.get("early_share") or 0.0,
@@ -380,7 +390,7 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
                 rows = _rows(Path(tmp) / "metrics.jsonl")
                 intra = Link.parse(base.intra_link) if base.intra_link else None
                 out[spec] = (from_rows(spec, rows[-2], rows[-1], intra) if len(rows) >= 2
-                             else from_summary(spec, summary))
+                             else from_summary(spec, summary, intra))
             except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
                 failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return out, failed
