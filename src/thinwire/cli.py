@@ -91,6 +91,9 @@ def _node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-link", metavar="LINK",
                    help="the link inside a node, modeled and emulated as --link is between nodes (default: "
                    "100gbit,10us; needs --ranks-per-node)")
+    p.add_argument("--intra-dtype", metavar="fp32|bf16",
+                   help="the dtype of the collectives inside a node (default fp32; bf16 halves their bytes, rounding "
+                   "each gradient before the node's sum and the mean after the codec; needs --ranks-per-node)")
 
 
 def _compare_parser(sub: Any) -> None:
@@ -281,14 +284,14 @@ def _train(args: argparse.Namespace) -> int:
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
-                "intra_link")  # train's options, by field
+                "intra_link", "intra_dtype")  # train's options, by field
 
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
                   "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers",
-                  "ranks_per_node", "intra_link")
+                  "ranks_per_node", "intra_link", "intra_dtype")
 COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
-               "max_workers", "ranks_per_node", "intra_link")
+               "max_workers", "ranks_per_node", "intra_link", "intra_dtype")
 
 
 def _config(args: argparse.Namespace, fields: Sequence[str], **fixed: Any) -> Any:
@@ -436,7 +439,8 @@ def _nodes_resolved(base):
     number, the intra-node link filled in (the runs' configs are resolved one by one later)."""
     resolved = base.resolve()
     _check_task(resolved)
-    return dataclasses.replace(base, ranks_per_node=resolved.ranks_per_node, intra_link=resolved.intra_link)
+    return dataclasses.replace(base, ranks_per_node=resolved.ranks_per_node, intra_link=resolved.intra_link,
+                               intra_dtype=resolved.intra_dtype)
 
 
 def _check_task(cfg) -> None:
@@ -467,8 +471,8 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
     table.add_row("bytes sent per worker", _size(s["bytes_sent_per_worker"]))
     by_link = s.get("bytes_by_link_per_worker") or {}
     if (s.get("ranks_per_node") or 1) > 1:
-        table.add_row("of which inside / between nodes", f"{_size(by_link.get('intra', 0))} / "
-                      f"{_size(by_link.get('inter', 0))}")
+        table.add_row(f"of which inside ({s.get('intra_dtype') or 'fp32'}) / between nodes",
+                      f"{_size(by_link.get('intra', 0))} / {_size(by_link.get('inter', 0))}")
     table.add_row("fp32 all_reduce would send", _size(s["fp32_bytes_per_worker"]))
     if s.get("compression_ratio"):
         table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")

@@ -6,7 +6,9 @@ same buckets as a flat one (the same codec choices, fp32 fallback and order) and
 each bucket in three stages:
 
 1. **inside the node**, one fp32 ``reduce_scatter`` over ``intra`` of the bucket divided by
-   the ranks per node ``L``: local rank ``l`` ends with the node's mean of its shard, exactly;
+   the ranks per node ``L``: local rank ``l`` ends with the node's mean of its shard (in
+   ``bf16`` when the hierarchy says so, ``--intra-dtype``: half the bytes, each gradient
+   rounded to bf16 before the sum and the mean again for stage 3; the codec gets fp32);
 2. **between nodes**, each local rank averages its shard through the bucket's codec over
    ``inter`` (an ordinary aggregator over the ranks with its local rank, one per node): the
    ``L`` shards cross the slow link in parallel, each ``1/L`` of the bucket. Error feedback
@@ -100,7 +102,8 @@ class _Leg(_Flight):
     """A bucket in flight: its node means (``mine``), the shard's flight between nodes."""
 
     stage: _Stage | None = None
-    mine: torch.Tensor | None = None
+    mine: torch.Tensor | None = None  # the node's means of this rank's shard, in the node's dtype
+    means: torch.Tensor | None = None  # the same in fp32, what the codec averages between nodes
     inner_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     inner_launched: list = field(default_factory=list)
 
@@ -178,23 +181,29 @@ class HierarchicalAggregator(Aggregator):
         h = self.hierarchy
         ranks = h.layout.ranks_per_node
         device = tensors[b.slots[0].name].device
-        send = _buffer(b, "node:send", (ranks * st.segment,), torch.float32, device)
+        send = _buffer(b, "node:send", (ranks * st.segment,), h.dtype, device)
         for r, pieces in enumerate(st.shards):
             base = r * st.segment
             for p in pieces:
                 src = tensors[p.name].detach().reshape(-1)[p.start : p.start + p.numel]
-                send[base + p.offset : base + p.offset + p.numel].copy_(src)
+                # divided before the sum, as the flat path divides by the world size (and cast, in one pass)
+                torch.div(src, ranks, out=send[base + p.offset : base + p.offset + p.numel])
             end = max((p.offset + p.numel for p in pieces), default=0)
             send[base + end : base + st.segment].zero_()  # padding: the same zeros on every rank
-        send.div_(ranks)  # before the sum, as the flat path divides by the world size
-        mine = _buffer(b, "node:mine", (st.segment,), torch.float32, device)
+        mine = _buffer(b, "node:mine", (st.segment,), h.dtype, device)
         t1 = time.perf_counter()
         h.intra.reduce_scatter(send, mine)
         t2 = time.perf_counter()
         leg = _Leg([], [], stage=st, mine=mine, codec_seconds=t1 - t0, comm_seconds=t2 - t1, started_at=t1)
         self._account_intra(b, st, ranks)
         if st.inner is not None:
-            leg.inner_tensors = {p.name: mine[p.offset : p.offset + p.numel].view(p.shape)
+            means = mine
+            if h.dtype != torch.float32:  # the codec gets fp32
+                means = _buffer(b, "node:means", (st.segment,), torch.float32, device)
+                means.copy_(mine)
+                leg.codec_seconds += time.perf_counter() - t2
+            leg.means = means
+            leg.inner_tensors = {p.name: means[p.offset : p.offset + p.numel].view(p.shape)
                                  for p in st.shards[h.local_rank]}
             st.inner.step = self.step
             leg.inner_launched = st.inner.launch(leg.inner_tensors)
@@ -208,10 +217,12 @@ class HierarchicalAggregator(Aggregator):
             assert isinstance(leg, _Leg) and leg.stage is not None and leg.mine is not None
             st = leg.stage
             if st.inner is not None:
-                st.inner.land(leg.inner_launched, leg.inner_tensors)  # the means, into ``mine``
+                st.inner.land(leg.inner_launched, leg.inner_tensors)  # the means, into ``means``
+                if leg.means is not None and leg.means is not leg.mine:
+                    leg.mine.copy_(leg.means)
             t0 = time.perf_counter()
             ranks = self.hierarchy.layout.ranks_per_node
-            gathered = _buffer(b, "node:gathered", (ranks, st.segment), torch.float32, leg.mine.device)
+            gathered = _buffer(b, "node:gathered", (ranks, st.segment), self.hierarchy.dtype, leg.mine.device)
             self.hierarchy.intra.all_gather(leg.mine, gathered)
             t1 = time.perf_counter()
             self._write_back(b, st, gathered, tensors)
@@ -245,10 +256,11 @@ class HierarchicalAggregator(Aggregator):
                 out.copy_(torch.cat([values for _, values in written]).view(out.shape))
 
     def _account_intra(self, b: _Bucket, st: _Stage, ranks: int) -> None:
-        """The node stages' bytes (a reduce_scatter and an all_gather of the buckets' fp32
-        segments) shared among the bucket's tensors in proportion to size."""
-        total = (sent_bytes("reduce_scatter", 4 * ranks * st.segment, ranks)
-                 + sent_bytes("all_gather", 4 * st.segment, ranks))
+        """The node stages' bytes (a reduce_scatter and an all_gather of the buckets'
+        segments, in the node's dtype) shared among the bucket's tensors in proportion to size."""
+        size = torch.finfo(self.hierarchy.dtype).bits // 8
+        total = (sent_bytes("reduce_scatter", size * ranks * st.segment, ranks)
+                 + sent_bytes("all_gather", size * st.segment, ranks))
         for s in b.slots:
             self.sent_bytes[s.name] += total * s.numel / b.numel
 

@@ -60,11 +60,29 @@ def _ranks(rank: int, world: int) -> dict:
         assert torch.equal(hier[k], sum(_grads(r, integer=True)[k] for r in range(world)) / world), k
     numel = sum(torch.Size(s).numel() for s in SHAPES.values())
     assert comm.meter.link_bytes("inter") == pytest.approx(sent_bytes("all_reduce", 4 * numel / 2, 2), rel=0.02)
+    fp32_intra = comm.meter.link_bytes("intra")
 
     coded = _grads(rank, integer=False)
     topk = build_codec("topk:ratio=0.1,min_numel=100")
     agg = Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: topk, comm)
     agg.reduce_(coded)
+
+    # bf16 inside the node: gloo's bf16 reduce_scatter and all_gather, half the bytes there; small
+    # multiples of 4 keep every halving and sum exact in bf16's 8 bits, so the mean is still exact
+    build_hierarchy(comm, NodeLayout(world, 2), intra_dtype="bf16")
+    comm.meter.reset()
+
+    def small(r: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(70 + r)
+        return {k: 4.0 * torch.randint(-8, 9, s, generator=g).float() for k, s in SHAPES.items()}
+
+    half = small(rank)
+    Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
+               comm).reduce_(half)
+    for k in SHAPES:
+        assert half[k].dtype == torch.float32
+        assert torch.equal(half[k], sum(small(r)[k] for r in range(world)) / world), k
+    assert comm.meter.link_bytes("intra") == fp32_intra / 2
     return coded
 
 
@@ -96,6 +114,7 @@ def test_a_hierarchical_run_resumes_exactly(tmp_path):
         assert a["method"]["nodes"] == [2, 2] and a["method"]["feedback"]  # per-shard residuals, restored
     assert resumed["final_loss"] == straight["final_loss"] and resumed["resumed_from"] == k
     assert straight["bytes_by_link_per_worker"]["inter"] > 0 and straight["ranks_per_node"] == 2
+    assert straight["intra_dtype"] == "fp32"
 
 
 @pytest.mark.timeout(240)
@@ -108,7 +127,8 @@ def test_torchrun_with_two_nodes_on_one_machine(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "thinwire", "train", "--task", "synthetic", "--method", "topk:ratio=0.05,min_numel=64",
-               "--ranks-per-node", "auto", "--link", "100mbit,1ms", "--steps", "6", "--eval-every", "3",
+               "--ranks-per-node", "auto", "--intra-dtype", "bf16", "--link", "100mbit,1ms", "--steps", "6",
+               "--eval-every", "3",
                "--batch-size", "16", "--threads", "1", "--quiet", "--out", str(out), *opts]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
@@ -118,6 +138,6 @@ def test_torchrun_with_two_nodes_on_one_machine(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outputs
     summary = json.loads(Path(out, "summary.json").read_text())
-    assert summary["workers"] == 4 and summary["ranks_per_node"] == 2
+    assert summary["workers"] == 4 and summary["ranks_per_node"] == 2 and summary["intra_dtype"] == "bf16"
     by_link = summary["bytes_by_link_per_worker"]
     assert by_link["intra"] > 0 and 0 < by_link["inter"] < by_link["intra"]

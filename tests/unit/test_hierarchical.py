@@ -258,6 +258,68 @@ def test_ranks_that_disagree_on_the_layout_are_refused():
         LocalWorld(4).run(fn)
 
 
+@pytest.mark.parametrize("spec", ["identity", "topk:ratio=0.1", "powersgd:rank=2,min_numel=16"])
+def test_bf16_inside_the_node_rounds_once_and_halves_the_node_bytes(spec):
+    """--intra-dtype bf16: each gradient divided and rounded to bf16 once before the node's
+    sum; the codec between nodes still gets fp32; every rank ends with the same bits; the
+    node's collectives send half the bytes of fp32's."""
+
+    def run(dtype):
+        def fn(comm):
+            build_hierarchy(comm, NodeLayout(comm.world_size, 2), intra_dtype=dtype)
+            grads = _grads(comm.rank)
+            agg = Aggregator(_named(), lambda _n, _t: build_codec(spec), comm)
+            agg.reduce_(grads)
+            return grads, comm.meter.link_bytes("intra")
+
+        return LocalWorld(4).run(fn)
+
+    fp32, bf16 = run("fp32"), run("bf16")
+    for name in SHAPES:
+        assert all(torch.equal(g[name], bf16[0][0][name]) for g, _ in bf16), name
+        assert bf16[0][0][name].dtype == torch.float32
+    if spec == "identity":  # the node means of bf16-rounded halves, summed in bf16, then fp32 between nodes
+        for name in SHAPES:
+            node = [(_grads(2 * k)[name] / 2).bfloat16() + (_grads(2 * k + 1)[name] / 2).bfloat16() for k in (0, 1)]
+            ref = (node[0].float() / 2 + node[1].float() / 2).bfloat16().float()
+            assert torch.equal(bf16[0][0][name], ref), name
+            exact = sum(_grads(r)[name] for r in range(4)) / 4
+            torch.testing.assert_close(bf16[0][0][name], exact, rtol=2e-2, atol=2e-2)
+    assert any(not torch.equal(fp32[0][0][n], bf16[0][0][n]) for n in SHAPES)  # bf16 really ran
+    assert bf16[0][1] == fp32[0][1] / 2
+
+
+def test_a_bad_intra_dtype_is_refused():
+    def fn(comm):
+        with pytest.raises(ValueError, match="intra-dtype must be one of fp32, bf16, got 'fp16'"):
+            build_hierarchy(comm, NodeLayout(2, 2), intra_dtype="fp16")
+
+    LocalWorld(2).run(fn)
+
+
+def test_two_level_local_sgd_averages_inside_the_node_in_bf16_when_asked():
+    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+
+    def fn(comm, dtype):
+        build_hierarchy(comm, NodeLayout(4, 2), intra_dtype=dtype)
+        model = torch.nn.Linear(64, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        method = LocalSGD(model, opt, comm, LocalSGDConfig(period=4, warmup=0), overlap=False)
+        for step in range(3):  # local steps only: the node's gradient means
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(10 * step + comm.rank)
+            model(torch.randn(8, 64, generator=g)).square().mean().backward()
+            method.after_backward()
+            opt.step()
+            method.after_step()
+        return comm.meter.link_bytes("intra"), comm.meter.link_bytes("inter")
+
+    fp32 = LocalWorld(4).run(lambda c: fn(c, "fp32"))
+    bf16 = LocalWorld(4).run(lambda c: fn(c, "bf16"))
+    assert fp32[0][0] > 0 and bf16[0][0] == fp32[0][0] / 2
+    assert fp32[0][1] == bf16[0][1] == 0  # no average between nodes before the period
+
+
 # -- two-level model averaging: local steps local to a node, averages on the schedule -------------
 def _local_model_methods():
     from thinwire.algorithms.dasgd import DaSGD, DaSGDConfig

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from thinwire.algorithms.gradients import GradientReducer
+from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 from thinwire.timing import Timing
@@ -38,10 +39,12 @@ class GradientMean:
     :meth:`reduce` (the warm-up), since a launched bucket must be reduced."""
 
     def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], comm: Communicator, bucket_mb: float,
-                 overlap: bool = True, armed: bool = True) -> None:
+                 overlap: bool = True, armed: bool = True, codec: Codec | None = None) -> None:
         self.named = list(named)
-        fp32 = Identity(IdentityConfig())  # one per object: the aggregator sets its rank
-        self.reducer = GradientReducer(self.named, lambda name, t: fp32, comm, bucket_mb=bucket_mb, overlap=overlap)
+        # one per object: the aggregator sets its rank (``codec``: a cast instead, e.g. bf16 inside a node)
+        chosen = codec if codec is not None else Identity(IdentityConfig())
+        self.reducer = GradientReducer(self.named, lambda name, t: chosen, comm, bucket_mb=bucket_mb,
+                                       overlap=overlap)
         self.armed = armed
 
     @property

@@ -217,8 +217,13 @@ class PeriodicAveraging(Method):
         self.warmup = GradientMean(trainable, self.comm, bucket_mb, overlap=overlap, armed=self.config.warmup > 0)
         hierarchy = self.comm.hierarchy
         # with nodes: the local steps' gradient mean inside the node (every step past the warm-up)
-        self.node = None if hierarchy is None else GradientMean(trainable, hierarchy.intra, bucket_mb,
-                                                                overlap=overlap, armed=self.config.warmup == 0)
+        self.node = None
+        if hierarchy is not None:
+            from thinwire.codecs.registry import build_codec
+
+            cast = None if hierarchy.dtype == torch.float32 else build_codec(hierarchy.dtype_name)  # --intra-dtype
+            self.node = GradientMean(trainable, hierarchy.intra, bucket_mb, overlap=overlap,
+                                     armed=self.config.warmup == 0, codec=cast)
         self.step = 0  # optimizer steps completed; identical on every rank
         self._timing = Timing()
         self.aggregators: list[Aggregator] = []  # what the averages go through (see averager())

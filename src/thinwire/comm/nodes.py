@@ -16,7 +16,8 @@ The ``L`` ranks of a node average their shards between nodes at the same time, o
 one network link: each gets ``1/L`` of its bandwidth. The meter says so (``inter_share``, for
 the cost model), and under an :class:`~thinwire.comm.link.EmulatedLink` world ``inter`` runs
 on the world's link at ``1/L`` of its bandwidth (each rank emulates its own part of the
-card), while ``intra`` gets a link of its own, :data:`INTRA_LINK` unless given.
+card), while ``intra`` gets a link of its own, :data:`INTRA_LINK` unless given. The node's own
+stages run in fp32 unless the hierarchy says ``bf16`` (``--intra-dtype``; :data:`INTRA_DTYPES`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from thinwire.comm.base import Communicator
 # The link inside a node when none is given: 100 Gbit/s and 10 µs per message, the order of
 # PCIe 4.0 x16 or shared memory between processes (NVLink is several times faster still).
 INTRA_LINK = "100gbit,10us"
+# the dtypes the collectives inside a node may run in (--intra-dtype)
+INTRA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,11 @@ class Hierarchy:
     layout: NodeLayout
     intra: Communicator
     inter: Communicator
+    dtype: torch.dtype = torch.float32  # of the collectives inside the node
+
+    @property
+    def dtype_name(self) -> str:
+        return next(k for k, v in INTRA_DTYPES.items() if v == self.dtype)
 
     @property
     def node(self) -> int:
@@ -125,12 +133,19 @@ class Hierarchy:
         return self.intra.rank
 
 
-def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | None = None) -> Hierarchy:
+def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | None = None, *,
+                    intra_dtype: str = "fp32") -> Hierarchy:
     """Create every node's and every local rank's group (all ranks call this, in the same
     order), set ``world.nodes`` and ``world.hierarchy`` and return the hierarchy. Each rank
     first checks that all ranks agree on the layout (one small all_gather, not metered).
-    ``intra_link``: the link inside a node for an emulated world (default :data:`INTRA_LINK`)."""
+    ``intra_link``: the link inside a node for an emulated world (default :data:`INTRA_LINK`);
+    ``intra_dtype``: ``fp32`` or ``bf16``, the dtype of the collectives inside a node (bf16
+    halves their bytes, rounding each gradient to bf16 before the node's sum, and the mean
+    again for the node's all_gather)."""
     from thinwire.comm.link import EmulatedLink, Link
+
+    if intra_dtype not in INTRA_DTYPES:
+        raise ValueError(f"intra-dtype must be one of {', '.join(INTRA_DTYPES)}, got {intra_dtype!r}")
 
     if layout.world_size != world.world_size:
         raise ValueError(f"the node layout has {layout.world_size} ranks, the world {world.world_size}")
@@ -148,7 +163,7 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
         inter = EmulatedLink(inter, part, sleep=world.sleep, _clock=world._clock)
         intra = EmulatedLink(intra, Link.parse(intra_link or INTRA_LINK), sleep=world.sleep)
     intra.scope, inter.scope = "intra", "inter"
-    hierarchy = Hierarchy(layout, intra, inter)
+    hierarchy = Hierarchy(layout, intra, inter, INTRA_DTYPES[intra_dtype])
     world.nodes = layout
     world.hierarchy = hierarchy if share > 1 else None
     world.meter.inter_share = share

@@ -49,6 +49,7 @@ class TrainConfig:
     # ranks per node (an int, or "auto": torchrun's LOCAL_WORLD_SIZE); None: flat, every rank its own node
     ranks_per_node: int | str | None = None
     intra_link: str | None = None  # the link inside a node (modeled, emulated); None: comm.nodes.INTRA_LINK
+    intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.nodes.INTRA_DTYPES)
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -84,7 +85,7 @@ class TrainConfig:
         require(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         links = tuple(str(Link.parse(s)) for s in self.links)
         require(not self.emulate_link or bool(links), "--emulate-link needs a --link to emulate")
-        per_node, intra = self._nodes(facts)
+        per_node, intra, intra_dtype = self._nodes(facts)
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
         require(self.on_nonfinite in ("raise", "skip"),
                 f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
@@ -107,19 +108,23 @@ class TrainConfig:
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,
-            ranks_per_node=per_node, intra_link=intra,
+            ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype,
         )
 
-    def _nodes(self, facts: Facts) -> tuple[int | None, str | None]:
-        """Ranks per node (torchrun's for ``auto``) and the link inside a node, checked."""
+    def _nodes(self, facts: Facts) -> tuple[int | None, str | None, str | None]:
+        """Ranks per node (torchrun's for ``auto``), the link inside a node and the dtype of
+        the collectives there, checked."""
         from thinwire.comm.link import Link
-        from thinwire.comm.nodes import INTRA_LINK
+        from thinwire.comm.nodes import INTRA_DTYPES, INTRA_LINK
 
         layout = facts.layout
         if layout is None:
             require(self.intra_link is None, "--intra-link needs --ranks-per-node (the link inside a node)")
-            return None, None
-        return layout.ranks_per_node, str(Link.parse(self.intra_link or INTRA_LINK))
+            require(self.intra_dtype is None, "--intra-dtype needs --ranks-per-node (the dtype inside a node)")
+            return None, None, None
+        dtype = self.intra_dtype or "fp32"
+        require(dtype in INTRA_DTYPES, f"intra-dtype must be one of {', '.join(INTRA_DTYPES)}, got {dtype!r}")
+        return layout.ranks_per_node, str(Link.parse(self.intra_link or INTRA_LINK)), dtype
 
     def _check_outputs(self, facts: Facts) -> None:
         """Where the run writes: somewhere for checkpoints, nothing of another run replaced."""

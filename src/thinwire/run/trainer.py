@@ -630,6 +630,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         # inside a node and between nodes (without --ranks-per-node every rank is its own node)
         "ranks_per_node": cfg.ranks_per_node or 1,
         "intra_link": cfg.intra_link,
+        "intra_dtype": cfg.intra_dtype,
         "bytes_by_link_per_worker": {k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
         "messages_by_link_per_worker": {k: links[len(LINKS) + i].item() / comm.world_size
                                         for i, k in enumerate(LINKS)},
