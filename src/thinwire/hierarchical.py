@@ -186,8 +186,13 @@ class HierarchicalAggregator(Aggregator):
             base = r * st.segment
             for p in pieces:
                 src = tensors[p.name].detach().reshape(-1)[p.start : p.start + p.numel]
-                # divided before the sum, as the flat path divides by the world size (and cast, in one pass)
-                torch.div(src, ranks, out=send[base + p.offset : base + p.offset + p.numel])
+                dst = send[base + p.offset : base + p.offset + p.numel]
+                # divided before the sum, as the flat path divides by the world size
+                if src.dtype == torch.float32:  # and cast to the node's dtype, in one pass
+                    torch.div(src, ranks, out=dst)
+                else:  # a half-precision gradient is divided in the node's dtype, not its own
+                    dst.copy_(src)
+                    dst.div_(ranks)
             end = max((p.offset + p.numel for p in pieces), default=0)
             send[base + end : base + st.segment].zero_()  # padding: the same zeros on every rank
         mine = _buffer(b, "node:mine", (st.segment,), h.dtype, device)
