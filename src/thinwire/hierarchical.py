@@ -141,6 +141,8 @@ class HierarchicalAggregator(Aggregator):
         hierarchy = comm.hierarchy
         super().__init__(named, codec_for, comm, bucket_mb=bucket_mb, feedback=feedback, as_given=as_given)
         self.hierarchy = hierarchy
+        # the dtype of the node's collectives: the hierarchy's (--intra-dtype); model averages set fp32
+        self.dtype: torch.dtype = hierarchy.dtype
         self.stages = [self._stage(b, bucket_mb) for b in self.buckets]
         for codec in self.codecs:
             codec.rank = hierarchy.inter.rank  # its peers between nodes average the same shard
@@ -181,7 +183,7 @@ class HierarchicalAggregator(Aggregator):
         h = self.hierarchy
         ranks = h.layout.ranks_per_node
         device = tensors[b.slots[0].name].device
-        send = _buffer(b, "node:send", (ranks * st.segment,), h.dtype, device)
+        send = _buffer(b, "node:send", (ranks * st.segment,), self.dtype, device)
         for r, pieces in enumerate(st.shards):
             base = r * st.segment
             for p in pieces:
@@ -195,7 +197,7 @@ class HierarchicalAggregator(Aggregator):
                     dst.div_(ranks)
             end = max((p.offset + p.numel for p in pieces), default=0)
             send[base + end : base + st.segment].zero_()  # padding: the same zeros on every rank
-        mine = _buffer(b, "node:mine", (st.segment,), h.dtype, device)
+        mine = _buffer(b, "node:mine", (st.segment,), self.dtype, device)
         t1 = time.perf_counter()
         h.intra.reduce_scatter(send, mine)
         t2 = time.perf_counter()
@@ -203,7 +205,7 @@ class HierarchicalAggregator(Aggregator):
         self._account_intra(b, st, ranks)
         if st.inner is not None:
             means = mine
-            if h.dtype != torch.float32:  # the codec gets fp32
+            if self.dtype != torch.float32:  # the codec gets fp32
                 means = _buffer(b, "node:means", (st.segment,), torch.float32, device)
                 means.copy_(mine)
                 leg.codec_seconds += time.perf_counter() - t2
@@ -227,7 +229,7 @@ class HierarchicalAggregator(Aggregator):
                     leg.mine.copy_(leg.means)
             t0 = time.perf_counter()
             ranks = self.hierarchy.layout.ranks_per_node
-            gathered = _buffer(b, "node:gathered", (ranks, st.segment), self.hierarchy.dtype, leg.mine.device)
+            gathered = _buffer(b, "node:gathered", (ranks, st.segment), self.dtype, leg.mine.device)
             self.hierarchy.intra.all_gather(leg.mine, gathered)
             t1 = time.perf_counter()
             self._write_back(b, st, gathered, tensors)
@@ -263,7 +265,7 @@ class HierarchicalAggregator(Aggregator):
     def _account_intra(self, b: _Bucket, st: _Stage, ranks: int) -> None:
         """The node stages' bytes (a reduce_scatter and an all_gather of the buckets'
         segments, in the node's dtype) shared among the bucket's tensors in proportion to size."""
-        size = torch.finfo(self.hierarchy.dtype).bits // 8
+        size = torch.finfo(self.dtype).bits // 8
         total = (sent_bytes("reduce_scatter", size * ranks * st.segment, ranks)
                  + sent_bytes("all_gather", size * st.segment, ranks))
         for s in b.slots:
@@ -273,6 +275,7 @@ class HierarchicalAggregator(Aggregator):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["nodes"] = [self.hierarchy.layout.count, self.hierarchy.layout.ranks_per_node]
+        state["intra_dtype"] = self.hierarchy.dtype_name
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -282,4 +285,8 @@ class HierarchicalAggregator(Aggregator):
             what = "no nodes (flat)" if saved is None else f"{saved[0]} node(s) x {saved[1]} rank(s)"
             raise ValueError(f"checkpoint was saved with {what}; this run has {ours[0]} node(s) x {ours[1]} "
                              "rank(s): residuals are per shard, so resume with the same --ranks-per-node")
+        saved_dtype = state.get("intra_dtype", "fp32")
+        if saved_dtype != self.hierarchy.dtype_name:
+            raise ValueError(f"checkpoint was saved with --intra-dtype {saved_dtype}, this run has "
+                             f"{self.hierarchy.dtype_name}: resume with the same --intra-dtype")
         super().load_state_dict(state)

@@ -138,6 +138,8 @@ BAD = [
     (["--workers", "4", "--intra-dtype", "bf16"], "--intra-dtype needs --ranks-per-node"),
     (["--workers", "4", "--ranks-per-node", "2", "--intra-dtype", "fp16"],
      "intra-dtype must be one of fp32, bf16, got 'fp16'"),
+    (["--workers", "4", "--ranks-per-node", "1", "--intra-dtype", "bf16"],
+     "--intra-dtype bf16 needs nodes of more than one rank"),
     (["--workers", "4", "--ranks-per-node", "2", "--method", "powergossip"],
      "powergossip cannot average in two levels: it exchanges with its graph neighbours by rank"),
     (["--workers", "4", "--ranks-per-node", "2", "--method", "demo"], "demo cannot average in two levels"),

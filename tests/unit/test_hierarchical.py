@@ -199,6 +199,27 @@ def test_a_hierarchical_state_does_not_load_into_a_flat_run():
     assert all(LocalWorld(4).run(fn))
 
 
+def test_a_state_loads_only_with_the_intra_dtype_it_was_saved_with():
+    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+
+    def fn(comm):
+        build_hierarchy(comm, NodeLayout(4, 2), intra_dtype="bf16")
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        agg = Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
+        local = LocalSGD(model, opt, comm, LocalSGDConfig(period=2, warmup=0), overlap=False)
+        saved, saved_local = agg.state_dict(), local.state_dict()
+        build_hierarchy(comm, NodeLayout(4, 2))  # fp32 inside the node
+        fresh = Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
+        with pytest.raises(ValueError, match="saved with --intra-dtype bf16, this run has fp32"):
+            fresh.load_state_dict(saved)
+        with pytest.raises(ValueError, match="saved with --intra-dtype bf16, this run has fp32"):
+            LocalSGD(model, opt, comm, LocalSGDConfig(period=2, warmup=0), overlap=False).load_state_dict(saved_local)
+        return True
+
+    assert all(LocalWorld(4).run(fn))
+
+
 @pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (2, 3)])
 def test_the_meter_counts_each_link(nodes, per_node):
     n = nodes * per_node
@@ -289,6 +310,26 @@ def test_bf16_inside_the_node_rounds_once_and_halves_the_node_bytes(spec):
     assert bf16[0][1] == fp32[0][1] / 2
 
 
+def test_half_precision_gradients_average_in_two_levels_and_keep_their_dtype():
+    """A bf16 model's gradients: divided in the node's fp32, averaged, written back as bf16
+    (small multiples of 4: every step is exact, so the mean is the exact mean)."""
+
+    def grads(rank):
+        g = torch.Generator().manual_seed(rank)
+        return {"w": (4.0 * torch.randint(-8, 9, (7, 5), generator=g)).bfloat16()}
+
+    def fn(comm):
+        _world(comm, 2)
+        t = grads(comm.rank)
+        Aggregator([("w", torch.zeros(7, 5, dtype=torch.bfloat16))], lambda _n, _t: build_codec("identity"),
+                   comm).reduce_(t)
+        return t["w"]
+
+    out = LocalWorld(4).run(fn)
+    ref = sum(grads(r)["w"].float() for r in range(4)) / 4
+    assert all(o.dtype == torch.bfloat16 and torch.equal(o.float(), ref) for o in out)
+
+
 def test_a_bad_intra_dtype_is_refused():
     def fn(comm):
         with pytest.raises(ValueError, match="intra-dtype must be one of fp32, bf16, got 'fp16'"):
@@ -318,6 +359,31 @@ def test_two_level_local_sgd_averages_inside_the_node_in_bf16_when_asked():
     bf16 = LocalWorld(4).run(lambda c: fn(c, "bf16"))
     assert fp32[0][0] > 0 and bf16[0][0] == fp32[0][0] / 2
     assert fp32[0][1] == bf16[0][1] == 0  # no average between nodes before the period
+
+
+def test_bf16_inside_the_node_leaves_the_model_averages_in_fp32():
+    """Past a period: the weights averaged between nodes come back in full fp32 (a bf16 node
+    stage would round every weight to bf16 at each sync), the same on every rank."""
+    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
+
+    def fn(comm):
+        build_hierarchy(comm, NodeLayout(4, 2), intra_dtype="bf16")
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        method = LocalSGD(model, opt, comm, LocalSGDConfig(period=2, warmup=0), overlap=False)
+        for step in range(4):  # two averages between nodes
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(10 * step + comm.rank)
+            model(torch.randn(8, 64, generator=g)).square().mean().backward()
+            method.after_backward()
+            opt.step()
+            method.after_step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    out = LocalWorld(4).run(fn)
+    assert all(torch.equal(o, out[0]) for o in out)
+    assert (out[0] != out[0].bfloat16().float()).float().mean() > 0.9
 
 
 # -- two-level model averaging: local steps local to a node, averages on the schedule -------------

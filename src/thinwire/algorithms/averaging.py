@@ -31,7 +31,7 @@ def comm_or_world(comm: Communicator | None) -> Communicator:
 
 
 class GradientMean:
-    """Synchronous fp32 gradient averaging (the warm-up steps of local SGD and DaSGD, and
+    """Synchronous fp32 (or ``codec``) gradient averaging (the warm-up steps of local SGD and DaSGD, and
     AB-training's phases), with DDP's gradient semantics (a ``None`` gradient stays
     ``None``; see :class:`~thinwire.algorithms.gradients.GradientReducer`). With ``overlap``,
     buckets are averaged while the backward pass goes on, in steps where :attr:`armed` is

@@ -231,8 +231,12 @@ class PeriodicAveraging(Method):
     def averager(self, like: torch.Tensor, codec: Codec | None = None) -> Aggregator:
         """An :class:`~thinwire.aggregate.Aggregator` of one flat tensor shaped as ``like``
         (the model state, or a delta of it) through ``codec`` (default: fp32, ``identity``),
-        whose seconds count in :attr:`timing`. Build it once and reuse it."""
+        whose seconds count in :attr:`timing`. Build it once and reuse it. Over nodes its
+        stages inside a node stay fp32 whatever ``--intra-dtype`` says: it averages weights
+        (or their deltas), which bf16 would round at every sync."""
         agg = Aggregator.flat("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
+        if hasattr(agg, "hierarchy"):  # a HierarchicalAggregator
+            agg.dtype = torch.float32  # type: ignore[attr-defined]
         self.aggregators.append(agg)
         return agg
 
@@ -278,7 +282,11 @@ class PeriodicAveraging(Method):
         state = {"step": self.step, "sync": self.warmup.state_dict()}
         if self.node is not None:
             state["node"] = self.node.state_dict()
+            state["intra_dtype"] = self._intra_dtype()
         return state
+
+    def _intra_dtype(self) -> str:
+        return self.comm.hierarchy.dtype_name if self.comm.hierarchy is not None else "fp32"
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -288,6 +296,10 @@ class PeriodicAveraging(Method):
             if "node" not in state:
                 raise ValueError("checkpoint was saved without nodes (flat); this run has --ranks-per-node: resume "
                                  "with the same --ranks-per-node")
+            saved, ours = state.get("intra_dtype", "fp32"), self._intra_dtype()
+            if saved != ours:
+                raise ValueError(f"checkpoint was saved with --intra-dtype {saved}, this run has {ours}: resume "
+                                 "with the same --intra-dtype")
             self.node.load_state_dict(state["node"])
             self.node.armed = not self.warming_up
 

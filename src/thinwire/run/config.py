@@ -124,6 +124,9 @@ class TrainConfig:
             return None, None, None
         dtype = self.intra_dtype or "fp32"
         require(dtype in INTRA_DTYPES, f"intra-dtype must be one of {', '.join(INTRA_DTYPES)}, got {dtype!r}")
+        require(dtype == "fp32" or layout.ranks_per_node > 1,
+                f"--intra-dtype {dtype} needs nodes of more than one rank (with --ranks-per-node 1 nothing runs "
+                "inside a node)")
         return layout.ranks_per_node, str(Link.parse(self.intra_link or INTRA_LINK)), dtype
 
     def _check_outputs(self, facts: Facts) -> None:
