@@ -35,6 +35,7 @@ import torch
 
 from thinwire.aggregate import Aggregator, CodecChooser, _Bucket, _buffer, _Flight
 from thinwire.comm.meter import sent_bytes
+from thinwire.comm.nodes import check_intra_dtype
 from thinwire.feedback import ErrorFeedback
 
 
@@ -285,8 +286,5 @@ class HierarchicalAggregator(Aggregator):
             what = "no nodes (flat)" if saved is None else f"{saved[0]} node(s) x {saved[1]} rank(s)"
             raise ValueError(f"checkpoint was saved with {what}; this run has {ours[0]} node(s) x {ours[1]} "
                              "rank(s): residuals are per shard, so resume with the same --ranks-per-node")
-        saved_dtype = state.get("intra_dtype", "fp32")
-        if saved_dtype != self.hierarchy.dtype_name:
-            raise ValueError(f"checkpoint was saved with --intra-dtype {saved_dtype}, this run has "
-                             f"{self.hierarchy.dtype_name}: resume with the same --intra-dtype")
+        check_intra_dtype(state.get("intra_dtype"), self.hierarchy.dtype_name)
         super().load_state_dict(state)

@@ -338,21 +338,28 @@ def test_a_bad_intra_dtype_is_refused():
     LocalWorld(2).run(fn)
 
 
-def test_two_level_local_sgd_averages_inside_the_node_in_bf16_when_asked():
+def _local_sgd(comm, dtype: str, period: int, steps: int) -> torch.nn.Module:
+    """``steps`` local steps of two-level local SGD over 2 nodes x 2 ranks, nodes in ``dtype``."""
     from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 
+    build_hierarchy(comm, NodeLayout(4, 2), intra_dtype=dtype)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method = LocalSGD(model, opt, comm, LocalSGDConfig(period=period, warmup=0), overlap=False)
+    for step in range(steps):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(10 * step + comm.rank)
+        model(torch.randn(8, 64, generator=g)).square().mean().backward()
+        method.after_backward()
+        opt.step()
+        method.after_step()
+    return model
+
+
+def test_two_level_local_sgd_averages_inside_the_node_in_bf16_when_asked():
     def fn(comm, dtype):
-        build_hierarchy(comm, NodeLayout(4, 2), intra_dtype=dtype)
-        model = torch.nn.Linear(64, 32)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        method = LocalSGD(model, opt, comm, LocalSGDConfig(period=4, warmup=0), overlap=False)
-        for step in range(3):  # local steps only: the node's gradient means
-            opt.zero_grad()
-            g = torch.Generator().manual_seed(10 * step + comm.rank)
-            model(torch.randn(8, 64, generator=g)).square().mean().backward()
-            method.after_backward()
-            opt.step()
-            method.after_step()
+        _local_sgd(comm, dtype, period=4, steps=3)  # local steps only: the node's gradient means
         return comm.meter.link_bytes("intra"), comm.meter.link_bytes("inter")
 
     fp32 = LocalWorld(4).run(lambda c: fn(c, "fp32"))
@@ -364,21 +371,9 @@ def test_two_level_local_sgd_averages_inside_the_node_in_bf16_when_asked():
 def test_bf16_inside_the_node_leaves_the_model_averages_in_fp32():
     """Past a period: the weights averaged between nodes come back in full fp32 (a bf16 node
     stage would round every weight to bf16 at each sync), the same on every rank."""
-    from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
 
     def fn(comm):
-        build_hierarchy(comm, NodeLayout(4, 2), intra_dtype="bf16")
-        torch.manual_seed(0)
-        model = torch.nn.Linear(64, 32)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        method = LocalSGD(model, opt, comm, LocalSGDConfig(period=2, warmup=0), overlap=False)
-        for step in range(4):  # two averages between nodes
-            opt.zero_grad()
-            g = torch.Generator().manual_seed(10 * step + comm.rank)
-            model(torch.randn(8, 64, generator=g)).square().mean().backward()
-            method.after_backward()
-            opt.step()
-            method.after_step()
+        model = _local_sgd(comm, "bf16", period=2, steps=4)  # two averages between nodes
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     out = LocalWorld(4).run(fn)

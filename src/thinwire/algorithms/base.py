@@ -34,6 +34,8 @@ from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link
+from thinwire.comm.nodes import check_intra_dtype
+from thinwire.hierarchical import HierarchicalAggregator
 from thinwire.knobs import describe_config
 from thinwire.registry import NoKnobs
 from thinwire.timing import Timing
@@ -235,8 +237,8 @@ class PeriodicAveraging(Method):
         stages inside a node stay fp32 whatever ``--intra-dtype`` says: it averages weights
         (or their deltas), which bf16 would round at every sync."""
         agg = Aggregator.flat("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
-        if hasattr(agg, "hierarchy"):  # a HierarchicalAggregator
-            agg.dtype = torch.float32  # type: ignore[attr-defined]
+        if isinstance(agg, HierarchicalAggregator):
+            agg.dtype = torch.float32
         self.aggregators.append(agg)
         return agg
 
@@ -296,10 +298,7 @@ class PeriodicAveraging(Method):
             if "node" not in state:
                 raise ValueError("checkpoint was saved without nodes (flat); this run has --ranks-per-node: resume "
                                  "with the same --ranks-per-node")
-            saved, ours = state.get("intra_dtype", "fp32"), self._intra_dtype()
-            if saved != ours:
-                raise ValueError(f"checkpoint was saved with --intra-dtype {saved}, this run has {ours}: resume "
-                                 "with the same --intra-dtype")
+            check_intra_dtype(state.get("intra_dtype"), self._intra_dtype())
             self.node.load_state_dict(state["node"])
             self.node.armed = not self.warming_up
 

@@ -170,6 +170,15 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
     return hierarchy
 
 
+def check_intra_dtype(saved: str | None, ours: str) -> None:
+    """Refuse a checkpoint whose node stages ran in another dtype (``None``: saved before
+    ``--intra-dtype`` existed, so fp32)."""
+    saved = saved or "fp32"
+    if saved != ours:
+        raise ValueError(f"checkpoint was saved with --intra-dtype {saved}, this run has {ours}: resume with the "
+                         "same --intra-dtype")
+
+
 def _agree(world: Communicator, layout: NodeLayout) -> None:
     """Refuse a layout the ranks do not share (each rank derives it from its own environment)."""
     device = _control_device()
