@@ -26,6 +26,7 @@ from thinwire.algorithms.base import Method
 from thinwire.algorithms.registry import build_method, is_gradient_codec, own_optimizer, resolve_method
 from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
+from thinwire.figures import figures
 from thinwire.policy import Policy
 from thinwire.timing import Timing
 
@@ -86,6 +87,13 @@ class Attached:
     def bytes_sent(self) -> float:
         """Bytes this rank sent so far, as the byte meter counts them."""
         return self.comm.meter.bytes_sent
+
+    def scalars(self) -> dict[str, float]:
+        """This rank's figures so far, ``{tag: number}`` for a logger (``thinwire/bytes_sent``,
+        ``thinwire/messages``, ``thinwire/codec_seconds``, ``thinwire/comm_seconds``, and the
+        method's own numeric ones such as DaSGD's ``thinwire/delay``): one call logs them,
+        ``for tag, v in run.scalars().items(): writer.add_scalar(tag, v, step)``."""
+        return figures(self.comm.meter, self.timing, self.method.stats())
 
     def state_dict(self) -> dict[str, Any]:
         """The method's state (residuals, snapshots, schedules...) for a checkpoint, beside

@@ -52,6 +52,7 @@ from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
+from thinwire.figures import figures
 from thinwire.policy import Assignment, Policy, as_policy
 from thinwire.timing import Timing
 
@@ -121,6 +122,15 @@ class HookState:
     def timing(self) -> Timing:
         return Timing.total(agg.timing for agg in self.aggregators.values())
 
+    def scalars(self) -> dict[str, float]:
+        """This rank's figures so far, ``{tag: number}`` for a logger: bytes and messages
+        sent, codec and communication seconds, steps averaged and skipped, and the codecs'
+        own numeric figures (see :func:`thinwire.figures.figures`)."""
+        stats: dict[str, Any] = {"steps": self.step, "skipped_steps": self.skipped}
+        for c in self.codecs:
+            stats.update(c.stats())
+        return figures(self.comm.meter, self.timing, stats)
+
 
 # no `from __future__ import annotations` here: DDP checks that the hook's annotations are
 # the real GradBucket / Future classes
@@ -175,6 +185,15 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         # right after this returns (the used-parameter map's all_reduce), which must follow every
         # bucket's on every rank: drain the worker first (it runs in order, so this is the last)
         fut.wait()
+    return fut
+
+
+def local_only(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP hook that sends nothing: each rank keeps its own gradients, for methods that
+    communicate on a schedule of their own while DDP still wraps the model (the Lightning
+    strategy's model averaging)."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
     return fut
 
 

@@ -1,0 +1,132 @@
+"""Run under torchrun with two CPU processes: Lightning Trainers with thinwire strategies,
+each against the same training in a plain loop (the reference), and an exact resume.
+
+Writes ``rank<R>.json`` into the directory given as the first argument."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import thinwire
+import thinwire.lightning
+
+warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging
+BATCH, LR = 8, 0.1
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return TensorDataset(x, (x[:, :4].sum(1) > 0).long())
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log_dict(self.trainer.strategy.scalars())  # the figures a logger takes, in one call
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return loader()
+
+
+def loader() -> DataLoader:
+    """Each rank's shard, shuffled per epoch (Lightning calls ``set_epoch`` as the reference does)."""
+    return DataLoader(dataset(), batch_size=BATCH, sampler=DistributedSampler(dataset(), shuffle=True, seed=0))
+
+
+def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = None):
+    model = Net()
+    strategy = thinwire.lightning.strategy(method)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                         use_distributed_sampler=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ckpt_path=ckpt)
+    if save:
+        trainer.save_checkpoint(save)
+    return model, strategy
+
+
+def reference(method: str, epochs: int):
+    """The same training in a plain loop: DDP with thinwire's hook (codecs), or thinwire.attach."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = loader()
+    if thinwire.lightning.ThinwireStrategy(method).kind == "gradient":
+        forward = DistributedDataParallel(model)
+        state = thinwire.ddp.register(forward, method)
+        after_backward, after_step, sent = (lambda loss: None), (lambda: None), lambda: state.comm.meter.bytes_sent
+    else:
+        run = thinwire.attach(model, opt, method)
+        forward, after_backward, after_step, sent = model, run.after_backward, run.after_step, lambda: run.bytes_sent
+    for epoch in range(epochs):
+        data.sampler.set_epoch(epoch)
+        for x, y in data:
+            opt.zero_grad()
+            loss = F.cross_entropy(forward(x), y)
+            loss.backward()
+            after_backward(loss)
+            opt.step()
+            after_step()
+    return model, sent()
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def main(out: str) -> None:
+    result: dict[str, object] = {}
+    for method in ("powersgd:rank=2", "localsgd:period=3", "hylo:t_fc=64"):
+        model, strategy = fit(method, epochs=2)
+        ref, ref_sent = reference(method, epochs=2)
+        result[method] = {
+            "max_diff": (flat(model) - flat(ref)).abs().max().item(),
+            "params": flat(model).tolist(),
+            "bytes": strategy.scalars()["thinwire/bytes_sent"],
+            "ref_bytes": ref_sent,
+            "kind": strategy.kind,
+        }
+    plain, _ = reference("identity", epochs=2)  # what DDP's all_reduce (fp32) gives: the codecs must differ
+    result["identity"] = {"params": flat(plain).tolist()}
+    # an exact resume: one epoch, a checkpoint, a second epoch from it; against two epochs at once
+    path = os.path.join(out, "powersgd.ckpt")
+    fit("powersgd:rank=2", epochs=1, save=path)
+    resumed, _ = fit("powersgd:rank=2", epochs=2, ckpt=path)
+    result["resume_max_diff"] = (flat(resumed) - torch.tensor(result["powersgd:rank=2"]["params"])).abs().max().item()
+    saved = torch.load(path, weights_only=False)["thinwire"]
+    result["saved"] = {"spec": saved["spec"], "world_size": saved["world_size"], "ranks": len(saved["ranks"]),
+                       "steps": [r["step"] for r in saved["ranks"]]}
+    try:
+        fit("topk:ratio=0.1", epochs=2, ckpt=path)
+        result["other_method"] = "loaded"
+    except ValueError as e:
+        result["other_method"] = str(e)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,70 @@
+"""thinwire.accelerate: an Accelerator loop, two CPU processes (MULTI_CPU, gloo) under
+torchrun, against a plain DDP loop with the same hook; save_state/load_state exact."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")  # the extra is in the dev install: make test always runs these
+
+from _torchrun import torchrun  # noqa: E402
+
+import thinwire.accelerate  # noqa: E402
+
+
+@pytest.mark.timeout(240)
+def test_accelerator_loop_equals_plain_ddp_and_resumes_exactly(tmp_path):
+    for rank in torchrun("accelerate_fit.py", tmp_path):
+        assert rank["distributed_type"] == "DistributedType.MULTI_CPU" and rank["num_processes"] == 2
+        assert rank["hook_type"] == "HookState"
+        assert rank["max_diff"] == 0.0 and rank["bytes"] == rank["ref_bytes"] > 0
+        assert rank["resume_max_diff"] == 0.0 and rank["resumed_step"] == 6
+
+
+def test_one_process_has_nothing_to_register():
+    assert thinwire.accelerate.register(SimpleNamespace(num_processes=1), torch.nn.Linear(2, 2)) is None
+
+
+def test_a_model_accelerate_did_not_wrap_in_ddp_is_refused():
+    accelerator = SimpleNamespace(num_processes=2, distributed_type="FSDP")
+    with pytest.raises(ValueError, match="needs the DDP-wrapped model.*got Linear.*FSDP"):
+        thinwire.accelerate.register(accelerator, torch.nn.Linear(2, 2))
+
+
+class _Own:
+    """A state that differs by rank."""
+
+    def __init__(self, value: float) -> None:
+        self.value = torch.tensor([value])
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"].clone()
+
+
+def _every_rank(rank, world_size):
+    from thinwire.integrations.ranks import EveryRank
+
+    saved = EveryRank(_Own(10.0 + rank)).state_dict()  # collective: both ranks gather
+    back = _Own(0.0)
+    EveryRank(back).load_state_dict(saved)
+    try:
+        EveryRank(_Own(0.0)).load_state_dict({**saved, "world_size": 3})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return saved["world_size"], [s["value"].item() for s in saved["ranks"]], back.value.item(), refused
+
+
+@pytest.mark.timeout(120)
+def test_every_ranks_state_goes_into_one_file_and_each_gets_its_own_back():
+    from spawn import run_ranks
+
+    for rank, (world, values, back, refused) in enumerate(run_ranks(_every_rank, 2, timeout=100)):
+        assert world == 2 and values == [10.0, 11.0] and back == 10.0 + rank
+        assert refused == "the checkpoint's thinwire state is for 3 ranks, this run has 2"

@@ -1,0 +1,72 @@
+"""thinwire.lightning: a real Lightning Trainer, two CPU processes on gloo under torchrun,
+against the same training in a plain loop (DDP with thinwire's hook, or thinwire.attach)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lightning")  # the extra is in the dev install: make test always runs these
+
+from _torchrun import torchrun  # noqa: E402
+
+import thinwire.lightning  # noqa: E402
+
+CASES = ("powersgd:rank=2", "localsgd:period=3", "hylo:t_fc=64")  # hylo: 2-bit codes for both linear weights
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return torchrun("lightning_fit.py", tmp_path_factory.mktemp("lightning"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", CASES)
+def test_trainer_equals_the_plain_loop_bit_for_bit(ranks, method):
+    for rank in ranks:
+        case = rank[method]
+        assert case["max_diff"] == 0.0  # same buckets, same codec, same order: the same bits
+        assert case["bytes"] == case["ref_bytes"] > 0
+    assert ranks[0][method]["kind"] == ("schedule" if method.startswith("localsgd") else "gradient")
+
+
+@pytest.mark.timeout(240)
+def test_the_codec_ran_instead_of_ddps_all_reduce(ranks):
+    for method in CASES:
+        assert ranks[0][method]["params"] != ranks[0]["identity"]["params"], method
+    # gradient codecs keep every rank's model the same; local SGD's ranks drift between averages
+    assert ranks[0]["powersgd:rank=2"]["params"] == ranks[1]["powersgd:rank=2"]["params"]
+    assert ranks[0]["hylo:t_fc=64"]["params"] == ranks[1]["hylo:t_fc=64"]["params"]
+    assert ranks[0]["localsgd:period=3"]["params"] != ranks[1]["localsgd:period=3"]["params"]
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_carries_every_ranks_state_and_resumes_exactly(ranks):
+    for rank in ranks:
+        assert rank["resume_max_diff"] == 0.0
+        assert rank["saved"]["world_size"] == 2 and rank["saved"]["ranks"] == 2 and rank["saved"]["steps"] == [4, 4]
+        assert rank["saved"]["spec"].startswith("powersgd:") and "rank=2" in rank["saved"]["spec"]
+        assert rank["other_method"].startswith("the checkpoint's thinwire state is for powersgd:")
+        assert "this strategy runs topk:" in rank["other_method"]
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("ab", "replaces the model's layers"),
+    ("demo", "an optimizer of its own"),
+    ("torch-powersgd", "DDPStrategy(ddp_comm_hook=...)"),
+    ("nosuch", "unknown method 'nosuch'"),
+])
+def test_methods_lightning_cannot_run_are_refused_with_the_reason(spec, reason):
+    with pytest.raises(ValueError, match=r".*" + reason.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        thinwire.lightning.strategy(spec)
+
+
+def test_ddps_own_hook_arguments_are_refused():
+    with pytest.raises(ValueError, match="ddp_comm_hook is DDPStrategy's own"):
+        thinwire.lightning.strategy("topk", ddp_comm_hook=lambda s, b: None)
+
+
+def test_strategy_resolves_the_spec_and_has_no_figures_before_fit():
+    s = thinwire.lightning.strategy("topk:ratio=0.05", find_unused_parameters=True)
+    assert s.spec.startswith("topk:") and "ratio=0.05" in s.spec and s.kind == "gradient"
+    assert s.scalars() == {}
+    assert thinwire.lightning.strategy("dasgd:period=4").kind == "schedule"
