@@ -70,6 +70,9 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help="task option, e.g. model=vgg (repeatable; on --resume, added to the run's own)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="TensorBoard event files beside metrics.jsonl in --out (default: when the tensorboard package "
+                        "is installed)")
     t.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="write a checkpoint into OUT/checkpoints every K steps and at the last one (needs --out; "
                    "the newest two are kept; default: 0, none)")
@@ -133,6 +136,9 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
+    c.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="TensorBoard event files in every run's folder: tensorboard --logdir OUT/runs (default: when "
+                        "the tensorboard package is installed)")
     _max_workers_option(c)
     _import_option(c)
 
@@ -284,12 +290,12 @@ def _train(args: argparse.Namespace) -> int:
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
-                "intra_link", "intra_dtype")  # train's options, by field
+                "intra_link", "intra_dtype", "tensorboard")  # train's options, by field
 
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
                   "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers",
-                  "ranks_per_node", "intra_link", "intra_dtype")
+                  "ranks_per_node", "intra_link", "intra_dtype", "tensorboard")
 COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
                "max_workers", "ranks_per_node", "intra_link", "intra_dtype")
 

@@ -7,12 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _torchrun import torchrun
 
-pytest.importorskip("accelerate")  # the extra is in the dev install: make test always runs these
-
-from _torchrun import torchrun  # noqa: E402
-
-import thinwire.accelerate  # noqa: E402
+import thinwire.accelerate
 
 
 @pytest.mark.timeout(240)

@@ -4,12 +4,9 @@ against the same training in a plain loop (DDP with thinwire's hook, or thinwire
 from __future__ import annotations
 
 import pytest
+from _torchrun import torchrun
 
-pytest.importorskip("lightning")  # the extra is in the dev install: make test always runs these
-
-from _torchrun import torchrun  # noqa: E402
-
-import thinwire.lightning  # noqa: E402
+import thinwire.lightning
 
 CASES = ("powersgd:rank=2", "localsgd:period=3", "hylo:t_fc=64")  # hylo: 2-bit codes for both linear weights
 

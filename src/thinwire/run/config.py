@@ -50,6 +50,8 @@ class TrainConfig:
     ranks_per_node: int | str | None = None
     intra_link: str | None = None  # the link inside a node (modeled, emulated); None: comm.nodes.INTRA_LINK
     intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.nodes.INTRA_DTYPES)
+    # TensorBoard event files beside metrics.jsonl: None when the tensorboard package is installed, True needs it
+    tensorboard: bool | None = None
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -108,8 +110,15 @@ class TrainConfig:
         return dataclasses.replace(
             self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
             optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,
-            ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype,
+            ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype, tensorboard=self._tensorboard(),
         )
+
+    def _tensorboard(self) -> bool:
+        from thinwire.run.tensorboard import INSTALL, available
+
+        have = available()
+        require(self.tensorboard is not True or have, f"--tensorboard needs the tensorboard package: {INSTALL}")
+        return have if self.tensorboard is None else self.tensorboard
 
     def _nodes(self, facts: Facts) -> tuple[int | None, str | None, str | None]:
         """Ranks per node (torchrun's for ``auto``), the link inside a node and the dtype of
@@ -306,7 +315,7 @@ class ImportFailed(ValueError):
 
 
 # -- resuming with the run's own settings -------------------------------------------------------
-OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers"})  # never taken from the checkpoint
+OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard"})  # never taken from the checkpoint
 METHOD_FIELDS = ("method", "policy", "policy_rules")  # given --method or --policy replaces all three
 SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
 

@@ -382,7 +382,7 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
             continue
         say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-            cfg = for_method(base, spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True)
+            cfg = for_method(base, spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True, tensorboard=False)
             try:
                 summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
                 if summary is not None and summary.get("stopped_at") is not None:

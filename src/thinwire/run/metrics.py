@@ -39,9 +39,12 @@ def finite(record: dict[str, Any]) -> dict[str, Any]:
 class MetricsWriter:
     """Writes into ``out``; the summary is written atomically (temporary file + rename)."""
 
-    def __init__(self, out: str, history: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, out: str, history: list[dict[str, Any]] | None = None, *, tensorboard: bool = False) -> None:
         """``history``: a resumed run's records up to its checkpoint, written first (records a
-        crashed run logged after its checkpoint are dropped, so none appears twice)."""
+        crashed run logged after its checkpoint are dropped, so none appears twice).
+        ``tensorboard``: every record, the history's first, also goes to TensorBoard event
+        files in ``out`` (:mod:`thinwire.run.tensorboard`), which replace an earlier run's
+        there as ``metrics.jsonl`` does."""
         os.makedirs(out, exist_ok=True)
         self.out = out
         path = os.path.join(out, "metrics.jsonl")
@@ -50,6 +53,13 @@ class MetricsWriter:
             f.writelines(json.dumps(finite(record), allow_nan=False) + "\n" for record in history or [])
         os.replace(tmp, path)
         self._jsonl = open(path, "a", encoding="utf-8")
+        self._tensorboard = None
+        if tensorboard:
+            from thinwire.run.tensorboard import TensorBoardWriter
+
+            self._tensorboard = TensorBoardWriter(out)
+            for record in history or []:
+                self._tensorboard.write(record)
         stale = os.path.join(out, "summary.json")  # an earlier run's (or the resumed one's): not this run's
         if os.path.exists(stale):
             os.remove(stale)
@@ -57,12 +67,16 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(finite(record), sort_keys=False, allow_nan=False) + "\n")
         self._jsonl.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(os.path.join(self.out, "summary.json"), summary)
 
     def close(self) -> None:
         self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

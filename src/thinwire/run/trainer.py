@@ -172,7 +172,7 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
     else:
         history = []
     if comm.rank == 0 and cfg.out:
-        run.writer = MetricsWriter(cfg.out, history)
+        run.writer = MetricsWriter(cfg.out, history, tensorboard=bool(cfg.tensorboard))
         if not (cfg.resume and checkpoint.in_place(checkpoint.locate(cfg.resume), cfg.out)):
             checkpoint.clear(cfg.out)  # a fresh run or one resumed elsewhere (--overwrite): earlier checkpoints go
     return run
