@@ -72,6 +72,7 @@ def test_a_training_run_writes_what_metrics_jsonl_holds(tmp_path):
 
 def test_asking_for_tensorboard_without_the_package_names_the_install(monkeypatch):
     monkeypatch.setattr("thinwire.run.tensorboard.available", lambda: False)
-    with pytest.raises(ValueError, match=r"--tensorboard needs the tensorboard package: pip install 'thinwire\[tensorboard\]'"):
+    with pytest.raises(ValueError, match=r"--tensorboard needs the tensorboard package: pip install "
+                                         r"'thinwire\[tensorboard\]'"):
         TrainConfig(task="synthetic", tensorboard=True, task_options=SMALL).resolve()
     assert TrainConfig(task="synthetic", task_options=SMALL).resolve().tensorboard is False

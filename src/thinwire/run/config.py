@@ -315,7 +315,8 @@ class ImportFailed(ValueError):
 
 
 # -- resuming with the run's own settings -------------------------------------------------------
-OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard"})  # never taken from the checkpoint
+# never taken from the checkpoint
+OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard"})
 METHOD_FIELDS = ("method", "policy", "policy_rules")  # given --method or --policy replaces all three
 SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
 
