@@ -14,11 +14,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# the embedded default (mnist1d, identity, 2 local workers), with its cost on three links
-RUN_ARGS ?= --link 10gbit,10us --link 1gbit,50us --link 100mbit,1ms --out runs/default --overwrite
+# the first run: a race on the bundled default (mnist1d, 2 local workers) of the fp32 all_reduce, bf16, PowerSGD,
+# top-k and DaSGD, which names the winner at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s and writes runs/default/report.md
+# and its plots (about 2 minutes on 2 cores)
+RUN_ARGS ?= --methods identity,bf16,powersgd,topk,dasgd --steps 600 --link 10gbit,10us --link 1gbit,50us \
+	--link 100mbit,1ms --out runs/default --overwrite
 
 run: $(STAMP)
-	$(VENV)/bin/thinwire train $(RUN_ARGS)
+	$(VENV)/bin/thinwire compare $(RUN_ARGS)
 
 # the tests run after lint (ruff: style, import order, likely bugs) and types (mypy on src/thinwire);
 # both are configured in pyproject.toml
