@@ -13,6 +13,7 @@ import warnings
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -29,9 +30,17 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, (x[:, :4].sum(1) > 0).long())
 
 
+OVERFLOW_STEP = 2  # with a scaler: rank 1's loss is inf at this step, so every rank skips it
+
+
+def overflow(loss: torch.Tensor, step: int) -> torch.Tensor:
+    return loss * float("inf") if step == OVERFLOW_STEP and int(os.environ["RANK"]) == 1 else loss
+
+
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, amp: bool = False) -> None:
         super().__init__()
+        self.amp = amp
         torch.manual_seed(1)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 
@@ -41,6 +50,8 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
+        if self.amp:
+            loss = overflow(loss, self.global_step)
         self.log_dict(self.trainer.strategy.scalars())  # the figures a logger takes, in one call
         return loss
 
@@ -56,39 +67,57 @@ def loader() -> DataLoader:
     return DataLoader(dataset(), batch_size=BATCH, sampler=DistributedSampler(dataset(), shuffle=True, seed=0))
 
 
-def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = None):
-    model = Net()
+def scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+
+def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = None, amp: bool = False):
+    model = Net(amp)
     strategy = thinwire.lightning.strategy(method)
+    # fp16 autocast with a GradScaler on the CPU (Lightning's "16-mixed" falls back to bf16 there)
+    plugins = [MixedPrecision("16-mixed", device="cpu", scaler=scaler())] if amp else []
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
-                         use_distributed_sampler=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         plugins=plugins, use_distributed_sampler=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)
     return model, strategy
 
 
-def reference(method: str, epochs: int):
-    """The same training in a plain loop: DDP with thinwire's hook (codecs), or thinwire.attach."""
+def reference(method: str, epochs: int, amp: bool = False):
+    """The same training in a plain loop: DDP with thinwire's hook (codecs), or thinwire.attach;
+    with ``amp``, fp16 autocast and a GradScaler as Lightning's MixedPrecision runs them."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = loader()
+    grad_scaler = scaler() if amp else None
     if thinwire.lightning.ThinwireStrategy(method).kind == "gradient":
         forward = DistributedDataParallel(model)
-        state = thinwire.ddp.register(forward, method)
+        state = thinwire.ddp.register(forward, method, scaler=grad_scaler)
         after_backward, after_step, sent = (lambda loss: None), (lambda: None), lambda: state.comm.meter.bytes_sent
     else:
         run = thinwire.attach(model, opt, method)
         forward, after_backward, after_step, sent = model, run.after_backward, run.after_step, lambda: run.bytes_sent
+    step = 0
     for epoch in range(epochs):
         data.sampler.set_epoch(epoch)
         for x, y in data:
             opt.zero_grad()
-            loss = F.cross_entropy(forward(x), y)
-            loss.backward()
-            after_backward(loss)
-            opt.step()
+            if grad_scaler is None:
+                loss = F.cross_entropy(forward(x), y)
+                loss.backward()
+                after_backward(loss)
+                opt.step()
+            else:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = overflow(F.cross_entropy(forward(x), y), step)
+                grad_scaler.scale(loss).backward()
+                grad_scaler.unscale_(opt)
+                grad_scaler.step(opt)
+                grad_scaler.update()
             after_step()
+            step += 1
     return model, sent()
 
 
@@ -108,6 +137,13 @@ def main(out: str) -> None:
             "ref_bytes": ref_sent,
             "kind": strategy.kind,
         }
+    # mixed precision: the hook gets Lightning's GradScaler; rank 1's overflow skips a step on every rank
+    model, strategy = fit("powersgd:rank=2", epochs=2, amp=True)
+    ref, ref_sent = reference("powersgd:rank=2", epochs=2, amp=True)
+    result["amp"] = {"max_diff": (flat(model) - flat(ref)).abs().max().item(), "bytes": ref_sent,
+                     "skipped": strategy.scalars()["thinwire/skipped_steps"],
+                     "steps": strategy.scalars()["thinwire/steps"], "finite": bool(torch.isfinite(flat(model)).all()),
+                     "params": flat(model).tolist()}
     plain, _ = reference("identity", epochs=2)  # what DDP's all_reduce (fp32) gives: the codecs must differ
     result["identity"] = {"params": flat(plain).tolist()}
     # an exact resume: one epoch, a checkpoint, a second epoch from it; against two epochs at once

@@ -37,6 +37,16 @@ def test_the_codec_ran_instead_of_ddps_all_reduce(ranks):
 
 
 @pytest.mark.timeout(240)
+def test_a_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for rank in ranks:
+        amp = rank["amp"]
+        # Lightning's MixedPrecision (fp16 autocast, GradScaler) equals the plain AMP loop with the hook
+        assert amp["max_diff"] == 0.0 and amp["finite"]
+        assert (amp["skipped"], amp["steps"]) == (1.0, 7.0)  # 8 steps: one skipped by both ranks
+    assert ranks[0]["amp"]["params"] == ranks[1]["amp"]["params"]
+
+
+@pytest.mark.timeout(240)
 def test_checkpoint_carries_every_ranks_state_and_resumes_exactly(ranks):
     for rank in ranks:
         assert rank["resume_max_diff"] == 0.0
