@@ -21,8 +21,16 @@ def test_accelerator_loop_equals_plain_ddp_and_resumes_exactly(tmp_path):
         assert rank["resume_max_diff"] == 0.0 and rank["resumed_step"] == 6
 
 
-def test_one_process_has_nothing_to_register():
+def test_one_process_has_nothing_to_register(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert thinwire.accelerate.register(SimpleNamespace(num_processes=1), torch.nn.Linear(2, 2)) is None
+
+
+def test_processes_accelerate_runs_alone_under_torchrun_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's two processes, an Accelerator without cpu=True on the CPU
+    with pytest.raises(ValueError, match=r"accelerate runs this process alone, but WORLD_SIZE=2: on the CPU create "
+                                         r"Accelerator\(cpu=True\)"):
+        thinwire.accelerate.register(SimpleNamespace(num_processes=1), torch.nn.Linear(2, 2))
 
 
 def test_a_model_accelerate_did_not_wrap_in_ddp_is_refused():

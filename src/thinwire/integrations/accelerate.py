@@ -3,7 +3,8 @@
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     state = thinwire.accelerate.register(accelerator, model, "powersgd:rank=2")   # the one line
 
-With several processes (``accelerate launch`` or ``torchrun``, CPU or GPU) ``prepare`` wraps
+With several processes (``accelerate launch`` or ``torchrun``; on the CPU with
+``Accelerator(cpu=True)``, without which accelerate runs each process alone) ``prepare`` wraps
 the model in PyTorch's DDP, and :func:`register` puts :func:`thinwire.ddp.register`'s hook on
 it, with the accelerator's ``GradScaler`` under ``mixed_precision="fp16"``. Everything else is
 accelerate's own: ``accelerator.backward(loss)``, ``accelerator.accumulate(model)`` (DDP's
@@ -18,6 +19,7 @@ own attaches to a plain loop with :func:`thinwire.attach`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +38,10 @@ def register(accelerator: Any, model: Any, method: str | Policy = "identity", *,
     ``ValueError`` when the model is not DDP-wrapped (FSDP, DeepSpeed...) or the spec is not
     a codec or policy."""
     if accelerator.num_processes == 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # torchrun started several processes that accelerate runs as separate single ones
+            raise ValueError(f"accelerate runs this process alone, but WORLD_SIZE={world}: on the CPU create "
+                             "Accelerator(cpu=True) so that it joins the other processes (gloo)")
         return None
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"thinwire.accelerate.register needs the DDP-wrapped model accelerator.prepare returns; "
