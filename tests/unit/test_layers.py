@@ -17,11 +17,11 @@ PACKAGE = SRC / "thinwire"
 # Top to bottom: a module may import its own layer and the layers below it. The names are the
 # top-level modules and packages of thinwire/ ("__init__" is the package root, `thinwire`).
 LAYERS: list[set[str]] = [
-    {"cli", "__main__", "__init__"},
+    {"cli", "__main__", "__init__", "lightning", "accelerate"},
     {"run", "tasks"},
     {"algorithms", "integrations", "optim"},
     {"aggregate", "hierarchical", "policy", "nn"},
-    {"feedback", "codecs", "comm", "topology"},
+    {"feedback", "codecs", "comm", "topology", "figures"},
     {"numerics"},
     {"payload", "knobs", "registry", "timing", "version"},  # leaves: they import no thinwire module
 ]
