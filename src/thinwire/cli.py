@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -26,6 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="thinwire", description="Communication-efficient data-parallel training on torch.distributed.")
+    p.add_argument("--version", action="store_true", help="print thinwire's version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for add in (_train_parser, _compare_parser, _cost_parser, _methods_parser, _bench_parser):
         add(sub)
@@ -41,18 +43,20 @@ def _train_parser(sub: Any) -> None:
                        "that decide the run (task, method, world size, seed, batch size, optimizer, lr, task options) "
                        "must match the checkpoint's.")
     # default None (filled by TrainConfig): a resume tells the options typed from those to keep
-    t.add_argument("--task", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    t.add_argument("--task", help=f"{' | '.join(_tasks())} (default: mnist1d)")
     t.add_argument("--method", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo "
                    "(see `thinwire methods`; "
                    "default: identity)")
     t.add_argument("--policy", metavar="FILE", help="TOML policy file: ordered rules giving each parameter its codec "
                    "(instead of --method)")
     t.add_argument("--workers", type=int, help="local ranks to spawn (ignored under torchrun; default: 2)")
-    t.add_argument("--steps", type=int, help="total training steps (default: the task's budget)")
-    t.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
-    t.add_argument("--lr", type=float, help="learning rate (default: the task's)")
+    t.add_argument("--steps", type=int, help=f"total training steps (default: the task's budget: {_per_task('steps')})")
+    t.add_argument("--batch-size", type=int,
+                   help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
+    t.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {_per_task('lr')})")
     t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
-                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's)")
+                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's: "
+                   f"{_per_task('optimizer')})")
     t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of "
                    "the method; default: 0)")
     t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
@@ -63,12 +67,14 @@ def _train_parser(sub: Any) -> None:
     _node_options(t)
     t.add_argument("--out", help="write metrics.jsonl and summary.json here")
     t.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing run")
-    t.add_argument("--eval-every", type=int, help="evaluate and log every K steps (default: the task's)")
+    t.add_argument("--eval-every", type=int,
+                   help=f"evaluate and log every K steps (default: the task's: {_per_task('eval_every')})")
     t.add_argument("--bucket-mb", type=float, help="fuse tensors into buckets of this size (default: 25)")
     t.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers; under "
                    "torchrun, torch's own default)")
     t.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
-                   help="task option, e.g. model=vgg (repeatable; on --resume, added to the run's own)")
+                   help="task option, e.g. model=vgg (repeatable; on --resume, added to the run's own); "
+                   f"{_task_options()}")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
                    help="TensorBoard event files beside metrics.jsonl in --out (default: when the tensorboard package "
@@ -85,6 +91,24 @@ def _train_parser(sub: Any) -> None:
                    "most of its steps ends with exit code 1)")
     _max_workers_option(t)
     _import_option(t)
+
+
+def _tasks() -> dict[str, Any]:
+    """The bundled tasks by name (the registry's, so the help cannot go stale)."""
+    from thinwire.tasks import available
+
+    return available()
+
+
+def _per_task(field: str) -> str:
+    """A task default for every task: ``mnist1d 800, charlm 600, ...``."""
+    return ", ".join(f"{name} {getattr(cls.defaults, field)}" for name, cls in _tasks().items())
+
+
+def _task_options() -> str:
+    """The options (``--option KEY=VALUE``) every task accepts: ``mnist1d: size; ...``."""
+    return "keys: " + "; ".join(f"{name}: {', '.join(f.name for f in dataclasses.fields(cls.Config)) or 'none'}"
+                                for name, cls in _tasks().items())
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
@@ -112,9 +136,10 @@ def _compare_parser(sub: Any) -> None:
                    "(bf16 and 1-bit) against detonation's DeMo, the dct codec, fft, top-k, PowerSGD and fp32 "
                    "all_reduce (the last two: each figure against a target, PASS/MISS, times to a target loss per "
                    "link; all: OUT/report.md, OUT/claims.csv; one race per group in OUT/<group>/)")
-    c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    c.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
-    c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")
+    c.add_argument("--steps", type=int,
+                   help=f"training steps per run (default: the task's budget: {_per_task('steps')})")
     c.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
     c.add_argument("--emulate-link", action="store_true",
@@ -125,14 +150,17 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--target", type=float,
                    help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
     c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
-    c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
-    c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
-    c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
+    c.add_argument("--eval-every", type=int,
+                   help=f"evaluate every K steps (default: the task's: {_per_task('eval_every')})")
+    c.add_argument("--batch-size", type=int,
+                   help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
+    c.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {_per_task('lr')})")
     c.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
-                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's)")
+                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's: "
+                   f"{_per_task('optimizer')})")
     c.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     c.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
-                   help="task option, e.g. model=vgg (repeatable)")
+                   help=f"task option, e.g. model=vgg (repeatable); {_task_options()}")
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
     c.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     c.add_argument("--quiet", action="store_true", help="no progress bars (one line per method still)")
@@ -146,7 +174,7 @@ def _compare_parser(sub: Any) -> None:
 def _cost_parser(sub: Any) -> None:
     k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
                        "compression pays off against bf16")
-    k.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
+    k.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
     k.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to predict for, one column each (default: 1gbit,50us and 100mbit,1ms)")
     k.add_argument("--workers", type=int, default=4, help="local ranks of each probe (default: 4)")
@@ -156,10 +184,11 @@ def _cost_parser(sub: Any) -> None:
     k.add_argument("--probe-steps", type=int, default=20,
                    help="timed training steps of each probe, after as many warm-up steps (default: 20)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
-    k.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
+    k.add_argument("--batch-size", type=int,
+                   help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
     k.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
-                   help="task option, e.g. model=vgg (repeatable)")
+                   help=f"task option, e.g. model=vgg (repeatable); {_task_options()}")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
     _node_options(k)
     _max_workers_option(k)
@@ -167,9 +196,12 @@ def _cost_parser(sub: Any) -> None:
 
 
 def _methods_parser(sub: Any) -> None:
-    m = sub.add_parser("methods", help="every method and knob, with default and allowed range")
-    m.add_argument("--markdown", action="store_true", help="print the index of every method as a markdown table "
-                   "(the one in docs/methods.md)")
+    m = sub.add_parser("methods", help="every method and knob, with default and allowed range (or only the NAMEs "
+                       "given)")
+    m.add_argument("names", nargs="*", metavar="NAME", help="list only these methods (a codec, policy preset or "
+                   "method name, e.g. topk powersgd; default: every one)")
+    m.add_argument("--markdown", action="store_true", help="print the index of every method (or of the NAMEs given) "
+                   "as a markdown table (the one in docs/methods.md)")
     _import_option(m)
 
 
@@ -213,10 +245,15 @@ def _import_option(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.version:
+            from thinwire.version import __version__
+
+            print(f"thinwire {__version__}")
+            return 0
         if args.command == "train":
             return _train(args)
         if args.command == "methods":
-            return _methods(args.imports or [], markdown=args.markdown)
+            return _methods(args.imports or [], markdown=args.markdown, names=args.names)
         if args.command == "cost":
             return _cost(args)
         if args.command == "compare":
@@ -461,19 +498,33 @@ def _check_task(cfg) -> None:
     check_model(cfg.method_spec(), task.build_model())
 
 
-def _print_summary(s: dict[str, Any], out: str | None) -> None:
+def _print_summary(s: dict[str, Any], out: str | None, console: Any = None) -> None:
     from rich.console import Console
+
+    console = console or Console()
+    for table in _summary_tables(s):
+        console.print(table)
+    if out:
+        console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl", markup=False, overflow="fold")
+
+
+def _summary_tables(s: dict[str, Any]) -> list[Any]:
+    """The run's figures, and with a policy the per-parameter table: labels never split."""
+    from rich.markup import escape
     from rich.table import Table
 
+    from thinwire.run.labels import short
+
+    label = short((s.get("config") or {}).get("label") or s["method"])
     nodes = "" if (s.get("ranks_per_node") or 1) == 1 else f" ({s['workers'] // s['ranks_per_node']} nodes)"
-    table = Table(title=f"{s['task']} · {s['method'].split(':')[0]} · {s['workers']} workers{nodes} · "
-                  f"{s['steps']} steps")
+    table = Table(title=escape(f"{s['task']} · {label} · {s['workers']} workers{nodes} · {s['steps']} steps"))
     table.add_column("figure")
-    table.add_column("value", justify="right", overflow="fold")
-    table.add_row("method", s["method"])
+    table.add_column("value", justify="right")
+    table.add_row("method", escape(label))
+    table.add_row("resolved", escape(spaced(s["method"])))
     for key in ("final_accuracy", "final_bpc", "final_loss"):
         if s.get(key) is not None:
-            table.add_row(key.replace("_", " "), f"{s[key]:.4f}")
+            table.add_row(FIGURE_NAMES.get(key, key.replace("_", " ")), f"{s[key]:.4f}")
     table.add_row("bytes sent per worker", _size(s["bytes_sent_per_worker"]))
     by_link = s.get("bytes_by_link_per_worker") or {}
     if (s.get("ranks_per_node") or 1) > 1:
@@ -487,24 +538,34 @@ def _print_summary(s: dict[str, Any], out: str | None) -> None:
                   f"{s['comm_seconds']:.1f}")
     for link, sec in (s.get("modeled_seconds_by_link") or {}).items():
         table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
-    console = Console()
-    console.print(table)
+    tables = [table]
     if (s.get("method_report") or {}).get("policy") and s.get("per_parameter"):
-        console.print(_per_parameter_table(s["per_parameter"]))
-    if out:
-        console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl")
+        tables.append(_per_parameter_table(s["per_parameter"]))
+    return tables
+
+
+FIGURE_NAMES = {"final_accuracy": "final test accuracy", "final_bpc": "final test bpc",
+                "final_loss": "final test loss"}  # summary.json's final_* are the last evaluation's test figures
+
+
+def spaced(spec: str) -> str:
+    """A resolved spec with a space after each ``,`` and ``;`` (between knobs and rules), so
+    a narrow table wraps it between knobs, never inside one."""
+    return re.sub(r"([,;])(?=\S)", r"\1 ", spec)
 
 
 def _per_parameter_table(rows: list[dict[str, Any]]):
     """The codec each parameter got and the bytes it cost (runs with a policy)."""
     from rich.table import Table
 
+    from thinwire.run.labels import short
+
     table = Table(title="per parameter: codec and bytes sent per worker over the run")
     for col, right in (("parameter", False), ("shape", False), ("codec", False), ("sent", True), ("vs fp32", True)):
-        table.add_column(col, justify="right" if right else "left", overflow="fold")
+        table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis")
     for r in rows:
         ratio = r["fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else 0.0
-        table.add_row(r["name"], "x".join(map(str, r["shape"])), r["codec"].split(":")[0],
+        table.add_row(short(r["name"]), "x".join(map(str, r["shape"])), r["codec"].split(":")[0],
                       _size(r["bytes_sent_per_worker"]), f"{ratio:.1f}x" if ratio else "-")
     return table
 
@@ -517,10 +578,11 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _methods(imports: list[str], markdown: bool = False) -> int:
+def _methods(imports: list[str], markdown: bool = False, names: Sequence[str] = ()) -> int:
+    """Every method and knob, or only those of ``names`` (an unknown name: BadInput)."""
     from rich.console import Console
 
-    from thinwire.algorithms.registry import METHODS
+    from thinwire.algorithms.registry import METHODS, method_names
     from thinwire.codecs.registry import CODECS
     from thinwire.policy import PRESETS
     from thinwire.run.config import import_modules
@@ -529,33 +591,46 @@ def _methods(imports: list[str], markdown: bool = False) -> int:
         import_modules(imports)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    known = method_names()
+    wanted = [name.partition(":")[0] for name in names]  # a whole spec names its method
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise BadInput(f"methods: unknown name {unknown[0]!r} (NAME must be a codec, policy preset or method); "
+                       f"known: {', '.join(known)}")
+    shown = set(wanted or known)
     if markdown:
         from thinwire.algorithms.registry import markdown_table
 
-        print(markdown_table(), end="")
+        print(markdown_table(shown if wanted else None), end="")
         return 0
     console = Console()
     console.print("[bold]thinwire methods[/bold]: spec name[:key=value,...], e.g. topk:ratio=0.01,ef=false")
     console.print("Every method below runs in `thinwire train --method SPEC` and, in your own loop, with "
                   "thinwire.attach(model, optimizer, SPEC). Each codec runs under synchronous gradient averaging "
                   "(also SyncReducer, ddp.register).\n")
-    for codec in CODECS.entries():
+    codecs = [e for e in CODECS.entries() if e.name in shown]
+    presets = [e for e in PRESETS.entries() if e.name in shown]
+    algorithms = [e for e in METHODS.entries() if e.name in shown and not e.value.peer]
+    peers = [e for e in METHODS.entries() if e.name in shown and e.value.peer]
+    for codec in codecs:
         _method(console, codec.name, codec.value.aggregation.value + _origin(codec.value), codec.summary, codec.Config)
-    console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
-                  "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy FILE)\n")
-    for preset in PRESETS.entries():
+    if presets:
+        console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
+                      "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy "
+                      "FILE)\n")
+    for preset in presets:
         _method(console, preset.name, "per layer", preset.summary, preset.Config)
-    console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
-                  "(train --method NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n")
-    for entry in METHODS.entries():
-        if not entry.value.peer:
-            _method(console, entry.name, "algorithm" + _origin(entry.value), entry.summary, entry.Config)
-    console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
-                  "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare "
-                  "against)\n")
-    for entry in METHODS.entries():
-        if entry.value.peer:
-            _method(console, entry.name, "PyTorch", entry.summary, entry.Config)
+    if algorithms:
+        console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
+                      "(train --method NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n")
+    for entry in algorithms:
+        _method(console, entry.name, "algorithm" + _origin(entry.value), entry.summary, entry.Config)
+    if peers:
+        console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
+                      "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare "
+                      "against)\n")
+    for entry in peers:
+        _method(console, entry.name, "PyTorch", entry.summary, entry.Config)
     return 0
 
 

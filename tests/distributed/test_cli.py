@@ -171,6 +171,64 @@ def test_methods_lists_every_codec_and_knob(capsys):
     assert "dasgd" in text and "localsgd" in text and "delay" in text  # the averaging algorithms
 
 
+def test_methods_lists_only_the_names_given(capsys):
+    from thinwire.algorithms.registry import markdown_table
+
+    assert main(["methods", "topk", "dasgd:period=4"]) == 0  # a whole spec names its method
+    text = capsys.readouterr().out
+    headings = [line.split()[0] for line in text.splitlines() if line and not line.startswith(" ")
+                and "  (" in line]
+    assert headings == ["topk", "dasgd"]
+    assert "powersgd" not in text and "policy presets" not in text and "PyTorch built-ins" not in text
+    assert main(["methods", "--markdown", "hylo", "topk"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split("|")[1].strip() for row in rows[2:]] == ["`topk`", "`hylo`"]  # the registry's order
+    assert rows == [line for line in markdown_table().splitlines() if line.startswith(("| name", "|---", "| `topk`",
+                                                                                       "| `hylo`"))]
+
+
+def test_methods_refuses_an_unknown_name_in_one_line(capsys):
+    from thinwire.algorithms.registry import method_names
+
+    assert main(["methods", "topk", "zip"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1
+    assert err == ("thinwire: error: methods: unknown name 'zip' (NAME must be a codec, policy preset or method); "
+                   f"known: {', '.join(method_names())}")
+    r = _cli("methods", "zip")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "unknown name 'zip'" in r.stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    from thinwire.version import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"thinwire {__version__}\n"
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout == f"thinwire {__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "cost"])
+def test_help_shows_every_tasks_defaults_and_options(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines between words
+    assert "batch size per worker (default: the task's: mnist1d 64, charlm 32, cifar10 64, synthetic 64)" in text
+    assert ("task option, e.g. model=vgg (repeatable; on --resume, added to the run's own); " if command == "train"
+            else "task option, e.g. model=vgg (repeatable); ") + (
+        "keys: mnist1d: size; charlm: model, context, layers, d_model, heads, dropout; cifar10: model, augment; "
+        "synthetic: dim, hidden, depth, classes, samples, test_samples, data_seed") in text
+    assert "--task TASK mnist1d | charlm | cifar10 | synthetic (default: mnist1d)" in text
+    if command != "cost":
+        assert "(default: the task's budget: mnist1d 800, charlm 600, cifar10 2000, synthetic 300)" in text
+        assert "learning rate (default: the task's: mnist1d 0.003, charlm 0.001, cifar10 0.1, synthetic 0.05)" in text
+        assert "(default: the task's: mnist1d adam, charlm adam, cifar10 sgd, synthetic sgd)" in text
+        assert "K steps (default: the task's: mnist1d 100, charlm 100, cifar10 500, synthetic 100)" in text
+    assert "the task's)" not in text
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):

@@ -64,7 +64,7 @@ def _fake_launch(fail: str):
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         bytes_per_step = 1000.0 if cfg.method.startswith("identity") else 250.0
-        acc = {"identity": (0.5, 0.8), "bf16": (0.6, 0.79)}[cfg.method.split(":")[0]]
+        acc = {"identity": (0.5, 0.8), "bf16": (0.6, 0.79)}.get(cfg.method.split(":")[0], (0.4, 0.7))
         rows = []
         for step, a in zip((2, 4), acc):
             row = {"step": step, "test_accuracy": a, "bytes_sent": bytes_per_step * step}
@@ -107,6 +107,30 @@ def test_a_failing_method_does_not_stop_the_race(tmp_path):
     assert float(rows[2]["bytes_sent_per_worker"]) == 1000.0 and rows[2]["step_to_target"] == "4"
     assert float(rows[0]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(12.0)
     assert float(rows[2]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(3.0)
+
+
+def test_runs_are_named_by_the_specs_as_typed(tmp_path):
+    """Two variants of one method keep the strings the user gave; a method alone in the race is
+    named alone; run folders hold the typed spec, never a resolved one ending in '-'."""
+    race = compare.prepare(BASE, ["identity,topk:ratio=0.1,topk:ratio=0.2,ef=false,torch-ddp"], str(tmp_path / "out"))
+    assert race.specs[3] == "torch-ddp:" and race.specs[1].startswith("topk:ef=true,")  # resolved
+    seen: list[tuple[str, str]] = []
+    fake = _fake_launch("none")
+
+    def launch(cfg, show_progress=True):
+        seen.append((cfg.label, Path(cfg.out).name))
+        return fake(cfg, show_progress)
+
+    lines: list[str] = []
+    results = compare.run(race, launch=launch, show_progress=False, say=lines.append)
+    assert [r["label"] for r in results] == ["identity", "topk:ratio=0.1", "topk:ratio=0.2,ef=false", "torch-ddp"]
+    assert seen == [("identity", "01-identity"), ("topk:ratio=0.1", "02-topk-ratio=0.1"),
+                    ("topk:ratio=0.2,ef=false", "03-topk-ratio=0.2_ef=false"), ("torch-ddp", "04-torch-ddp")]
+    assert lines[2] == "[2/4] topk:ratio=0.1 (synthetic, 2 workers, 4 steps)"
+    report = Path(compare.finish(race, results, "thinwire compare ...")["report"]).read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| method"))
+    assert header.startswith("| method | final acc | final test loss | MB sent / worker |")
+    assert "| topk:ratio=0.2,ef=false | 0.7000 | 0.5000 |" in report
 
 
 # -- an earlier comparison's files are never overwritten without --overwrite --------------------

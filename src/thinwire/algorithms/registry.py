@@ -15,6 +15,7 @@ decorator) and is listed after the built-in ones.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -193,10 +194,10 @@ def refuse_schedule(spec: str, where: str) -> None:
                          f"cannot run it; attach it to your loop with thinwire.attach(model, optimizer, {spec!r})")
 
 
-def markdown_table() -> str:
-    """Every spec name with its kind, summary and knobs (defaults), as a markdown table: the
-    index in docs/methods.md (``thinwire methods --markdown`` prints it; a test keeps the
-    page in step)."""
+def markdown_table(names: Collection[str] | None = None) -> str:
+    """Every spec name (or those of ``names``) with its kind, summary and knobs (defaults), as
+    a markdown table: the index in docs/methods.md (``thinwire methods --markdown`` prints it;
+    a test keeps the page in step)."""
     from thinwire.codecs.registry import knob_table
 
     rows = ["| name | kind | what it does | knobs (default) |", "|---|---|---|---|"]
@@ -204,6 +205,8 @@ def markdown_table() -> str:
     kinds += [(e, "policy preset") for e in PRESETS.entries()]
     kinds += [(e, "PyTorch peer" if e.value.peer else "method") for e in METHODS.entries()]
     for e, kind in kinds:
+        if names is not None and e.name not in names:
+            continue
         knobs = ", ".join(f"`{name}` ({default})" for name, default, _, _ in knob_table(e.Config)) or "—"
         rows.append(f"| `{e.name}` | {kind} | {e.summary.replace('|', chr(92) + '|')} | {knobs} |")
     return "\n".join(rows) + "\n"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from thinwire.comm.local import LocalComm, LocalWorld
+from thinwire.run.labels import labels
 
 LEVELS = (1e-2, 1e-4)
 DEFAULT_METHODS = ("dpsgd", "powergossip:rank=1", "powergossip:rank=2", "powergossip:rank=4")
@@ -75,11 +76,30 @@ def first_below(rows: list[tuple[int, float, float]], level: float) -> tuple[int
     return next(((s, b) for s, b, e in rows if e < level), None)
 
 
+def table(curves: dict[str, list[tuple[int, float, float]]], workers: int, size: int, topology: str):
+    """The results: one row per spec, named by the spec as typed (cut past
+    :data:`~thinwire.run.labels.LABEL_WIDTH` by :func:`thinwire.run.labels.labels`), which
+    is never cut further while the other columns can wrap between words."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    names = labels(list(curves), alone=False)
+    out = Table(title=escape(f"consensus: {workers} workers, {topology}, one {size}x{size} N(0,1) matrix each, "
+                             "no gradients"))
+    out.add_column("method", no_wrap=True, overflow="ellipsis", min_width=max(map(len, names), default=6))
+    for col in (*(f"bits / worker to {lv:g}" for lv in LEVELS), "steps", "final rel. error"):
+        out.add_column(col, justify="right")
+    for name, rows in zip(names, curves.values(), strict=True):
+        hits = [first_below(rows, lv) for lv in LEVELS]
+        out.add_row(escape(name), *(f"{h[1]:.3g} (step {h[0]})" if h else "not reached" for h in hits),
+                    str(rows[-1][0]), f"{rows[-1][2]:.3g}")
+    return out
+
+
 def main(quick: bool = False, methods: str | None = None, *, workers: int = 8, size: int = 100,
          topology: str = "ring", max_steps: int | None = None, out: str | None = None) -> int:
     """Run the consensus benchmark; returns an exit code (0 ok, 2 bad input)."""
     from rich.console import Console
-    from rich.table import Table
 
     from thinwire.algorithms.registry import check_world, resolve_method
 
@@ -99,17 +119,12 @@ def main(quick: bool = False, methods: str | None = None, *, workers: int = 8, s
         return 2
     console = Console()
     curves = {}
+    names = dict(zip(specs, labels(specs, alone=False), strict=True))
     for i, spec in enumerate(specs, 1):
         curves[spec] = rows = curve(spec, workers, size, topology, steps)
-        console.print(f"[{i}/{len(specs)}] {spec}: {rows[-1][0]} steps, relative error {rows[-1][2]:.3g}")
-    table = Table(title=f"consensus: {workers} workers, {topology}, one {size}x{size} N(0,1) matrix each, no gradients")
-    for col in ("method", *(f"bits / worker to {lv:g}" for lv in LEVELS), "steps", "final rel. error"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for spec, rows in curves.items():
-        hits = [first_below(rows, lv) for lv in LEVELS]
-        table.add_row(spec, *(f"{h[1]:.3g} (step {h[0]})" if h else "not reached" for h in hits),
-                      str(rows[-1][0]), f"{rows[-1][2]:.3g}")
-    console.print(table)
+        console.print(f"[{i}/{len(specs)}] {names[spec]}: {rows[-1][0]} steps, relative error {rows[-1][2]:.3g}",
+                      markup=False)
+    console.print(table(curves, workers, size, topology))
     if out:
         with open(out, "w", newline="") as f:
             w = csv.writer(f)

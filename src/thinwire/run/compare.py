@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.run.config import TrainConfig
+from thinwire.run.labels import labels, slug
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
 TARGET_SHARE = 0.95  # default target: this share of the best final accuracy
@@ -61,6 +62,7 @@ class Race:
     out: Path
     target: float | None = None
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # spec -> why it cannot run here (suites)
+    typed: dict[str, str] = dataclasses.field(default_factory=dict)  # resolved spec -> as the user wrote it
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -91,7 +93,7 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
         probe.unlink()
     except OSError as e:
         raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return Race(base, resolved, path, target)
+    return Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)))
 
 
 def earlier_output(path: Path) -> Path | None:
@@ -125,7 +127,8 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
             raise ValueError(f"method {spec!r} appears twice (as {cfg.method})")
         resolved.append(cfg.method)
         # task defaults filled once (the optimizer by a method that is not one)
-        base = dataclasses.replace(cfg, method=base.method, optimizer=base.optimizer if _owns(spec) else cfg.optimizer)
+        base = dataclasses.replace(cfg, method=base.method, label=base.label,
+                                   optimizer=base.optimizer if _owns(spec) else cfg.optimizer)
     task = get_task(base.task)(seed=base.seed, data_dir=base.data_dir, **base.task_options)
     for spec in resolved:
         try:
@@ -148,13 +151,11 @@ def _owns(spec: str) -> bool:
     return own_optimizer(spec)  # False for a bad spec too: resolving it names the problem
 
 
-def slug(spec: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.replace(":", "-"))[:80]
-
-
 def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: bool = True,
         say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every method; returns one result per method: ``label``, ``spec``, ``status``
+    """Run every method into ``OUT/runs/NN-SLUG`` (SLUG: the spec as typed,
+    :func:`thinwire.run.labels.slug`), each named by its label (:func:`thinwire.run.labels.labels`);
+    returns one result per method: ``label``, ``spec``, ``status``
     (``ok`` / ``failed``), ``error``, ``summary``, ``rows`` (metrics.jsonl), ``seconds``."""
     if launch is None:
         from thinwire.run.launch import launch as default_launch
@@ -163,10 +164,11 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
     results = []
     n = len(race.specs)
     t_race = time.perf_counter()
-    for i, spec in enumerate(race.specs, 1):
-        label = spec.split(":")[0] if sum(s.split(":")[0] == spec.split(":")[0] for s in race.specs) == 1 else spec
-        out = race.out / "runs" / f"{i:02d}-{slug(spec)}"
-        cfg = for_method(race.base, spec, out=str(out), overwrite=True)
+    typed = [race.typed.get(spec, spec) for spec in race.specs]  # labels and folders: what the user wrote
+    names = labels(typed)
+    for i, (spec, label) in enumerate(zip(race.specs, names, strict=True), 1):
+        out = race.out / "runs" / f"{i:02d}-{slug(typed[i - 1])}"
+        cfg = for_method(race.base, spec, out=str(out), overwrite=True, label=typed[i - 1])
         say(f"[{i}/{n}] {label} ({race.base.task}, {race.base.workers} workers, {race.base.steps} steps)")
         t0 = time.perf_counter()
         result: dict[str, Any] = {"label": label, "spec": spec, "out": str(out), "rows": [], "summary": None}
@@ -275,7 +277,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
              f"- seed {b.seed}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker",
              f"- target test accuracy: {_num(target, '.4f')}" + target_note,
              "- modeled time = measured compute + codec time + the link's alpha-beta time for the bytes sent", ""]
-    headers = ["method", "final acc", "final loss", "MB sent / worker", "compression", "wall s"]
+    headers = ["method", "final acc", "final test loss", "MB sent / worker", "compression", "wall s"]
     headers += [f"modeled s @ {link}" for link in links] + [f"to target @ {link}" for link in links]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in records:

@@ -26,6 +26,9 @@ class TrainConfig:
     method: str = "identity"
     policy: str | None = None  # a policy file (TOML): a codec per parameter instead of --method
     policy_rules: tuple[dict[str, Any], ...] = ()  # the file's rules, read once by resolve()
+    # what the user typed for the method (the spec, or the --policy file): progress bars and tables name the
+    # run by it (thinwire.run.labels); None: resolve() takes --policy or --method as given
+    label: str | None = None
     workers: int = 2
     steps: int | None = None  # None: the task's default budget
     batch_size: int | None = None  # per rank; None: the task's default
@@ -108,9 +111,10 @@ class TrainConfig:
         else:
             require(opt in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt!r}")
         return dataclasses.replace(
-            self, method=method, policy_rules=rules, steps=steps, batch_size=batch, lr=lr,
-            optimizer=opt, eval_every=eval_every, links=links, out=facts.out, imports=facts.imports,
-            ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype, tensorboard=self._tensorboard(),
+            self, method=method, policy_rules=rules, label=self.label or self.policy or self.method, steps=steps,
+            batch_size=batch, lr=lr, optimizer=opt, eval_every=eval_every, links=links, out=facts.out,
+            imports=facts.imports, ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype,
+            tensorboard=self._tensorboard(),
         )
 
     def _tensorboard(self) -> bool:
@@ -317,7 +321,7 @@ class ImportFailed(ValueError):
 # -- resuming with the run's own settings -------------------------------------------------------
 # never taken from the checkpoint
 OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard"})
-METHOD_FIELDS = ("method", "policy", "policy_rules")  # given --method or --policy replaces all three
+METHOD_FIELDS = ("method", "policy", "policy_rules", "label")  # given --method or --policy replaces all four
 SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
 
 

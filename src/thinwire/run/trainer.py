@@ -7,7 +7,10 @@ and the same evaluation schedule, so their collectives stay in lockstep.
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
+import platform
 import signal
 import time
 from collections.abc import Callable
@@ -92,6 +95,10 @@ class _Run:
     step_seconds: float = 0.0
     stop_signal: int = 0
     stopped_at: int | None = None
+    # this rank's training losses since the last metrics row (finite ones): their sum and count
+    loss_sum: float = 0.0
+    loss_steps: int = 0
+    started_at: str = ""  # when this process began the run (ISO 8601, UTC)
 
     @property
     def skip_mode(self) -> bool:
@@ -122,7 +129,9 @@ def train_rank(
     The summary's ``status`` is ``ok``, ``stopped``, or ``diverged`` (with ``failure`` saying
     why) for a run that skipped most of its steps for non-finite gradients or whose final
     loss is not finite; nothing non-finite is written to JSON (see :mod:`thinwire.run.metrics`)."""
+    started = utc_now()
     run = _setup(cfg, comm, report, device, stop_requested)
+    run.started_at = started
     batches = run.task.train_batches(comm.rank, comm.world_size, cfg.batch_size, start=run.start)  # batch b: any start
     net = run.method.forward_module(run.model)  # PyTorch's DDP peers run forward and backward through their wrapper
     run.t_start = time.perf_counter()
@@ -132,7 +141,8 @@ def train_rank(
         _record(run, loss, step, last)
         if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
             t5 = time.perf_counter()
-            _save(cfg, comm, step, run.model, run.optimizer, run.method, run.clock, run.last_eval, device)
+            _save(cfg, comm, step, run.model, run.optimizer, run.method, run.clock, run.last_eval, device,
+                  (run.loss_sum, run.loss_steps))
             run.clock.checkpoints += 1
             run.clock.checkpoint_seconds += time.perf_counter() - t5
         if stop:
@@ -166,7 +176,8 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
                fp32_per_step=sent_bytes("all_reduce", 4 * trained, comm.world_size), model_bytes=model_bytes,
                steps=cfg.steps, eval_every=cfg.eval_every)
     if cfg.resume:
-        run.start, run.last_eval, history = _resume(cfg, comm, model, optimizer, method, run.clock, device)
+        run.start, run.last_eval, history, (run.loss_sum, run.loss_steps) = _resume(
+            cfg, comm, model, optimizer, method, run.clock, device)
         with comm.meter.paused():
             comm.barrier()  # every rank loaded its file before rank 0 touches the run's outputs
     else:
@@ -261,11 +272,16 @@ def _record(run: _Run, loss: torch.Tensor, step: int, last: bool) -> None:
     """Progress to the launcher and, every ``eval_every`` steps and at the last, an evaluation
     (metrics.jsonl on rank 0)."""
     cfg = run.cfg
+    value = loss.item()
+    if math.isfinite(value):  # a step skipped for a non-finite gradient may have a NaN loss
+        run.loss_sum += value
+        run.loss_steps += 1
     if run.report is not None and run.comm.rank == 0:
-        run.report("step", step=step, loss=loss.item())
+        run.report("step", step=step, loss=value)
     if step % run.eval_every == 0 or last:
         run.last_eval = _evaluate(run.task, run.model, run.comm, loss, step, cfg, run.clock, run.method,
-                                  run.fp32_per_step, run.t_start)
+                                  run.fp32_per_step, run.t_start, window=(run.loss_sum, run.loss_steps))
+        run.loss_sum, run.loss_steps = 0.0, 0
         if run.writer:
             run.writer.write(run.last_eval)
         if run.report is not None and run.comm.rank == 0:
@@ -279,7 +295,8 @@ def _finish(run: _Run) -> dict[str, Any] | None:
     cfg = run.cfg
     summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
                        run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps)
-    summary.update(resumed_from=run.start or None, stopped_at=run.stopped_at)
+    summary.update(resumed_from=run.start or None, stopped_at=run.stopped_at, started_at=run.started_at,
+                   ended_at=utc_now())
     if run.stopped_at is not None:  # not over: no verdict on a run that may yet train
         summary.pop("failure", None)
         summary.update(status="stopped", signal=_signal_name(run.stop_signal))
@@ -345,7 +362,8 @@ def _agree(comm: Communicator, bad: int | None, stop: int, seconds: float,
     return who, idx, agreed, got[-1] / n
 
 
-def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="cpu") -> None:
+def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="cpu",
+          loss_window: tuple[float, int] = (0.0, 0)) -> None:
     """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
     with comm.meter.paused():
         own = method.state_dict()  # first: it may land work in flight, whose seconds count below
@@ -359,6 +377,7 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="c
                         "skipped": clock.skipped,
                         "codec": t.codec_seconds + clock.codec_before, "comm": t.comm_seconds + clock.comm_before},
             "first_nonfinite": dict(clock.first_nonfinite),
+            "loss_window": list(loss_window),  # this rank's training losses since the last metrics row
         }
         if comm.rank == 0:
             checkpoint.prepare(cfg.out, step)  # an earlier run's directory of this step goes first
@@ -386,7 +405,7 @@ def _gather_records(comm, record: dict[str, Any], device) -> dict[str, dict[str,
 
 def _resume(cfg, comm, model, optimizer, method, clock, device):
     """Restore every state of this rank from ``cfg.resume``: (step, last evaluation, the
-    metrics records up to the step, for rank 0)."""
+    metrics records up to the step, for rank 0, and the training losses since the last row)."""
     from thinwire.run.metrics import read_jsonl
 
     d = checkpoint.locate(cfg.resume)
@@ -411,7 +430,8 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
     source = own / "metrics.jsonl" if own is not None else None
     history = ([r for r in read_jsonl(str(source)) if r["step"] <= step]
                if (comm.rank == 0 and source is not None and source.exists()) else [])
-    return step, dict(state["last_eval"]), history
+    window = state.get("loss_window") or (0.0, 0)  # a checkpoint written before metrics kept it: none
+    return step, dict(state["last_eval"]), history, (float(window[0]), int(window[1]))
 
 
 def _meter_state(meter) -> dict[str, Any]:
@@ -462,15 +482,20 @@ def _spent(method) -> float:
     return t.codec_seconds + t.comm_seconds
 
 
-def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start) -> dict[str, Any]:
-    """Agreed train loss, test metrics, cumulative bytes and times. All ranks call it.
+def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, t_start,
+              window: tuple[float, int] = (0.0, 0)) -> dict[str, Any]:
+    """Agreed train loss (this step's, and ``train_loss_mean``: the mean over the ranks and
+    the steps since the previous row of their finite training losses, from this rank's
+    ``window``, (sum, count)), test metrics, cumulative bytes and times. All ranks call it.
 
     Every rank evaluates its own model (the same model under synchronous methods), so no
     rank idles in a collective, bounded by its timeout, while another evaluates."""
     with comm.meter.paused():  # bookkeeping, not method traffic
-        agreed = loss.detach().reshape(1).to(torch.float32).clone()
-        comm.all_reduce(agreed)
-        record: dict[str, Any] = {"step": step, "train_loss": agreed.item() / comm.world_size}
+        agreed = torch.tensor([loss.item(), *window], dtype=torch.float64, device=loss.device)
+        comm.all_reduce(agreed)  # one collective, as before: this step's loss, the window's sum and count
+        now, total, count = agreed.tolist()
+        record: dict[str, Any] = {"step": step, "train_loss": now / comm.world_size,
+                                  "train_loss_mean": total / count if count else None}
         if method.decentralized:
             record.update(_decentralized_eval(task, model, comm))
         else:
@@ -651,6 +676,24 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "method_state_bytes": _tensor_bytes(own)
         + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         "version": version,
+        **environment(device),
+    }
+
+
+def utc_now() -> str:
+    """The time now, ISO 8601 in UTC to the second: ``2026-01-31T12:00:00Z``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    """What ran the run, with nothing that names the machine: the torch and Python versions,
+    and ``machine``: the CPU count, the platform (OS, kernel, libc), the processor
+    architecture and the device type (``cpu`` or ``cuda``)."""
+    return {
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "architecture": platform.machine(),
+                    "device": torch.device(device).type},
     }
 
 
