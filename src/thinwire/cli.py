@@ -658,7 +658,8 @@ def _method(console, name: str, kind: str, summary: str, config_cls: type) -> No
     for col, width in (("knob", None), ("default", None), ("allowed", 24), ("meaning", None)):
         table.add_column(col, overflow="fold", no_wrap=col in ("knob", "default"), max_width=width)
     for knob, default, allowed, help_ in knob_table(config_cls):
-        table.add_row(knob, default, allowed, help_)
+        # a long list of choices wraps between them, not inside one: "fp32 | bf16 | rangefloat | sign"
+        table.add_row(knob, default, allowed.replace("|", " | ") if len(allowed) > 24 else allowed, help_)
     console.print(table)
     console.print()
 

@@ -131,3 +131,20 @@ def test_bench_consensus_names_each_variant_whole_at_80_columns():
     names = [line.split("│")[1].strip() for line in text.splitlines() if line.count("│") == 6]
     assert [n for n in names if n] == specs
     assert_fits(text, [*specs, "1.23e+06", "9.87e+07", "(step", "120)", "3000", "2.3e-05"])
+
+
+def test_thinwire_methods_fits_80_columns_and_keeps_every_choice_whole(monkeypatch, capsys):
+    from thinwire.algorithms.registry import METHODS
+    from thinwire.cli import main
+    from thinwire.codecs.registry import CODECS, knob_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    words = set(out.split())
+    for registry in (CODECS, METHODS):
+        for entry in registry.entries():
+            for _, _, allowed, _ in knob_table(entry.Config):
+                if "|" in allowed and len(allowed) > 24:  # the long lists of choices, wrapped between choices
+                    assert set(allowed.split("|")) <= words, allowed
