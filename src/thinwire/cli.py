@@ -149,6 +149,9 @@ def _cost_parser(sub: Any) -> None:
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
     k.add_argument("--probe-steps", type=int, default=20,
                    help="timed training steps of each probe, after as many warm-up steps (default: 20)")
+    k.add_argument("--repeats", type=int, default=1,
+                   help="probe every method R times, in rounds, and show each figure as median [min-max] and "
+                   "each bandwidth of the verdict (from the medians) with its range over the repeats (default: 1)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
     k.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
@@ -374,6 +377,8 @@ def _cost(args: argparse.Namespace) -> int:
 
     if args.probe_steps < 2:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
+    if args.repeats < 1:
+        raise BadInput(f"repeats must be >= 1, got {args.repeats}")
     base = _config(args, COST_FIELDS, steps=args.probe_steps, eval_every=args.probe_steps,
                    links=tuple(args.links or DEFAULT_LINKS))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
@@ -382,18 +387,24 @@ def _cost(args: argparse.Namespace) -> int:
         base, resolved = resolve_methods(base, [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE])
     except ValueError as e:
         raise BadInput(str(e)) from None
-    costs, failed = cost.probe(base, resolved, args.probe_steps, say=lambda line: print(line, flush=True))
+    _warn_load("thinwire cost")
+    runs, failed = cost.probe_repeats(base, resolved, args.probe_steps, args.repeats,
+                                      say=lambda line: print(line, flush=True))
     for spec, error in failed.items():
         print(f"thinwire: the probe of {spec.split(':')[0]} failed: {error}", file=sys.stderr)
-    if resolved[0] not in costs:
+    if resolved[0] not in runs:
         return 1  # no reference to compare against
+    costs = {spec: cost.median_cost(cs) for spec, cs in runs.items()}
     ref = costs[resolved[0]]
+    repeats = (f"; median \\[min-max] of {args.repeats} repeats, the verdict from the medians"
+               if args.repeats > 1 else "")
     links = [Link.parse(text) for text in base.links]
     per_node = int(base.ranks_per_node or 1)  # resolved: a number
     nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
              "MB and messages: between nodes)" if per_node > 1 else "")
     table = Table(title=f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
-                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods)",
+                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods"
+                  f"{repeats})",
                   caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
                   f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
                   f"with no link; window = the backward time "
@@ -403,16 +414,35 @@ def _cost(args: argparse.Namespace) -> int:
                   f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
                   f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
     for col in ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
-                *[f"ms @ {text}" for text in base.links], "beats bf16"]:
-        table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
+                *[f"ms @ {text}" for text in base.links], "beats bf16",
+                *(["its bandwidths over the repeats"] if args.repeats > 1 else [])]:
+        left = col in ("method", "beats bf16", "its bandwidths over the repeats")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for spec, c in costs.items():
+        each = runs[spec]
+
+        def ms(of: Any, each: list[Any] = each) -> str:
+            return cost.spread([1e3 * of(x) for x in each])
+
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
-        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
-                      f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", f"{1e3 * c.window_s:.1f}",
-                      *[f"{1e3 * c.seconds(link):.1f}" for link in links],
-                      cost.verdict(c, ref, links[0].latency_s))
-    Console(width=160).print(table)
+        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
+                      ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
+                      ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
+                      cost.verdict(c, ref, links[0].latency_s),
+                      *([cost.bounds_text(each, runs[resolved[0]], links[0].latency_s)] if args.repeats > 1 else []))
+    Console(width=160 if args.repeats == 1 else 260).print(table)  # median [min-max] cells: wider
     return 0
+
+
+def _warn_load(command: str) -> str | None:
+    """One line on stderr when the machine is busy before ``command`` times anything; the
+    warning, or None."""
+    from thinwire.run.load import load_warning
+
+    warning = load_warning(command)
+    if warning:
+        print(f"thinwire: {warning}", file=sys.stderr, flush=True)
+    return warning
 
 
 def _options(items: list[str]) -> dict[str, Any]:

@@ -483,6 +483,7 @@ def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
     (["--methods", "nosuch"], "unknown method 'nosuch'"),
     (["--methods", "identity,identity"], "appears twice"),
     (["--probe-steps", "1"], "probe-steps must be >= 2"),
+    (["--repeats", "0"], "repeats must be >= 1, got 0"),
     (["--link", "fast"], "link"),
     (["--workers", "4", "--intra-link", "1gbit,1us"], "--intra-link needs --ranks-per-node"),
 ])
