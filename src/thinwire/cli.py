@@ -122,6 +122,11 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--target", type=float,
                    help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
     c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    c.add_argument("--seeds", type=int, default=1, metavar="S",
+                   help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
+                   "median [min-max], results.csv one row per run, and a method wins at a link only when its "
+                   "range beats every other's (default: 1; with one seed a win needs a time to the target 10%% "
+                   "shorter, or an accuracy 0.5 pts higher; --methods races only)")
     c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
     c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
@@ -325,6 +330,8 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         raise BadInput("compare needs exactly one of --methods and --suite")
     if args.suite and args.target is not None:
         raise BadInput("--target applies to --methods races (each suite race sets its own)")
+    if args.suite and args.seeds != 1:
+        raise BadInput("--seeds applies to --methods races (a suite's claims are read on one seed)")
     from thinwire.run import suite
 
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
@@ -334,15 +341,18 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         if args.suite:
             races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
         else:
-            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite)
+            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    warning = _warn_load("thinwire compare")
+    for each in races if args.suite else [race]:
+        each.warnings += [warning] if warning else []
     if args.suite:
         return _suite(args, argv, races)
     results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
     done = compare.finish(race, results, compare.command_line(argv))
-    for link, best in done["best"].items():
-        print(f"best at {link}: {best or 'none'}")
+    for link, decision in done["decisions"].items():
+        print(f"best at {link}: {decision.text(race.seeds)}")
     print(f"wrote {done['report']}, {done['csv']} and {len(done['plots'])} plots")
     failed = [r["label"] for r in results if r["status"] != "ok"]
     if failed:

@@ -42,7 +42,7 @@ from thinwire.run import compare
 from thinwire.run.config import TrainConfig
 
 SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
-ACCURACY_NOISE_PTS = 0.5  # what one seed's final accuracy moves by at this scale (ours): allowed on top
+ACCURACY_NOISE_PTS = compare.ACCURACY_NOISE_PTS  # what one seed's final accuracy moves by here: allowed on top
 
 
 @dataclass(frozen=True)
@@ -402,12 +402,9 @@ def _target_loss(group: Group, by_spec: dict[str, dict[str, Any]]) -> float | No
 
 
 def to_target_loss(r: dict[str, Any], target: float, link: str) -> float | None:
-    """Modeled seconds at ``link`` of the first evaluation whose test loss is at most ``target``."""
-    for row in r["rows"]:
-        loss = row.get("test_loss")
-        if loss is not None and loss <= target:
-            return row.get(f"modeled_seconds@{link}")
-    return None
+    """Modeled seconds at ``link`` at which the test loss comes down to ``target``, interpolated
+    between the two evaluations that straddle it (:func:`compare.crossing`)."""
+    return compare.crossing(r["rows"], "test_loss", target, link, higher=False)[1]
 
 
 def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[str, Any]], group: Group,
