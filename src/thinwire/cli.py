@@ -111,7 +111,8 @@ def _compare_parser(sub: Any) -> None:
                    "link; all: OUT/report.md, OUT/claims.csv; one race per group in OUT/<group>/)")
     c.add_argument("--task", default="mnist1d", help="mnist1d | charlm | cifar10 | synthetic (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
-    c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget)")
+    c.add_argument("--steps", type=int, help="training steps per run (default: the task's budget; a suite refuses "
+                   "steps that end inside a method's warm-up or before its first average)")
     c.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
     c.add_argument("--emulate-link", action="store_true",
@@ -125,8 +126,9 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--seeds", type=int, default=1, metavar="S",
                    help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
                    "median [min-max], results.csv one row per run, and a method wins at a link only when its "
-                   "range beats every other's (default: 1; with one seed a win needs a time to the target 10%% "
-                   "shorter, or an accuracy 0.5 pts higher; --methods races only)")
+                   "range beats every other's, else it is a tie (default: 1; with one seed a win needs a time to "
+                   "the target more than 10%% shorter, or an accuracy more than 0.5 pts higher; --methods races "
+                   "only)")
     c.add_argument("--eval-every", type=int, help="evaluate every K steps (default: the task's)")
     c.add_argument("--batch-size", type=int, help="batch size per worker (default: the task's)")
     c.add_argument("--lr", type=float, help="learning rate (default: the task's)")
@@ -154,7 +156,7 @@ def _cost_parser(sub: Any) -> None:
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
     k.add_argument("--probe-steps", type=int, default=20,
                    help="timed training steps of each probe, after as many warm-up steps (default: 20)")
-    k.add_argument("--repeats", type=int, default=1,
+    k.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="probe every method R times, in rounds, and show each figure as median [min-max] and "
                    "each bandwidth of the verdict (from the medians) with its range over the repeats (default: 1)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
