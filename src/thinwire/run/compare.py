@@ -2,9 +2,9 @@
 
 Every method runs as a full ``thinwire train`` run (same task, workers, steps, seed, links),
 one after the other, into ``OUT/runs/NN-name/``; a method that fails is reported as failed
-and the race goes on. Then ``OUT/results.csv`` (one row per method: the summary's figures
-and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the best
-method per link in bold) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
+and the race goes on. Then ``OUT/results.csv`` (one row per run: the summary's figures
+and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the winner
+per link in bold, or a tie) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
 any of these files, or a non-empty ``runs/``, is refused unless ``--overwrite``.
 
 The target accuracy defaults to 95% of the best final accuracy any method reached (ours; with
