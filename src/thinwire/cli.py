@@ -139,7 +139,8 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int,
-                   help=f"training steps per run (default: the task's budget: {_per_task('steps')})")
+                   help=f"training steps per run (default: the task's budget: {_per_task('steps')}; a suite refuses "
+                   "steps that end inside a method's warm-up or before its first average)")
     c.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
     c.add_argument("--emulate-link", action="store_true",
@@ -150,6 +151,12 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--target", type=float,
                    help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
     c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    c.add_argument("--seeds", type=int, default=1, metavar="S",
+                   help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
+                   "median [min-max], results.csv one row per run, and a method wins at a link only when its "
+                   "range beats every other's, else it is a tie (default: 1; with one seed a win needs a time to "
+                   "the target more than 10%% shorter, or an accuracy more than 0.5 pts higher; --methods races "
+                   "only)")
     c.add_argument("--eval-every", type=int,
                    help=f"evaluate every K steps (default: the task's: {_per_task('eval_every')})")
     c.add_argument("--batch-size", type=int,
@@ -183,6 +190,9 @@ def _cost_parser(sub: Any) -> None:
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
     k.add_argument("--probe-steps", type=int, default=20,
                    help="timed training steps of each probe, after as many warm-up steps (default: 20)")
+    k.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="probe every method R times, in rounds, and show each figure as median [min-max] and "
+                   "each bandwidth of the verdict (from the medians) with its range over the repeats (default: 1)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
     k.add_argument("--batch-size", type=int,
                    help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
@@ -365,6 +375,8 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         raise BadInput("compare needs exactly one of --methods and --suite")
     if args.suite and args.target is not None:
         raise BadInput("--target applies to --methods races (each suite race sets its own)")
+    if args.suite and args.seeds != 1:
+        raise BadInput("--seeds applies to --methods races (a suite's claims are read on one seed)")
     from thinwire.run import suite
 
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
@@ -374,15 +386,18 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
         if args.suite:
             races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
         else:
-            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite)
+            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    warning = _warn_load("thinwire compare")
+    for each in races if args.suite else [race]:
+        each.warnings += [warning] if warning else []
     if args.suite:
         return _suite(args, argv, races)
     results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
     done = compare.finish(race, results, compare.command_line(argv))
-    for link, best in done["best"].items():
-        print(f"best at {link}: {best or 'none'}")
+    for link, decision in done["decisions"].items():
+        print(f"best at {link}: {decision.text(race.seeds)}")
     print(f"wrote {done['report']}, {done['csv']} and {len(done['plots'])} plots")
     failed = [r["label"] for r in results if r["status"] != "ok"]
     if failed:
@@ -417,6 +432,8 @@ def _cost(args: argparse.Namespace) -> int:
 
     if args.probe_steps < 2:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
+    if args.repeats < 1:
+        raise BadInput(f"repeats must be >= 1, got {args.repeats}")
     base = _config(args, COST_FIELDS, steps=args.probe_steps, eval_every=args.probe_steps,
                    links=tuple(args.links or DEFAULT_LINKS))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
@@ -425,18 +442,24 @@ def _cost(args: argparse.Namespace) -> int:
         base, resolved = resolve_methods(base, [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE])
     except ValueError as e:
         raise BadInput(str(e)) from None
-    costs, failed = cost.probe(base, resolved, args.probe_steps, say=lambda line: print(line, flush=True))
+    _warn_load("thinwire cost")
+    runs, failed = cost.probe_repeats(base, resolved, args.probe_steps, args.repeats,
+                                      say=lambda line: print(line, flush=True))
     for spec, error in failed.items():
         print(f"thinwire: the probe of {spec.split(':')[0]} failed: {error}", file=sys.stderr)
-    if resolved[0] not in costs:
+    if resolved[0] not in runs:
         return 1  # no reference to compare against
+    costs = {spec: cost.median_cost(cs) for spec, cs in runs.items()}
     ref = costs[resolved[0]]
+    repeats = (f"; median \\[min-max] of {args.repeats} repeats, the verdict from the medians"
+               if args.repeats > 1 else "")
     links = [Link.parse(text) for text in base.links]
     per_node = int(base.ranks_per_node or 1)  # resolved: a number
     nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
              "MB and messages: between nodes)" if per_node > 1 else "")
     table = Table(title=f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
-                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods)",
+                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods"
+                  f"{repeats})",
                   caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
                   f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
                   f"with no link; window = the backward time "
@@ -446,16 +469,35 @@ def _cost(args: argparse.Namespace) -> int:
                   f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
                   f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
     for col in ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
-                *[f"ms @ {text}" for text in base.links], "beats bf16"]:
-        table.add_column(col, justify="left" if col in ("method", "beats bf16") else "right", no_wrap=True)
+                *[f"ms @ {text}" for text in base.links], "beats bf16",
+                *(["its bandwidths over the repeats"] if args.repeats > 1 else [])]:
+        left = col in ("method", "beats bf16", "its bandwidths over the repeats")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
     for spec, c in costs.items():
+        each = runs[spec]
+
+        def ms(of: Any, each: list[Any] = each) -> str:
+            return cost.spread([1e3 * of(x) for x in each])
+
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
-        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}", f"{1e3 * c.compute_s:.1f}",
-                      f"{1e3 * c.codec_s:.1f}", f"{1e3 * c.wait_s:.1f}", f"{1e3 * c.window_s:.1f}",
-                      *[f"{1e3 * c.seconds(link):.1f}" for link in links],
-                      cost.verdict(c, ref, links[0].latency_s))
-    Console(width=160).print(table)
+        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
+                      ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
+                      ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
+                      cost.verdict(c, ref, links[0].latency_s),
+                      *([cost.bounds_text(each, runs[resolved[0]], links[0].latency_s)] if args.repeats > 1 else []))
+    Console(width=160 if args.repeats == 1 else 260).print(table)  # median [min-max] cells: wider
     return 0
+
+
+def _warn_load(command: str) -> str | None:
+    """One line on stderr when the machine is busy before ``command`` times anything; the
+    warning, or None."""
+    from thinwire.run.load import load_warning
+
+    warning = load_warning(command)
+    if warning:
+        print(f"thinwire: {warning}", file=sys.stderr, flush=True)
+    return warning
 
 
 def _options(items: list[str]) -> dict[str, Any]:

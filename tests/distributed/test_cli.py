@@ -518,6 +518,10 @@ def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
     (["--methods", "identity", "--suite", "seeds"], "compare needs exactly one of --methods and --suite"),
     (["--suite", "seeds", "--target", "0.5"], "--target applies to --methods races"),
     (["--suite", "all"], "invalid choice: 'all'"),
+    (["--methods", "identity", "--seeds", "0"], "seeds must be >= 1, got 0"),
+    (["--suite", "seeds", "--seeds", "3"], "--seeds applies to --methods races"),
+    (["--suite", "seeds", "--steps", "100"], "--steps 100 cannot measure the ab race: ab never leaves its warm-up of "
+                                            "100 synchronous steps (warmup=100) in 100 steps"),
     (["--methods", "identity,ab", "--workers", "4", "--ranks-per-node", "2"], "ab cannot average in two levels"),
     (["--methods", "identity", "--workers", "4", "--ranks-per-node", "8"], "must divide the world of 4 ranks"),
 ])
@@ -541,6 +545,7 @@ def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
     (["--methods", "nosuch"], "unknown method 'nosuch'"),
     (["--methods", "identity,identity"], "appears twice"),
     (["--probe-steps", "1"], "probe-steps must be >= 2"),
+    (["--repeats", "0"], "repeats must be >= 1, got 0"),
     (["--link", "fast"], "link"),
     (["--workers", "4", "--intra-link", "1gbit,1us"], "--intra-link needs --ranks-per-node"),
 ])

@@ -4,6 +4,7 @@ run, a failing method that does not stop the race, the table, the CSV and the pl
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -104,9 +105,12 @@ def test_a_failing_method_does_not_stop_the_race(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["identity", "topk", "bf16"]
     assert rows[1]["status"] == "failed" and rows[1]["final_accuracy"] == ""
-    assert float(rows[2]["bytes_sent_per_worker"]) == 1000.0 and rows[2]["step_to_target"] == "4"
-    assert float(rows[0]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(12.0)
-    assert float(rows[2]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(3.0)
+    assert float(rows[2]["bytes_sent_per_worker"]) == 1000.0 and rows[0]["seed"] == rows[2]["seed"] == "0"
+    # interpolated between the evaluations at steps 2 and 4: identity climbs 0.5 -> 0.8, 13/15 of the way
+    # to 0.76, bf16 0.6 -> 0.79, 16/19 of the way; at 100 Mbit/s identity's 6 -> 12 s, bf16's 1.5 -> 3 s
+    assert float(rows[2]["step_to_target"]) == pytest.approx(2 + 2 * 16 / 19, rel=1e-12)
+    assert float(rows[0]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(6 + 6 * 13 / 15, rel=1e-12)
+    assert float(rows[2]["modeled_seconds_to_target@100mbit,1ms"]) == pytest.approx(1.5 + 1.5 * 16 / 19, rel=1e-12)
 
 
 def test_runs_are_named_by_the_specs_as_typed(tmp_path):
@@ -181,3 +185,152 @@ def test_every_file_a_comparison_writes_is_one_prepare_refuses_to_overwrite(tmp_
             copy.write_bytes((race.out / name).read_bytes())
         with pytest.raises(ValueError, match="already holds a comparison"):
             compare.prepare(BASE, ["identity"], str(fresh))
+
+
+# -- time to the target: interpolated between the evaluations that straddle it --------------------
+L = "1gbit,50us"
+CURVE = [{"step": 10, "test_accuracy": 0.5, "test_loss": 2.0, f"modeled_seconds@{L}": 2.0},
+         {"step": 15, "test_accuracy": None, f"modeled_seconds@{L}": 3.0},  # no evaluation: not a point
+         {"step": 20, "test_accuracy": 0.75, "test_loss": 1.5, f"modeled_seconds@{L}": 4.0},
+         {"step": 30, "test_accuracy": 1.0, "test_loss": 1.0, f"modeled_seconds@{L}": 6.5}]
+
+
+def test_time_to_target_interpolates_between_the_two_evaluations_that_straddle_it():
+    # 0.875 is halfway from 0.75 (step 20, 4 s) to 1.0 (step 30, 6.5 s): step 25, 5.25 s (the first
+    # evaluation at or above it would say step 30, 6.5 s)
+    assert compare.crossing(CURVE, "test_accuracy", 0.875, L) == (25.0, 5.25)
+    assert compare.to_target(CURVE, 0.875, L) == (25.0, 5.25)
+    # a quarter of the way from 0.5 (step 10, 2 s) to 0.75 (step 20, 4 s); the row without an accuracy is skipped
+    assert compare.crossing(CURVE, "test_accuracy", 0.5625, L) == (12.5, 2.5)
+    assert compare.crossing(CURVE, "test_accuracy", 0.75, L) == (20.0, 4.0)  # reached exactly at an evaluation
+    assert compare.crossing(CURVE, "test_accuracy", 0.25, L) == (10, 2.0)  # already there: the first evaluation
+    assert compare.crossing(CURVE, "test_accuracy", 1.01, L) == (None, None)
+    assert compare.to_target(CURVE, None, L) == (None, None)
+    assert compare.crossing(CURVE, "test_accuracy", 0.875, "100mbit,1ms") == (25.0, None)  # no time at that link
+    # a loss comes down: 1.25 is halfway from 1.5 to 1.0
+    assert compare.crossing(CURVE, "test_loss", 1.25, L, higher=False) == (25.0, 5.25)
+
+
+# -- a winner beyond the noise, or a tie ------------------------------------------------------------
+def _standing(method: str, times: list[float], accs: list[float] | None = None) -> dict:
+    return {"method": method, "status": "ok", "runs": [{}] * len(times), "failed": [],
+            "final_accuracy": accs if accs is not None else [0.9] * len(times), "to_target": {L: times}}
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("table, by, best, tied", [
+    # one seed: torch-ddp first at 10.0 s, bf16 at 10.5 s: 5% apart, a tie; identity at 20 s is beaten
+    ([("identity", [20.0]), ("torch-ddp", [10.0]), ("bf16", [10.5])], "time", None, ("torch-ddp", "bf16")),
+    ([("torch-ddp", [10.0]), ("bf16", [11.5])], "time", "torch-ddp", ()),  # 15% apart: a win
+    ([("torch-ddp", [10.0]), ("bf16", [11.0])], "time", None, ("torch-ddp", "bf16")),  # exactly 10%: a tie
+    ([("torch-ddp", [10.0]), ("bf16", [INF])], "time", "torch-ddp", ()),  # the other never reached it
+    # several seeds: the leader's slowest seed must beat the other's fastest
+    ([("a", [10.0, 11.0, 12.0]), ("b", [12.5, 13.0, 14.0])], "time", "a", ()),
+    ([("a", [10.0, 11.0, 12.5]), ("b", [12.0, 13.0, 14.0])], "time", None, ("a", "b")),
+    ([("a", [5.0, 6.0, INF]), ("b", [INF, INF, INF])], "time", "a", ()),  # b never reached it with any seed
+    ([("a", [5.0, 6.0, INF]), ("b", [8.0, INF, INF])], "time", None, ("a", "b")),
+])
+def test_a_winner_beats_the_runner_up_beyond_the_noise_or_it_is_a_tie(table, by, best, tied):
+    d = compare.decide([_standing(m, t) for m, t in table], (L,))[L]
+    assert (d.by, d.best, d.tied) == (by, best, tied)
+
+
+def test_without_a_method_at_the_target_the_final_accuracy_decides_within_half_a_point():
+    never = [INF]
+    d = compare.decide([_standing("fp32", never, [0.925]), _standing("bf16", never, [0.921])], (L,))[L]
+    assert (d.by, d.best, d.tied) == ("accuracy", None, ("fp32", "bf16"))  # 0.4 pts apart
+    assert d.text() == ("tie between fp32 and bf16 (final accuracies within 0.5 pts of the best (no method reached "
+                        "the target))")
+    d = compare.decide([_standing("fp32", never, [0.921]), _standing("bf16", never, [0.927])], (L,))[L]
+    assert (d.best, d.tied) == ("bf16", ())  # 0.6 pts
+    d = compare.decide([_standing("a", never * 2, [0.90, 0.91]), _standing("b", never * 2, [0.85, 0.89])], (L,))[L]
+    assert d.best == "a"  # its lowest (0.90) above b's highest (0.89)
+    d = compare.decide([_standing("a", never * 2, [0.88, 0.91]), _standing("b", never * 2, [0.85, 0.89])], (L,))[L]
+    assert d.tied == ("a", "b")
+    assert compare.decide([{"method": "x", "status": "failed"}], (L,))[L] == compare.Decision("none")
+
+
+def test_a_tie_is_named_in_words():
+    d = compare.Decision("time", tied=("torch-ddp", "bf16", "identity"))
+    assert d.text() == "tie between torch-ddp, bf16 and identity (times to the target within 10% of the fastest)"
+    assert d.text(seeds=3) == ("tie between torch-ddp, bf16 and identity (overlapping ranges over the seeds of the "
+                               "time to the target)")
+    assert compare.Decision("time", best="bf16").text() == "bf16" and compare.Decision("none").text() == "none"
+
+
+# -- several seeds ----------------------------------------------------------------------------------
+def _seeded_launch(calls: list[tuple[str, int]]):
+    """identity and bf16 as in _fake_launch, but the accuracy at step 4 depends on the seed:
+    1.0, 0.875, 0.75 for seeds 0, 1, 2 (0.5 at step 2 for every seed)."""
+    def launch(cfg, show_progress=True):
+        calls.append((cfg.method.split(":")[0], cfg.seed))
+        summary = _fake_launch("none")(cfg, show_progress)
+        out = Path(cfg.out)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        final = {0: 1.0, 1: 0.875, 2: 0.75}[cfg.seed]
+        rows[0]["test_accuracy"], rows[1]["test_accuracy"] = 0.5, final
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary["final_accuracy"] = final
+        return summary
+    return launch
+
+
+def test_several_seeds_run_in_rounds_and_report_medians_and_ranges(tmp_path):
+    race = compare.prepare(BASE, ["identity,bf16"], str(tmp_path / "out"), target=0.75, seeds=3)
+    calls: list[tuple[str, int]] = []
+    lines: list[str] = []
+    results = compare.run(race, launch=_seeded_launch(calls), show_progress=False, say=lines.append)
+    assert calls == [("identity", 0), ("bf16", 0), ("identity", 1), ("bf16", 1), ("identity", 2), ("bf16", 2)]
+    assert lines[0] == "[1/6] identity (synthetic, 2 workers, 4 steps, seed 0)" and lines[-1].startswith("[6/6] bf16")
+    assert sorted(p.name for p in (race.out / "runs").iterdir()) == [  # the resolved specs, then the seed
+        f"0{i}-{name}-ef=false_min_numel=0-seed{seed}" for i, name in ((1, "identity"), (2, "bf16"))
+        for seed in (0, 1, 2)]
+    done = compare.finish(race, results, "thinwire compare ...")
+    with open(done["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["seed"]) for r in rows] == [("identity", "0"), ("bf16", "0"), ("identity", "1"),
+                                                        ("bf16", "1"), ("identity", "2"), ("bf16", "2")]
+    # 0.75 is 1/2, 2/3 and all of the way from 0.5 to the accuracy at step 4: identity at 100 Mbit/s
+    # (6 s -> 12 s) gets there at 9, 10 and 12 s, bf16 (1.5 -> 3 s) at 2.25, 2.5 and 3 s
+    assert [float(r["modeled_seconds_to_target@100mbit,1ms"]) for r in rows] == pytest.approx(
+        [9.0, 2.25, 10.0, 2.5, 12.0, 3.0], rel=1e-12)
+    assert done["best"] == {"1gbit,50us": "bf16", "100mbit,1ms": "bf16"}  # bf16's slowest beats identity's fastest
+    report = Path(done["report"]).read_text()
+    assert ("- seeds 0, 1, 2 (each figure: median [min–max] over the seeds; ∞: a seed did not reach the target)"
+            in report)
+    assert ("| identity | 0.8750 [0.7500–1.0000] | 0.5000 | 0.00 | 1.0x | 2.0 | 4.0 | 12.0 | 3.3 [3.0–4.0] (step 3.3) "
+            "| 10.0 [9.0–12.0] (step 3.3) |" in report)
+    assert "| **bf16** |" in report and "**2.5 [2.2–3.0] (step 3.3)**" in report
+    assert "slowest seed reaches the target before the fastest seed of every other method" in report
+    assert len(done["plots"]) == 5 and "## Plots (seed 0's runs)" in report
+
+
+def test_one_seed_that_does_not_beat_the_runner_up_by_10_percent_is_a_tie(tmp_path, monkeypatch, capsys):
+    """The CLI over a stand-in launcher: the same bytes for bf16 and identity make a tie; a busy
+    machine is one line on stderr and in the report."""
+    from thinwire import cli
+    from thinwire.run import launch as launch_module
+    from thinwire.run import load
+
+    def same_bytes(cfg, show_progress=True):
+        return _fake_launch("none")(dataclasses.replace(cfg, method=cfg.method.replace("bf16", "identity")))
+
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, show_progress=True: {
+        **same_bytes(cfg), "method": cfg.method})
+    monkeypatch.setattr(load, "load1", lambda: 4.0)
+    monkeypatch.setattr(load, "cores", lambda: 2)
+    out = tmp_path / "race"
+    assert cli.main(["compare", "--task", "synthetic", "--workers", "2", "--steps", "4", "--eval-every", "2",
+                     "--methods", "identity,bf16", "--out", str(out), "--quiet"]) == 0
+    printed, err = capsys.readouterr()
+    warning = ("warning: load average 4.0 on 2 cores at the start of thinwire compare: other work holds the cores, so "
+               "the measured compute and codec times (and every time built on them) vary from run to run")
+    assert err.strip() == f"thinwire: {warning}"
+    assert ("best at 1gbit,50us: tie between identity and bf16 (times to the target within 10% of the fastest)"
+            in printed)
+    report = (out / "report.md").read_text()
+    assert f"- {warning}" in report and "**" not in report.split("| method |")[1]  # nothing in bold
+    assert "- best at 100mbit,1ms: tie between identity and bf16" in report
+    assert "more than 10% shorter than every other method's" in report

@@ -365,3 +365,109 @@ def test_a_probe_of_diloco_spreads_its_sync_over_the_period_and_reads_its_peak()
     assert d.probe_steps == s.probe_steps == 6
     assert d.bytes == pytest.approx(sync / 6) and d.peak_bytes == pytest.approx(sync)
     assert s.bytes == pytest.approx(sync / 6) and s.peak_bytes < 0.75 * sync
+
+
+# -- repeats: rounds, medians, and the verdict's bandwidths over the repeats ----------------------
+def test_repeats_probe_in_rounds_and_a_method_that_fails_once_is_not_probed_again():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.cost import probe_repeats
+
+    calls: list[str] = []
+    fails = _probe_launch(fail="topk")
+
+    def launch(cfg, show_progress=False):
+        calls.append(cfg.method.split(":")[0])
+        return fails(cfg, show_progress)
+
+    lines: list[str] = []
+    runs, failed = probe_repeats(TrainConfig(task="synthetic", steps=4), ["bf16", "topk:ratio=0.1", "identity"], 4, 2,
+                                 launch=launch, say=lines.append)
+    assert calls == ["bf16", "topk", "identity", "bf16", "identity"]  # every method once a round
+    assert list(runs) == ["bf16", "identity"] and [len(cs) for cs in runs.values()] == [2, 2]
+    assert list(failed) == ["topk:ratio=0.1"]
+    assert lines[0] == "[1/3] probing bf16: 4 + 4 steps on 2 workers (repeat 1/2)"
+    assert lines[-1] == "[2/2] probing identity: 4 + 4 steps on 2 workers (repeat 2/2)"
+
+
+def test_the_median_cost_takes_each_figure_s_median():
+    from thinwire.run.cost import median_cost
+
+    a = StepCost("m", 0.010, 0.001, 100.0, 6, wait_s=0.003, window_s=0.002, early_share=0.5,
+                 leads=((0.01, 0.5),), peak_bytes=300.0, probe_steps=20)
+    b = dataclasses.replace(a, compute_s=0.030, codec_s=0.002, wait_s=0.001, leads=((0.03, 0.7),), peak_bytes=100.0)
+    c = dataclasses.replace(a, compute_s=0.020, codec_s=0.005, wait_s=0.002, leads=((0.02, 0.6),), peak_bytes=200.0)
+    m = median_cost([a, b, c])
+    assert (m.compute_s, m.codec_s, m.wait_s, m.bytes, m.messages) == (0.020, 0.002, 0.002, 100.0, 6)
+    assert (m.leads, m.peak_bytes, m.probe_steps) == (((0.02, 0.6),), 200.0, 20)
+    # two repeats: the mean of the two; another number of buckets: the leads of the median compute's repeat
+    assert median_cost([a, b]).compute_s == pytest.approx(0.020, rel=1e-12)
+    odd = dataclasses.replace(c, leads=((0.02, 0.3), (0.01, 0.3)))
+    assert median_cost([a, b, odd]).leads == ((0.02, 0.3), (0.01, 0.3))
+    assert median_cost([a, dataclasses.replace(b, peak_bytes=None)]).peak_bytes is None
+
+
+# the reference and a compressor over three repeats: compute 10, 12 and 30 ms (both alike in each round), the
+# compressor's codec 4, 5 and 5.5 ms against bf16's 1 ms; 0.9 MB fewer bytes cross at 0.9 MB / codec gap
+REFS = [dataclasses.replace(REF, compute_s=c) for c in (0.010, 0.012, 0.030)]
+SMALLS = [dataclasses.replace(SMALL, compute_s=c, codec_s=k) for c, k in ((0.010, 0.004), (0.012, 0.005),
+                                                                          (0.030, 0.0055))]
+
+
+def test_the_verdict_s_bandwidths_come_with_their_range_over_the_repeats():
+    from thinwire.run.cost import bound_ranges, bounds_text, median_cost, spread
+
+    # medians: codec 5 ms against 1 ms, the crossing at 0.9 MB / 4 ms = 225 MB/s = 1.8 Gbit/s; per repeat
+    # 0.9 MB / 3 ms = 300 MB/s (2.4 Gbit/s), 225 MB/s and 0.9 MB / 4.5 ms = 200 MB/s (1.6 Gbit/s)
+    assert verdict(median_cost(SMALLS), median_cost(REFS), 50e-6) == "below 1.8 Gbit/s"
+    (lo, hi), = bound_ranges(SMALLS, REFS, 50e-6)
+    assert (lo, hi) == (pytest.approx(200e6, rel=1e-12), pytest.approx(300e6, rel=1e-12))
+    assert bounds_text(SMALLS, REFS, 50e-6) == "1.6 Gbit/s–2.4 Gbit/s"
+    assert bounds_text(REFS, REFS, 50e-6) == "-"
+    assert spread([1e3 * c.compute_s for c in SMALLS]) == "12.0 [10.0–30.0]" and spread([23.14]) == "23.1"
+    # a repeat whose codec is as cheap as bf16's has no crossing (always faster): the shapes are listed
+    cheap = [*SMALLS[:2], dataclasses.replace(SMALLS[2], codec_s=0.001)]
+    assert bound_ranges(cheap, REFS, 50e-6) is None
+    assert bounds_text(cheap, REFS, 50e-6) == "repeats: below 2.4 Gbit/s; below 1.8 Gbit/s; always"
+    with pytest.raises(ValueError, match="3 repeats of the method against 2 of the reference"):
+        bound_ranges(SMALLS, REFS[:2], 50e-6)
+
+
+def test_cost_repeats_prints_medians_ranges_and_warns_of_a_busy_machine(monkeypatch, capsys):
+    """The CLI over a stand-in probe: each figure as median [min–max], the verdict from the
+    medians with its bandwidths' range, and one line on stderr for the load."""
+    from thinwire import cli
+    from thinwire.run import cost, load
+
+    rounds = iter(range(3))
+
+    def probe(base, specs, steps, *, launch=None, say=print):
+        r = next(rounds)
+        say(f"[1/2] probing {specs[0].split(':')[0]}")  # specs resolved: bf16 first, as the reference
+        return {specs[0]: dataclasses.replace(REFS[r], method=specs[0]),
+                specs[1]: dataclasses.replace(SMALLS[r], method=specs[1])}, {}
+
+    monkeypatch.setattr(cost, "probe", probe)
+    monkeypatch.setattr(load, "load1", lambda: 9.0)
+    monkeypatch.setattr(load, "cores", lambda: 2)
+    assert cli.main(["cost", "--task", "synthetic", "--workers", "2", "--methods", "topk:ratio=0.01", "--repeats",
+                     "3", "--link", "1gbit,50us"]) == 0
+    out, err = capsys.readouterr()
+    assert "[1/2] probing bf16 (repeat 3/3)" in out and "median [min-max] of 3 repeats" in out
+    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("topk"))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    # compute, codec ms; ms @ 1gbit,50us = compute + codec + 6 x 50 us + 0.1 MB / 125 MB/s
+    assert cells[4:7] == ["12.0 [10.0–30.0]", "5.0 [4.0–5.5]", "0.0 [0.0–0.0]"]
+    assert cells[8:] == ["18.1 [15.1–36.6]", "below 1.8 Gbit/s", "1.6 Gbit/s–2.4 Gbit/s"]
+    assert err.strip() == ("thinwire: warning: load average 9.0 on 2 cores at the start of thinwire cost: other work "
+                           "holds the cores, so the measured compute and codec times (and every time built on them) "
+                           "vary from run to run")
+
+
+def test_the_load_check_every_timing_command_shares():
+    from thinwire.run.load import high_load, load_warning
+
+    assert high_load(2.0, 2) == 2.0 and high_load(1.99, 2) is None and high_load(0.5, 1) is None
+    assert load_warning("thinwire compare", load=3.5, ncores=2) == (
+        "warning: load average 3.5 on 2 cores at the start of thinwire compare: other work holds the cores, so the "
+        "measured compute and codec times (and every time built on them) vary from run to run")
+    assert load_warning("thinwire compare", load=1.0, ncores=2) is None

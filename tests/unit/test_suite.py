@@ -4,6 +4,7 @@ several races runs once, a failed run leaves its claims unmeasured, and the file
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from thinwire.run.launch import RunFailed
 from thinwire.run.suite import Claim, Group
 
 LINKS = ("1gbit,50us", "100mbit,1ms")
-BASE = TrainConfig(task="synthetic", workers=2, steps=4, eval_every=2, links=LINKS)
+BASE = TrainConfig(task="synthetic", workers=2, steps=12, eval_every=2, links=LINKS)  # dasgd averages at 12
 
 # per method: modeled seconds at the two links, bytes per worker, final accuracy,
 # modeled communication and the part hidden at the two links
@@ -132,7 +133,7 @@ def test_the_seed_suite_validates_on_its_task():
     """Every race of the shipped suite resolves on mnist1d with the suite's workers."""
     import tempfile
 
-    base = TrainConfig(task="mnist1d", workers=suite.SUITE_WORKERS, steps=10)
+    base = TrainConfig(task="mnist1d", workers=suite.SUITE_WORKERS, steps=101)  # AB-training's warm-up is 100
     with tempfile.TemporaryDirectory() as tmp:
         races = suite.prepare(base, tmp)
     assert [r.specs[0].split(":")[0] for r in races] == ["fft", "hylo", "dasgd", "powergossip", "ab"]
@@ -140,6 +141,36 @@ def test_the_seed_suite_validates_on_its_task():
         labels = {s.split(":")[0] for s in race.specs}
         for claim in group.claims:
             assert claim.peer in (None, "best-uniform") or claim.peer in labels
+
+
+def test_a_suite_whose_steps_end_inside_a_warm_up_is_refused_before_anything_is_made(tmp_path):
+    """AB-training's 100 warm-up steps in a 100-step race: it would be data parallel under
+    another name, its bytes ratio reading 1.00x as if measured."""
+    base = TrainConfig(task="mnist1d", workers=suite.SUITE_WORKERS, steps=100)
+    with pytest.raises(ValueError) as e:
+        suite.prepare(base, str(tmp_path / "s"))
+    assert str(e.value) == ("--steps 100 cannot measure the ab race: ab never leaves its warm-up of 100 synchronous "
+                            "steps (warmup=100) in 100 steps; its claims need that phase (pass a larger --steps)")
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match=r"the dasgd race: dasgd first averages after step 12 \(warmup 8 \+ period "
+                                         r"4\), later than the run's 11 steps"):
+        suite.prepare(dataclasses.replace(base, steps=11), str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("spec, steps, want", [
+    ("ab", 100, "ab never leaves its warm-up of 100 synchronous steps (warmup=100) in 100 steps"),
+    ("ab", 101, None), ("ab:warmup=0", 1, None),
+    ("localsgd:period=4,warmup=8", 11, "localsgd first averages after step 12 (warmup 8 + period 4), later than "
+                                       "the run's 11 steps"),
+    ("localsgd:period=4,warmup=8", 12, None), ("localsgd:period=1,warmup=3", 3,
+                                               "localsgd never leaves its warm-up of 3 synchronous steps (warmup=3) "
+                                               "in 3 steps"),
+    ("diloco:period=50", 49, "diloco first averages after step 50 (warmup 0 + period 50), later than the run's 49 "
+                             "steps"),
+    ("diloco:period=50", 50, None), ("topk", 1, None), ("identity", 1, None), ("dpsgd", 1, None),
+])
+def test_the_phase_a_method_is_about_must_fit_the_steps(spec, steps, want):
+    assert suite.unreached_phase(spec, steps) == want
 
 
 @pytest.mark.parametrize("name", ["report.md", "claims.csv", "b/report.md", "b/results.csv", "b/time_breakdown.png",
@@ -229,10 +260,11 @@ def test_targets_read_pass_or_miss_against_hand_computed_runs(tmp_path):
     assert _row(rows, "d", "beats local SGD")["reading"] == "PASS"
     r = _row(rows, "d", "45x fewer")
     assert r["measured"] == pytest.approx(50.0) and r["reading"] == "PASS"
-    # target loss 1.02: identity reaches it at step 4 (8 s, 40 s); diloco at step 2 (1 s, 2 s)
+    # target loss 1.02: identity comes down 1.10 -> 1.00 from step 2 to 4, 0.8 of the way there, so at
+    # 4 + 0.8 x 4 = 7.2 s and 20 + 0.8 x 20 = 36 s; diloco is there at its first evaluation (1 s, 2 s)
     r = _row(rows, "d", "5x to target", LINKS[0])
-    assert r["measured"] == pytest.approx(8.0) and r["reading"] == "PASS"
-    assert _row(rows, "d", "5x to target", LINKS[1])["measured"] == pytest.approx(20.0)
+    assert r["measured"] == pytest.approx(7.2, rel=1e-12) and r["reading"] == "PASS"
+    assert _row(rows, "d", "5x to target", LINKS[1])["measured"] == pytest.approx(18.0, rel=1e-12)
     # the best of local SGD (never reaches 1.02: its whole run, 4.0 s and 3.2 s, bounds its time) and
     # DaSGD (step 2: 2.5 s, 3.5 s)
     r = _row(rows, "d", "1.3x to target", LINKS[0])

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from thinwire.run.load import high_load, load_text
+
 if TYPE_CHECKING:
     from thinwire.codecs.base import Codec
 
@@ -225,11 +227,8 @@ def cells(r: Row) -> tuple[str, ...]:
 
 def header(quick: bool, repeats: int) -> str:
     alloc = " ".join(f"{k}={os.environ[k]}" for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ)
-    try:
-        with open("/proc/loadavg") as f:
-            load = f"; load average {' '.join(f.read().split()[:3])} on {os.cpu_count()} cores"
-    except OSError:
-        load = ""
+    text = load_text()
+    load = f"; {text}" if text else ""
     threads = torch.get_num_threads()
     return (
         f"thinwire bench codecs{' --quick' if quick else ''}: torch {torch.__version__}, "
@@ -316,8 +315,8 @@ def main(
     title = header(quick, repeats)
     if repeats < 5:
         _note(f"note: median of {repeats} repeats; thinwire's benchmarks take at least 5")
-    load = _load1()
-    if torch.get_num_threads() > 1 and load is not None and load >= (os.cpu_count() or 1):
+    load = high_load()
+    if torch.get_num_threads() > 1 and load is not None:
         _note(f"note: load average {load:.1f} on {os.cpu_count()} cores: multi-threaded timings are dominated by "
               "OpenMP wake-up stalls on a busy machine; OMP_NUM_THREADS=1 gives steadier figures")
     t_start = time.perf_counter()
@@ -368,14 +367,6 @@ def _checked(quick: bool, methods: str | None, repeats: int | None, size: int | 
 def _note(text: str) -> None:
     """One line on stderr (progress, notes, errors): never wrapped."""
     print(text, file=sys.stderr, flush=True)
-
-
-def _load1() -> float | None:
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:

@@ -2,14 +2,29 @@
 
 Every method runs as a full ``thinwire train`` run (same task, workers, steps, seed, links),
 one after the other, into ``OUT/runs/NN-name/``; a method that fails is reported as failed
-and the race goes on. Then ``OUT/results.csv`` (one row per method: the summary's figures
-and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the best
-method per link in bold) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
+and the race goes on. Then ``OUT/results.csv`` (one row per run: the summary's figures
+and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the winner
+per link in bold, or a tie) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
 any of these files, or a non-empty ``runs/``, is refused unless ``--overwrite``.
 
-The target accuracy defaults to 95% of the best final accuracy any method reached (ours);
-``--target`` sets it. Times at a link are modeled: measured compute and codec time plus the
-link's alpha-beta time for the bytes each worker sent (see ``thinwire train --link``).
+The target accuracy defaults to 95% of the best final accuracy any method reached (ours; with
+several seeds, of the best median); ``--target`` sets it. Times at a link are modeled:
+measured compute and codec time plus the link's alpha-beta time for the bytes each worker
+sent (see ``thinwire train --link``). The time to the target interpolates linearly between
+the two evaluations that straddle it (:func:`crossing`).
+
+``--seeds S`` runs every method with the seeds ``seed``, ``seed + 1``, ... (in rounds: every
+method with one seed, then the next), into ``runs/NN-name-seedK/``; results.csv keeps one row
+per run, and the report shows the median of each figure with its range over the seeds.
+
+**Winners** (:func:`decide`). Per link the methods are ranked by their (median) time to the
+target, or, when no method reaches it, by their (median) final accuracy. The leader is the
+winner (in bold) only when it beats every other method beyond the noise; otherwise the report
+says ``tie`` and names the methods it does not beat. With one run per method: a time to the
+target more than :data:`TIME_TOLERANCE` (10%) shorter, an accuracy more than
+:data:`ACCURACY_NOISE_PTS` (0.5 points) higher. With several seeds: the leader's slowest seed
+faster than the other's fastest (accuracy: its lowest above the other's highest), the
+ranges not overlapping.
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +45,14 @@ from thinwire.run.labels import labels, slug
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
 TARGET_SHARE = 0.95  # default target: this share of the best final accuracy
+# One run per method: what separates a winner from a tie (ours, a floor rather than a measured spread). The
+# modeled times hold measured compute and codec seconds, which move from run to run (two back-to-back
+# `thinwire cost --repeats 3` runs on mnist1d on a loaded 2-core machine: medians 10-25% apart), and a time
+# interpolated between evaluations is exact only for a straight curve: times to the target within 10% are a tie;
+# a larger gap on one busy run is no proof either, which --seeds measures. A final accuracy moves by about half a
+# point between seeds at this scale.
+TIME_TOLERANCE = 0.10
+ACCURACY_NOISE_PTS = 0.5
 # What a comparison writes at the top of --out (glob patterns; the plots' names are those of
 # thinwire.run.plots), besides the runs under runs/.
 OUTPUTS = ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png", "accuracy_vs_time_*.png",
@@ -63,6 +87,8 @@ class Race:
     target: float | None = None
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # spec -> why it cannot run here (suites)
     typed: dict[str, str] = dataclasses.field(default_factory=dict)  # resolved spec -> as the user wrote it
+    seeds: int = 1  # runs per method: seeds base.seed, base.seed + 1, ...
+    warnings: list[str] = dataclasses.field(default_factory=list)  # one line each, in the report (a busy machine)
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -70,7 +96,7 @@ class Race:
 
 
 def prepare(base: TrainConfig, methods: list[str], out: str, target: float | None = None,
-            overwrite: bool = False) -> Race:
+            overwrite: bool = False, seeds: int = 1) -> Race:
     """Validate everything before any run: raises ``ValueError`` naming the rule broken.
     Unless ``overwrite``, an ``out`` holding any file a comparison writes (:func:`earlier_output`)
     is refused before anything is created there."""
@@ -79,6 +105,8 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
         raise ValueError("--methods names no method")
     if target is not None and not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
     path = Path(out)
     found = None if overwrite else earlier_output(path)
     if found is not None:
@@ -93,7 +121,7 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
         probe.unlink()
     except OSError as e:
         raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)))
+    return Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)), seeds=seeds)
 
 
 def earlier_output(path: Path) -> Path | None:
@@ -153,25 +181,32 @@ def _owns(spec: str) -> bool:
 
 def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: bool = True,
         say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every method into ``OUT/runs/NN-SLUG`` (SLUG: the spec as typed,
-    :func:`thinwire.run.labels.slug`), each named by its label (:func:`thinwire.run.labels.labels`);
-    returns one result per method: ``label``, ``spec``, ``status``
-    (``ok`` / ``failed``), ``error``, ``summary``, ``rows`` (metrics.jsonl), ``seconds``."""
+    """Run every method, once per seed (in rounds: every method with one seed, then the next),
+    into ``OUT/runs/NN-SLUG`` (SLUG: the spec as typed, :func:`thinwire.run.labels.slug`; with
+    several seeds ``-seedK`` after it), each named by its label
+    (:func:`thinwire.run.labels.labels`); returns one result per run: ``label``, ``spec``,
+    ``seed``, ``status`` (``ok`` / ``failed``), ``error``, ``summary``, ``rows``
+    (metrics.jsonl), ``seconds``."""
     if launch is None:
         from thinwire.run.launch import launch as default_launch
 
         launch = default_launch
     results = []
-    n = len(race.specs)
+    seeds = [race.base.seed + k for k in range(race.seeds)]
+    n = len(race.specs) * len(seeds)
     t_race = time.perf_counter()
     typed = [race.typed.get(spec, spec) for spec in race.specs]  # labels and folders: what the user wrote
     names = labels(typed)
-    for i, (spec, label) in enumerate(zip(race.specs, names, strict=True), 1):
-        out = race.out / "runs" / f"{i:02d}-{slug(typed[i - 1])}"
-        cfg = for_method(race.base, spec, out=str(out), overwrite=True, label=typed[i - 1])
-        say(f"[{i}/{n}] {label} ({race.base.task}, {race.base.workers} workers, {race.base.steps} steps)")
+    for j, (seed, (i, spec)) in enumerate(((seed, x) for seed in seeds for x in enumerate(race.specs, 1)), 1):
+        label = names[i - 1]
+        tag = f"-seed{seed}" if len(seeds) > 1 else ""
+        out = race.out / "runs" / f"{i:02d}-{slug(typed[i - 1])}{tag}"
+        cfg = for_method(race.base, spec, out=str(out), overwrite=True, seed=seed, label=typed[i - 1])
+        with_seed = f", seed {seed}" if len(seeds) > 1 else ""
+        say(f"[{j}/{n}] {label} ({race.base.task}, {race.base.workers} workers, {race.base.steps} steps{with_seed})")
         t0 = time.perf_counter()
-        result: dict[str, Any] = {"label": label, "spec": spec, "out": str(out), "rows": [], "summary": None}
+        result: dict[str, Any] = {"label": label, "spec": spec, "seed": seed, "out": str(out), "rows": [],
+                                  "summary": None}
         try:
             summary = launch(cfg, show_progress=show_progress)
             if summary is not None and summary.get("stopped_at") is not None:
@@ -185,7 +220,7 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
         result["seconds"] = time.perf_counter() - t0
         results.append(result)
         done = f"done in {result['seconds']:.0f} s" if result["status"] == "ok" else f"FAILED: {result['error']}"
-        say(f"[{i}/{n}] {label}: {done}; race {time.perf_counter() - t_race:.0f} s so far")
+        say(f"[{j}/{n}] {label}: {done}; race {time.perf_counter() - t_race:.0f} s so far")
     return results
 
 
@@ -198,35 +233,67 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 # -- figures -----------------------------------------------------------------------------------
 def target_of(results: list[dict[str, Any]], target: float | None) -> float | None:
+    """``target``, or :data:`TARGET_SHARE` of the best final accuracy (of each method's median
+    over its seeds)."""
     if target is not None:
         return target
-    accs = [r["summary"]["final_accuracy"] for r in results if r["status"] == "ok"
-            and r["summary"].get("final_accuracy") is not None]
+    by_method: dict[str, list[float]] = {}
+    for r in results:
+        if r["status"] == "ok" and r["summary"].get("final_accuracy") is not None:
+            by_method.setdefault(r["label"], []).append(r["summary"]["final_accuracy"])
+    accs = [statistics.median(v) for v in by_method.values()]
     return round(TARGET_SHARE * max(accs), 4) if accs else None
 
 
-def to_target(rows: list[dict[str, Any]], target: float | None, link: str) -> tuple[int | None, float | None]:
-    """(step, modeled seconds at ``link``) of the first evaluation at ``target`` accuracy."""
-    if target is None:
-        return None, None
-    for r in rows:
-        if (r.get("test_accuracy") or 0.0) >= target:
-            return r["step"], r.get(f"modeled_seconds@{link}")
+def crossing(rows: list[dict[str, Any]], key: str, target: float, link: str,
+             higher: bool = True) -> tuple[float | None, float | None]:
+    """(step, modeled seconds at ``link``) where ``key`` (``test_accuracy``; ``test_loss`` with
+    ``higher`` False) first reaches ``target``, linearly interpolated between the evaluation
+    before and the first at or past the target: with values ``v0 < target <= v1`` at steps
+    ``s0, s1`` and seconds ``t0, t1``, ``f = (target - v0) / (v1 - v0)``, step ``s0 + f (s1 - s0)``,
+    seconds ``t0 + f (t1 - t0)``. The first evaluation itself when it is already there (nothing
+    before it to interpolate from); (None, None) when no evaluation gets there. Rows without
+    the key are not evaluations."""
+    at = f"modeled_seconds@{link}"
+    before: dict[str, Any] | None = None
+    for row in rows:
+        value = row.get(key)
+        if value is None:
+            continue
+        if (value >= target) if higher else (value <= target):
+            if before is None:
+                return row["step"], row.get(at)
+            f = (target - before[key]) / (value - before[key])
+            step = before["step"] + f * (row["step"] - before["step"])
+            t0, t1 = before.get(at), row.get(at)
+            return step, (None if t0 is None or t1 is None else t0 + f * (t1 - t0))
+        before = row
     return None, None
 
 
-CSV_FIELDS = ["method", "spec", "status", "error", "task", "workers", "steps", "final_accuracy", "final_loss",
-              "final_bpc", "bytes_sent_per_worker", "fp32_bytes_per_worker", "compression_ratio", "wall_seconds",
-              "compute_seconds", "codec_seconds", "comm_seconds"]
+def to_target(rows: list[dict[str, Any]], target: float | None, link: str) -> tuple[float | None, float | None]:
+    """(step, modeled seconds at ``link``) at which the test accuracy reaches ``target``
+    (:func:`crossing`)."""
+    if target is None:
+        return None, None
+    return crossing(rows, "test_accuracy", target, link)
+
+
+RUN_FIELDS = ["method", "spec", "seed", "status", "error"]
+SUMMARY_FIELDS = ["task", "workers", "steps", "final_accuracy", "final_loss", "final_bpc", "bytes_sent_per_worker",
+                  "fp32_bytes_per_worker", "compression_ratio", "wall_seconds", "compute_seconds", "codec_seconds",
+                  "comm_seconds"]
+CSV_FIELDS = RUN_FIELDS + SUMMARY_FIELDS
 
 
 def table_rows(results: list[dict[str, Any]], links: tuple[str, ...], target: float | None) -> list[dict[str, Any]]:
-    """One flat record per method (the CSV's rows)."""
+    """One flat record per run (the CSV's rows)."""
     out = []
     for r in results:
         s = r["summary"] or {}
-        rec: dict[str, Any] = {"method": r["label"], "spec": r["spec"], "status": r["status"], "error": r["error"]}
-        for key in CSV_FIELDS[4:]:
+        rec: dict[str, Any] = {"method": r["label"], "spec": r["spec"], "seed": r.get("seed"), "status": r["status"],
+                               "error": r["error"]}
+        for key in SUMMARY_FIELDS:
             rec[key] = s.get(key)
         for link in links:
             rec[f"modeled_seconds@{link}"] = (s.get("modeled_seconds_by_link") or {}).get(link)
@@ -247,80 +314,222 @@ def write_csv(path: Path, records: list[dict[str, Any]], links: tuple[str, ...])
             w.writerow({k: ("" if rec.get(k) is None else rec.get(k)) for k in fields})
 
 
-def best_per_link(records: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, str | None]:
-    """Per link: the method with the least modeled time to the target (if any reached it),
-    else the best final accuracy."""
-    best: dict[str, str | None] = {}
-    ok = [r for r in records if r["status"] == "ok"]
-    for link in links:
-        timed = [r for r in ok if r.get(f"modeled_seconds_to_target@{link}") is not None]
-        if timed:
-            best[link] = min(timed, key=lambda r: r[f"modeled_seconds_to_target@{link}"])["method"]
+def standings(records: list[dict[str, Any]], links: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One entry per method (in race order) over its runs: ``method``, ``status`` (``ok`` when
+    any run completed), ``runs`` (the completed runs' records), ``failed`` (the others),
+    ``final_accuracy`` (a list over the completed runs; runs without one left out) and
+    ``to_target`` (per link, the seconds of every completed run, ``inf`` where a run did not
+    reach the target)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        m = out.setdefault(rec["method"], {"method": rec["method"], "runs": [], "failed": []})
+        (m["runs"] if rec["status"] == "ok" else m["failed"]).append(rec)
+    for m in out.values():
+        m["status"] = "ok" if m["runs"] else "failed"
+        m["final_accuracy"] = [r["final_accuracy"] for r in m["runs"] if r.get("final_accuracy") is not None]
+        m["to_target"] = {link: [_or_inf(r.get(f"modeled_seconds_to_target@{link}")) for r in m["runs"]]
+                          for link in links}
+    return list(out.values())
+
+
+def _or_inf(x: float | None) -> float:
+    return math.inf if x is None else float(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Who wins at one link: ``best`` (the winner, beyond the noise) or ``tied`` (the leader
+    and every method it does not beat beyond the noise), ranked ``by`` ``time`` (to the
+    target) or ``accuracy`` (final; no method reached the target), or ``none`` (no method
+    completed)."""
+
+    by: str
+    best: str | None = None
+    tied: tuple[str, ...] = ()
+
+    def text(self, seeds: int = 1) -> str:
+        """``bf16``, ``tie between torch-ddp and bf16 (...)`` or ``none``."""
+        if self.best is not None:
+            return self.best
+        if not self.tied:
+            return "none"
+        names = ", ".join(self.tied[:-1]) + f" and {self.tied[-1]}"
+        if seeds > 1:
+            why = "overlapping ranges over the seeds of the time to the target" if self.by == "time" else \
+                "overlapping ranges over the seeds of the final accuracy"
         else:
-            scored = [r for r in ok if r.get("final_accuracy") is not None]
-            best[link] = max(scored, key=lambda r: r["final_accuracy"])["method"] if scored else None
-    return best
+            why = (f"times to the target within {TIME_TOLERANCE:.0%} of the fastest" if self.by == "time" else
+                   f"final accuracies within {ACCURACY_NOISE_PTS} pts of the best (no method reached the target)")
+        return f"tie between {names} ({why})"
+
+
+def _beats(lead: list[float], other: list[float], lower: bool) -> bool:
+    """Does ``lead`` beat ``other`` beyond the noise? One value each: by more than
+    :data:`TIME_TOLERANCE` (times, ``lower`` better; ``inf``: not reached) or
+    :data:`ACCURACY_NOISE_PTS` (accuracies); several: their ranges do not overlap (a time
+    never reached beats nothing, and is beaten by any median that was reached)."""
+    if len(lead) == 1 and len(other) == 1:
+        a, b = lead[0], other[0]
+        if lower:
+            if b == math.inf or a == math.inf:
+                return b == math.inf and a < math.inf
+            return b > a if a <= 0 else round(b / a - 1, 9) > TIME_TOLERANCE
+        return round(100 * (a - b), 9) > ACCURACY_NOISE_PTS
+    if lower:
+        return max(lead) < min(other) or (min(other) == math.inf and statistics.median(lead) < math.inf)
+    return min(lead) > max(other)
+
+
+def decide(table: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, Decision]:
+    """Per link, the winner or the tie (:class:`Decision`) among the :func:`standings`: the
+    method with the least (median) time to the target when any median reached it, else the
+    best (median) final accuracy; the winner when it beats every other beyond the noise
+    (:func:`_beats`), else a tie of it and every method it does not beat (equal medians: the
+    race's order)."""
+    ok = [m for m in table if m["status"] == "ok"]
+    out: dict[str, Decision] = {}
+    for link in links:
+        times = {m["method"]: m["to_target"][link] for m in ok}
+        if any(statistics.median(t) < math.inf for t in times.values()):
+            ranked = sorted(times, key=lambda k: statistics.median(times[k]))
+            values, lower, by = times, True, "time"
+        else:
+            values = {m["method"]: m["final_accuracy"] for m in ok if m["final_accuracy"]}
+            ranked = sorted(values, key=lambda k: -statistics.median(values[k]))
+            lower, by = False, "accuracy"
+        if not ranked:
+            out[link] = Decision("none")
+            continue
+        lead = ranked[0]
+        tied = tuple(k for k in ranked[1:] if not _beats(values[lead], values[k], lower))
+        out[link] = Decision(by, tied=(lead, *tied)) if tied else Decision(by, best=lead)
+    return out
+
+
+def best_per_link(records: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, str | None]:
+    """Per link: the winner beyond the noise (:func:`decide`), None on a tie or when no method
+    completed."""
+    return {link: d.best for link, d in decide(standings(records, links), links).items()}
 
 
 def _num(x: Any, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    """One value: itself; several: ``median [min–max]`` (``∞``: a run that did not get there)."""
+    def one(x: float) -> str:
+        return "∞" if x == math.inf else format(x, fmt)
+
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return one(values[0])
+    return f"{one(statistics.median(values))} [{one(min(values))}–{one(max(values))}]"
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _step(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def win_rule(seeds: int) -> str:
+    """The rule that makes a winner, in words (the report and the docs state it)."""
+    if seeds > 1:
+        return ("a method wins at a link (in bold) only when its slowest seed reaches the target before the fastest "
+                "seed of every other method (no method reaching it: its lowest final accuracy above every other's "
+                "highest); otherwise the report says tie and names the methods whose ranges overlap the leader's")
+    return (f"a method wins at a link (in bold) only when its time to the target is more than "
+            f"{TIME_TOLERANCE:.0%} shorter than every other method's (no method reaching it: a final accuracy more "
+            f"than {ACCURACY_NOISE_PTS} pts higher); otherwise the report says tie and names the methods within "
+            f"that of the leader. One seed: the measured compute and codec times in a modeled time move from run to "
+            f"run, and a final accuracy by about half a point from seed to seed; {TIME_TOLERANCE:.0%} is a floor of "
+            f"ours, not a measured spread: --seeds S replaces this rule by the runs' own spread")
+
+
 def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: float | None,
                  plots: list[str], command: str) -> None:
     links = race.links
-    best = best_per_link(records, links)
+    table = standings(records, links)
+    decisions = decide(table, links)
+    winners = {d.best for d in decisions.values() if d.best is not None}
     b = race.base
     target_note = "" if race.target is not None else f" ({int(TARGET_SHARE * 100)}% of the best final accuracy)"
+    seeds = (f"seed {b.seed}" if race.seeds == 1 else
+             f"seeds {', '.join(str(b.seed + k) for k in range(race.seeds))} (each figure: median [min–max] over "
+             "the seeds; ∞: a seed did not reach the target)")
     lines = [f"# thinwire compare: {b.task}, {b.workers} workers, {b.steps} steps", "",
              f"- command: `{command}`",
-             f"- seed {b.seed}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker",
+             f"- {seeds}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker",
              f"- target test accuracy: {_num(target, '.4f')}" + target_note,
-             "- modeled time = measured compute + codec time + the link's alpha-beta time for the bytes sent", ""]
+             "- modeled time = measured compute + codec time + the link's alpha-beta time for the bytes sent; the "
+             "time to the target interpolates linearly between the two evaluations that straddle it",
+             f"- winner: {win_rule(race.seeds)}",
+             *[f"- {w}" for w in race.warnings], ""]
     headers = ["method", "final acc", "final test loss", "MB sent / worker", "compression", "wall s"]
     headers += [f"modeled s @ {link}" for link in links] + [f"to target @ {link}" for link in links]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for r in records:
-        if r["status"] != "ok":
-            lines.append(f"| {r['method']} | failed: {r['error']} |" + " - |" * (len(headers) - 2))
+    for m in table:
+        if m["status"] != "ok":
+            lines.append(f"| {m['method']} | failed: {m['failed'][0]['error']} |" + " - |" * (len(headers) - 2))
             continue
-        final_loss = (_num(r["final_bpc"], ".4f") + " bpc" if r.get("final_bpc") is not None
-                      else _num(r["final_loss"], ".4f"))
-        cells = [r["method"], _num(r["final_accuracy"], ".4f"), final_loss,
-                 _num((r["bytes_sent_per_worker"] or 0) / 1e6, ".2f"), _num(r["compression_ratio"], ".1f") + "x",
-                 _num(r["wall_seconds"], ".1f")]
-        cells += [_num(r[f"modeled_seconds@{link}"], ".1f") for link in links]
+        runs = m["runs"]
+        bpc = _median(runs, "final_bpc")
+        final_loss = _num(bpc, ".4f") + " bpc" if bpc is not None else _num(_median(runs, "final_loss"), ".4f")
+        sent = _median(runs, "bytes_sent_per_worker")
+        cells = [m["method"], _spread(m["final_accuracy"], ".4f"), final_loss, _num((sent or 0) / 1e6, ".2f"),
+                 _num(_median(runs, "compression_ratio"), ".1f") + "x", _num(_median(runs, "wall_seconds"), ".1f")]
+        cells += [_num(_median(runs, f"modeled_seconds@{link}"), ".1f") for link in links]
+        steps = [_or_inf(r.get("step_to_target")) for r in runs]
         for link in links:
-            t = r.get(f"modeled_seconds_to_target@{link}")
-            text = f"{t:.1f} (step {r['step_to_target']})" if t is not None else "not reached"
-            cells.append(f"**{text}**" if best.get(link) == r["method"] and t is not None else text)
-        if r["method"] in best.values():
+            t = m["to_target"][link]
+            if min(t) == math.inf:
+                text = "not reached"
+            else:
+                step = statistics.median(steps)
+                text = _spread(t, ".1f") + (f" (step {_step(step)})" if step < math.inf else "")
+            cells.append(f"**{text}**" if decisions[link].best == m["method"] and decisions[link].by == "time"
+                         else text)
+        if m["method"] in winners:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for link in links:
-        lines.append(f"- best at {link}: **{best.get(link) or 'none'}**")
+        d = decisions[link]
+        lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text(race.seeds)))
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
-        lines += ["", "Failed runs (the race went on): " + "; ".join(f"{r['method']}: {r['error']}" for r in failed)]
+        seed = (lambda r: f" (seed {r['seed']})") if race.seeds > 1 else (lambda r: "")
+        lines += ["", "Failed runs (the race went on): " + "; ".join(f"{r['method']}{seed(r)}: {r['error']}"
+                                                                    for r in failed)]
     if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        shown = "" if race.seeds == 1 else f" (seed {b.seed}'s runs)"
+        lines += ["", f"## Plots{shown}", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines += ["", "Per-run metrics and summaries: `runs/*/metrics.jsonl`, `runs/*/summary.json`; every row: "
               "`results.csv`.", ""]
     path.write_text("\n".join(lines))
 
 
 def finish(race: Race, results: list[dict[str, Any]], command: str) -> dict[str, Any]:
-    """Write results.csv, the plots and report.md; returns their paths and the best per link."""
+    """Write results.csv, the plots (of the first seed's runs) and report.md; returns their
+    paths, the winner per link (None on a tie: ``decisions`` holds the tied methods) and the
+    per-link :class:`Decision`."""
     from thinwire.run.plots import plot_all
 
     target = target_of(results, race.target)
     records = table_rows(results, race.links, target)
     write_csv(race.out / "results.csv", records, race.links)
-    plots = plot_all(race.out, results, race.links, target)
+    first = [r for r in results if r.get("seed", race.base.seed) == race.base.seed]
+    plots = plot_all(race.out, first, race.links, target)
     write_report(race.out / "report.md", race, records, target, plots, command)
+    decisions = decide(standings(records, race.links), race.links)
     return {"report": str(race.out / "report.md"), "csv": str(race.out / "results.csv"), "plots": plots,
-            "best": best_per_link(records, race.links), "target": target, "records": records}
+            "best": {link: d.best for link, d in decisions.items()}, "decisions": decisions, "target": target,
+            "records": records}
 
 
 def command_line(argv: list[str]) -> str:

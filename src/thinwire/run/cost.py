@@ -59,12 +59,20 @@ exactly, piece by piece between every point where two of either method's lines m
 the verdict names the bandwidths where the method is faster ("below X", "above X",
 "between X and Y", "always", "never"). Overlap that DaSGD gets by hiding averages behind
 whole steps is not credited: its prediction is an upper bound.
+
+**Repeats** (``--repeats R``): the probes run in R rounds, every method once a round, so that
+repeat i of each method ran at about the same time as repeat i of ``bf16``. Every figure shown
+is the median over the repeats with its range (``median [min–max]``); the verdict is computed
+from the median of each per-step figure (:func:`median_cost`), and each of its bandwidths
+comes with its range over the repeats, repeat i of the method against repeat i of ``bf16``
+(:func:`bound_ranges`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -394,6 +402,85 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
             except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
                 failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return out, failed
+
+
+def probe_repeats(base: TrainConfig, specs: list[str], steps: int, repeats: int, *,
+                  launch: Callable[..., Any] | None = None,
+                  say: Callable[[str], None] = print) -> tuple[dict[str, list[StepCost]], dict[str, str]]:
+    """:func:`probe` ``repeats`` times, in rounds (every method once a round, in order): per spec
+    its per-step costs, one per repeat, and the error of each spec whose probe failed in any
+    repeat (it is not probed again, and has no costs)."""
+    out: dict[str, list[StepCost]] = {spec: [] for spec in specs}
+    failed: dict[str, str] = {}
+    for r in range(1, repeats + 1):
+        left = [spec for spec in specs if spec not in failed]
+        tell = say if repeats == 1 else (lambda line, r=r: say(f"{line} (repeat {r}/{repeats})"))
+        costs, errors = probe(base, left, steps, launch=launch, say=tell)
+        failed.update(errors)
+        for spec, c in costs.items():
+            out[spec].append(c)
+    return {spec: cs for spec, cs in out.items() if spec not in failed}, failed
+
+
+def median_cost(costs: list[StepCost]) -> StepCost:
+    """One method's per-step figures over repeats: the median of each (bucket leads bucket by
+    bucket when every repeat launched as many buckets, else the leads of the repeat with the
+    median compute time)."""
+    if not costs:
+        raise ValueError("no repeat to take the median of")
+
+    def med(name: str) -> float:
+        return float(statistics.median(getattr(c, name) for c in costs))
+
+    leads = costs[0].leads
+    if all(len(c.leads) == len(leads) for c in costs):
+        leads = tuple((float(statistics.median(c.leads[i][0] for c in costs)),
+                       float(statistics.median(c.leads[i][1] for c in costs))) for i in range(len(leads)))
+    else:
+        leads = sorted(costs, key=lambda c: c.compute_s)[(len(costs) - 1) // 2].leads
+    peaks = [c.peak_bytes for c in costs]
+    return StepCost(method=costs[0].method, compute_s=med("compute_s"), codec_s=med("codec_s"), bytes=med("bytes"),
+                    messages=med("messages"), wait_s=med("wait_s"), window_s=med("window_s"),
+                    early_share=med("early_share"), leads=leads,
+                    peak_bytes=None if None in peaks else float(statistics.median(p for p in peaks if p is not None)),
+                    probe_steps=costs[0].probe_steps, intra_s=med("intra_s"))
+
+
+def spread(values: list[float], fmt: str = ".1f") -> str:
+    """``median [min–max]`` of ``values`` (one value: itself)."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+
+
+def bound_ranges(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> list[tuple[float, float]] | None:
+    """The range over the repeats of each bandwidth (bytes/s) where the median method and the
+    median reference cross (:func:`crossings_Bps` of :func:`median_cost`'s): per crossing, the
+    lowest and highest of that crossing in each repeat, repeat i of the method against repeat i
+    of the reference. None when a repeat crosses another number of times than the medians do
+    (its verdict has another shape: :func:`bounds_text` lists them)."""
+    if len(ms) != len(refs):
+        raise ValueError(f"{len(ms)} repeats of the method against {len(refs)} of the reference")
+    roots = crossings_Bps(median_cost(ms), median_cost(refs), latency_s)
+    each = [crossings_Bps(m, ref, latency_s) for m, ref in zip(ms, refs, strict=True)]
+    if any(len(r) != len(roots) for r in each):
+        return None
+    return [(min(r[k] for r in each), max(r[k] for r in each)) for k in range(len(roots))]
+
+
+def bounds_text(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> str:
+    """The verdict's bandwidths over the repeats, in words: ``98.1 Mbit/s–130 Mbit/s`` per
+    bandwidth (``; `` between two), ``-`` when the verdict has none and every repeat agrees, or
+    ``repeats: <verdict>; <verdict>...`` (each repeat's) when the repeats disagree on its shape."""
+    if ms[0].method == refs[0].method:
+        return "-"
+    ranges = bound_ranges(ms, refs, latency_s)
+    if ranges is None:
+        return "repeats: " + "; ".join(verdict(m, ref, latency_s) for m, ref in zip(ms, refs, strict=True))
+    if not ranges:
+        shapes = {verdict(m, ref, latency_s) for m, ref in zip(ms, refs, strict=True)}
+        return "-" if len(shapes) == 1 else "repeats: " + "; ".join(sorted(shapes))
+    return "; ".join(f"{_rate(lo)}–{_rate(hi)}" for lo, hi in ranges)
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ from thinwire.run import compare
 from thinwire.run.config import TrainConfig
 
 SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
-ACCURACY_NOISE_PTS = 0.5  # what one seed's final accuracy moves by at this scale (ours): allowed on top
+ACCURACY_NOISE_PTS = compare.ACCURACY_NOISE_PTS  # what one seed's final accuracy moves by here: allowed on top
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,13 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
     if found is not None:
         raise ValueError(f"--out {out} already holds a suite ({found.relative_to(path).as_posix()}); "
                          "pass --overwrite or choose another --out")
+    steps = int(compare.for_method(base, "identity").resolve().steps or 0)  # --steps, or the task's budget
+    for g in groups:
+        for spec in g.specs:
+            why = unreached_phase(spec, steps)
+            if why is not None:
+                raise ValueError(f"--steps {steps} cannot measure the {g.key} race: {why}; its claims need that "
+                                 "phase (pass a larger --steps)")
     wanted = [c.link for g in groups for c in g.claims if c.link is not None]
     if not base.links and wanted:  # the race's default links, and one for each claim about a link of its own
         base = dataclasses.replace(base, links=(*compare.DEFAULT_LINKS, *dict.fromkeys(f"{w},1ms" for w in wanted)))
@@ -241,6 +248,28 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
         race.skipped = skipped
         races.append(race)
     return races
+
+
+def unreached_phase(spec: str, steps: int) -> str | None:
+    """Why a run of ``steps`` steps never reaches the phase ``spec``'s method is about, or None:
+    a method with a ``warmup`` knob (synchronous steps first: AB-training, DaSGD, local SGD,
+    the DiLoCo family, post-local SGD) must leave it, and one with a ``period`` must average at
+    least once after it (at step ``warmup + period``). A run that never does is synchronous
+    training under another name: its ratios would read as measured."""
+    from thinwire.algorithms.registry import kind_of, method_config
+
+    if kind_of(spec) != "method":
+        return None
+    _, config = method_config(spec)
+    name = spec.split(":")[0]
+    warmup, period = getattr(config, "warmup", 0), getattr(config, "period", None)
+    warmup = warmup if isinstance(warmup, int) else 0
+    if isinstance(period, int) and period > 1 and steps < warmup + period:
+        return (f"{name} first averages after step {warmup + period} (warmup {warmup} + period {period}), "
+                f"later than the run's {steps} steps")
+    if warmup > 0 and steps <= warmup:
+        return f"{name} never leaves its warm-up of {warmup} synchronous steps (warmup={warmup}) in {steps} steps"
+    return None
 
 
 def cannot_run(base: TrainConfig, specs: tuple[str, ...]) -> dict[str, str]:
@@ -373,12 +402,9 @@ def _target_loss(group: Group, by_spec: dict[str, dict[str, Any]]) -> float | No
 
 
 def to_target_loss(r: dict[str, Any], target: float, link: str) -> float | None:
-    """Modeled seconds at ``link`` of the first evaluation whose test loss is at most ``target``."""
-    for row in r["rows"]:
-        loss = row.get("test_loss")
-        if loss is not None and loss <= target:
-            return row.get(f"modeled_seconds@{link}")
-    return None
+    """Modeled seconds at ``link`` at which the test loss comes down to ``target``, interpolated
+    between the two evaluations that straddle it (:func:`compare.crossing`)."""
+    return compare.crossing(r["rows"], "test_loss", target, link, higher=False)[1]
 
 
 def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[str, Any]], group: Group,
@@ -559,4 +585,5 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 __all__ = ["Claim", "Group", "LOWBANDWIDTH", "OUTPUTS", "SEEDS", "SUITES", "SUITE_WORKERS", "TRANSFORM", "cannot_run",
-           "earlier_output", "finish", "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss"]
+           "earlier_output", "finish", "format_value", "measure", "prepare", "run", "summary_lines", "to_target_loss",
+           "unreached_phase"]
