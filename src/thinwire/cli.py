@@ -139,8 +139,8 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int,
-                   help=f"training steps per run (default: the task's budget: {_per_task('steps')}; a suite refuses "
-                   "steps that end inside a method's warm-up or before its first average)")
+                   help=f"training steps per run (default: the task's budget: {_per_task('steps')}); a suite "
+                   "refuses steps that end inside a method's warm-up or before its first average")
     c.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, one report column each (default: 1gbit,50us and 100mbit,1ms)")
     c.add_argument("--emulate-link", action="store_true",
