@@ -397,11 +397,11 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
     done = compare.finish(race, results, compare.command_line(argv))
     for link, decision in done["decisions"].items():
-        print(f"best at {link}: {decision.text(race.seeds)}")
+        print(f"best at {link}: {decision.text()}")
     print(f"wrote {done['report']}, {done['csv']} and {len(done['plots'])} plots")
-    failed = [r["label"] for r in results if r["status"] != "ok"]
+    failed = [r["label"] + (f" (seed {r['seed']})" if race.seeds > 1 else "") for r in results if r["status"] != "ok"]
     if failed:
-        print(f"thinwire: {len(failed)} of {len(results)} methods failed: {', '.join(failed)} (see the report)",
+        print(f"thinwire: {len(failed)} of {len(results)} runs failed: {', '.join(failed)} (see the report)",
               file=sys.stderr)
     return 1 if len(failed) == len(results) else 0
 

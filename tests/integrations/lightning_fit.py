@@ -42,7 +42,9 @@ class Net(pl.LightningModule):
         super().__init__()
         self.amp = amp
         torch.manual_seed(1)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        # BatchNorm: buffers that DDP would broadcast from rank 0 (the model-averaging methods keep their own)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -54,6 +56,13 @@ class Net(pl.LightningModule):
             loss = overflow(loss, self.global_step)
         self.log_dict(self.trainer.strategy.scalars())  # the figures a logger takes, in one call
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return loader()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -78,6 +87,7 @@ def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = No
     plugins = [MixedPrecision("16-mixed", device="cpu", scaler=scaler())] if amp else []
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                          plugins=plugins, use_distributed_sampler=False, enable_checkpointing=False,
+                         limit_val_batches=0,  # the plain loop validates nothing either
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, ckpt_path=ckpt)
     if save:
@@ -122,17 +132,30 @@ def reference(method: str, epochs: int, amp: bool = False):
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """Parameters and buffers (BatchNorm's running statistics: each rank's own)."""
+    return torch.cat([t.detach().reshape(-1).float() for t in (*model.parameters(), *model.buffers())])
+
+
+def params(model: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def trainer_for(strategy) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                      use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
 
 
 def main(out: str) -> None:
     result: dict[str, object] = {}
+    trained: dict[str, torch.nn.Module] = {}
     for method in ("powersgd:rank=2", "localsgd:period=3", "hylo:t_fc=64"):
         model, strategy = fit(method, epochs=2)
+        trained[method] = model
         ref, ref_sent = reference(method, epochs=2)
         result[method] = {
             "max_diff": (flat(model) - flat(ref)).abs().max().item(),
-            "params": flat(model).tolist(),
+            "params": params(model),
             "bytes": strategy.scalars()["thinwire/bytes_sent"],
             "ref_bytes": ref_sent,
             "kind": strategy.kind,
@@ -143,14 +166,14 @@ def main(out: str) -> None:
     result["amp"] = {"max_diff": (flat(model) - flat(ref)).abs().max().item(), "bytes": ref_sent,
                      "skipped": strategy.scalars()["thinwire/skipped_steps"],
                      "steps": strategy.scalars()["thinwire/steps"], "finite": bool(torch.isfinite(flat(model)).all()),
-                     "params": flat(model).tolist()}
+                     "params": params(model)}
     plain, _ = reference("identity", epochs=2)  # what DDP's all_reduce (fp32) gives: the codecs must differ
-    result["identity"] = {"params": flat(plain).tolist()}
+    result["identity"] = {"params": params(plain)}
     # an exact resume: one epoch, a checkpoint, a second epoch from it; against two epochs at once
     path = os.path.join(out, "powersgd.ckpt")
     fit("powersgd:rank=2", epochs=1, save=path)
     resumed, _ = fit("powersgd:rank=2", epochs=2, ckpt=path)
-    result["resume_max_diff"] = (flat(resumed) - torch.tensor(result["powersgd:rank=2"]["params"])).abs().max().item()
+    result["resume_max_diff"] = (flat(resumed) - flat(trained["powersgd:rank=2"])).abs().max().item()
     saved = torch.load(path, weights_only=False)["thinwire"]
     result["saved"] = {"spec": saved["spec"], "world_size": saved["world_size"], "ranks": len(saved["ranks"]),
                        "steps": [r["step"] for r in saved["ranks"]]}
@@ -159,6 +182,17 @@ def main(out: str) -> None:
         result["other_method"] = "loaded"
     except ValueError as e:
         result["other_method"] = str(e)
+    # validating from it with another method's strategy reads no thinwire state
+    result["validate_other"] = trainer_for(thinwire.lightning.strategy("topk:ratio=0.1")).validate(
+        Net(), ckpt_path=path, verbose=False)[0]["val_loss"]
+    # a model-averaging strategy attaches to one fit's optimizer: a second fit is refused
+    again = trainer_for(thinwire.lightning.strategy("localsgd:period=3"))
+    again.fit(Net())
+    try:
+        again.fit(Net())
+        result["second_fit"] = "ran"
+    except RuntimeError as e:
+        result["second_fit"] = str(e)
     rank = int(os.environ["RANK"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

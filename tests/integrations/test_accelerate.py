@@ -53,9 +53,15 @@ class _Own:
 
 
 def _every_rank(rank, world_size):
+    import torch.distributed as dist
+
     from thinwire.integrations.ranks import EveryRank
 
-    saved = EveryRank(_Own(10.0 + rank)).state_dict()  # collective: both ranks gather
+    mine = EveryRank(_Own(10.0 + rank)).state_dict()  # collective: rank 0, the writer, holds every rank's
+    held = mine["ranks"]
+    file = [mine]
+    dist.broadcast_object_list(file, src=0)  # what rank 0 wrote, as every rank reads it back
+    saved = file[0]
     back = _Own(0.0)
     EveryRank(back).load_state_dict(saved)
     try:
@@ -63,13 +69,15 @@ def _every_rank(rank, world_size):
         refused = ""
     except ValueError as e:
         refused = str(e)
-    return saved["world_size"], [s["value"].item() for s in saved["ranks"]], back.value.item(), refused
+    return (saved["world_size"], [s["value"].item() for s in saved["ranks"]], back.value.item(), refused,
+            held is None)
 
 
 @pytest.mark.timeout(120)
 def test_every_ranks_state_goes_into_one_file_and_each_gets_its_own_back():
     from spawn import run_ranks
 
-    for rank, (world, values, back, refused) in enumerate(run_ranks(_every_rank, 2, timeout=100)):
+    for rank, (world, values, back, refused, held_none) in enumerate(run_ranks(_every_rank, 2, timeout=100)):
         assert world == 2 and values == [10.0, 11.0] and back == 10.0 + rank
+        assert held_none == (rank != 0)  # only the writer receives the states
         assert refused == "the checkpoint's thinwire state is for 3 ranks, this run has 2"

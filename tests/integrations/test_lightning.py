@@ -54,6 +54,8 @@ def test_checkpoint_carries_every_ranks_state_and_resumes_exactly(ranks):
         assert rank["saved"]["spec"].startswith("powersgd:") and "rank=2" in rank["saved"]["spec"]
         assert rank["other_method"].startswith("the checkpoint's thinwire state is for powersgd:")
         assert "this strategy runs topk:" in rank["other_method"]
+        assert rank["validate_other"] > 0  # validate(ckpt_path=) with another method: no thinwire state read
+        assert rank["second_fit"].startswith("this strategy already ran a fit of localsgd:")
 
 
 @pytest.mark.parametrize("spec, reason", [
@@ -70,6 +72,12 @@ def test_methods_lightning_cannot_run_are_refused_with_the_reason(spec, reason):
 def test_ddps_own_hook_arguments_are_refused():
     with pytest.raises(ValueError, match="ddp_comm_hook is DDPStrategy's own"):
         thinwire.lightning.strategy("topk", ddp_comm_hook=lambda s, b: None)
+
+
+def test_model_averaging_keeps_ddp_from_broadcasting_buffers_unless_told():
+    assert thinwire.lightning.strategy("localsgd")._ddp_kwargs == {"broadcast_buffers": False}
+    assert thinwire.lightning.strategy("localsgd", broadcast_buffers=True)._ddp_kwargs == {"broadcast_buffers": True}
+    assert thinwire.lightning.strategy("topk")._ddp_kwargs == {}  # codecs: DDP's own defaults
 
 
 def test_strategy_resolves_the_spec_and_has_no_figures_before_fit():

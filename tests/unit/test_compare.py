@@ -235,6 +235,7 @@ INF = float("inf")
 def test_a_winner_beats_the_runner_up_beyond_the_noise_or_it_is_a_tie(table, by, best, tied):
     d = compare.decide([_standing(m, t) for m, t in table], (L,))[L]
     assert (d.by, d.best, d.tied) == (by, best, tied)
+    assert d.ranged == (bool(tied) and len(table[0][1]) > 1)  # a tie over seeds compared ranges
 
 
 def test_without_a_method_at_the_target_the_final_accuracy_decides_within_half_a_point():
@@ -255,8 +256,8 @@ def test_without_a_method_at_the_target_the_final_accuracy_decides_within_half_a
 def test_a_tie_is_named_in_words():
     d = compare.Decision("time", tied=("torch-ddp", "bf16", "identity"))
     assert d.text() == "tie between torch-ddp, bf16 and identity (times to the target within 10% of the fastest)"
-    assert d.text(seeds=3) == ("tie between torch-ddp, bf16 and identity (overlapping ranges over the seeds of the "
-                               "time to the target)")
+    assert dataclasses.replace(d, ranged=True).text() == (
+        "tie between torch-ddp, bf16 and identity (overlapping ranges over the seeds of the time to the target)")
     assert compare.Decision("time", best="bf16").text() == "bf16" and compare.Decision("none").text() == "none"
 
 

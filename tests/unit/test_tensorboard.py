@@ -23,8 +23,9 @@ def _read(out: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tags_group_the_records_keys():
-    assert [tag(k) for k in ("train_loss", "test_accuracy", "modeled_seconds@1gbit,50us", "bytes_sent", "theta")] == \
-        ["train/loss", "test/accuracy", "modeled_seconds/1gbit,50us", "thinwire/bytes_sent", "thinwire/theta"]
+    keys = ("train_loss", "train_loss_mean", "test_accuracy", "modeled_seconds@1gbit,50us", "bytes_sent", "theta")
+    assert [tag(k) for k in keys] == ["train/loss", "train/loss_mean", "test/accuracy", "modeled_seconds/1gbit,50us",
+                                      "thinwire/bytes_sent", "thinwire/theta"]
     record = {"step": 7, "train_loss": 0.5, "test_accuracy": 0.75, "phase": "warmup", "skipped_steps": 0,
               "overlap_lead_seconds_and_shares": [[0.1, 0.5]], "non_finite": {"x": "nan"}, "hidden": True}
     assert scalars(record) == {"train/loss": 0.5, "test/accuracy": 0.75, "thinwire/skipped_steps": 0.0,

@@ -13,8 +13,9 @@ thinwire's state (residuals, codec state: each process's own) is registered for
 checkpointing, so ``accelerator.save_state``/``load_state`` carry it: every process's state
 is gathered into the main process's file and each gets its own back
 (:class:`~thinwire.integrations.ranks.EveryRank`); call :func:`register` before
-``load_state``. Codecs and policies only: a method with a schedule of its
-own attaches to a plain loop with :func:`thinwire.attach`.
+``load_state``, and ``save_state`` on every process (the gathering is collective). Codecs
+and policies only: a method with a schedule of its own attaches to a plain loop with
+:func:`thinwire.attach`.
 """
 
 from __future__ import annotations

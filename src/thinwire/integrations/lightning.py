@@ -29,8 +29,14 @@ communication in place of DDP's all_reduce:
 thinwire state (residuals, codec state, snapshots, outer optimizer, schedule) under the
 checkpoint's ``"thinwire"`` key, gathered to rank 0, which writes the file; ``fit(ckpt_path=...)``
 gives each rank its own back. A checkpoint of another method or world size is refused by
-name; one without thinwire state (saved with another strategy) loads with a warning and
-thinwire starts afresh.
+name; one without thinwire state (saved with another strategy, or while interrupted by an
+exception or a signal, when the ranks cannot gather) loads with a warning and thinwire starts
+afresh. ``validate``/``test``/``predict`` read no thinwire state. A strategy of a
+model-averaging method runs one ``fit`` (it attaches to that fit's optimizer); a codec's
+runs any number.
+
+The model-averaging methods keep DDP from broadcasting rank 0's buffers at every forward
+(``broadcast_buffers=False`` unless given): each rank keeps its own, as in a plain loop.
 
 At the end of ``fit`` the model-averaging methods leave each rank with its own model, apart
 by the steps since the last average, as :func:`thinwire.attach` does: choose ``max_steps``
@@ -106,6 +112,8 @@ class ThinwireStrategy(DDPStrategy):
         self.hook_state: ddp.HookState | None = None
         self.attached: Attached | None = None
         self._pending: dict[str, Any] | None = None  # a checkpoint's thinwire state, applied once built
+        if self.kind == "schedule":  # DDP sends nothing for these: not rank 0's buffers at every forward either
+            kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
 
     def __repr__(self) -> str:
@@ -124,23 +132,34 @@ class ThinwireStrategy(DDPStrategy):
             self.model.register_comm_hook(None, ddp.local_only)
 
     def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        if self.kind == "schedule" and self.hook_state is None and self.attached is None and self._fitting(trainer):
+        fitting = self._fitting(trainer)
+        if fitting and self.attached is not None:
+            raise RuntimeError(f"this strategy already ran a fit of {self.spec}, attached to that fit's optimizer: "
+                               "give the next Trainer a new thinwire.lightning.strategy(...)")
+        super().setup(trainer)  # fitting: DDP wraps the model and, for codecs, a new hook state is registered
+        if fitting and self.kind == "schedule":
             if len(self.optimizers) != 1:
                 raise ValueError(f"{self.spec} averages one optimizer's model; configure_optimizers returned "
                                  f"{len(self.optimizers)}")
             assert self.lightning_module is not None
             self.attached = attach(self.lightning_module, self.optimizers[0], self.method, bucket_mb=self.bucket_mb,
                                    overlap=self.overlap)
-        if self._pending is not None and self._built():
+        if fitting and self._pending is not None:
             self._load(self._pending)
             self._pending = None
+
+    def teardown(self) -> None:
+        super().teardown()
+        self._pending = None  # a checkpoint's state belongs to the fit it was loaded for
 
     @staticmethod
     def _fitting(trainer: Any) -> bool:
         from lightning.pytorch.trainer.states import TrainerFn
 
-        return trainer.state.fn == TrainerFn.FITTING
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    def _trainer(self) -> Any:
+        return getattr(self.lightning_module, "_trainer", None)
 
     def _built(self) -> bool:
         return self.hook_state is not None or self.attached is not None
@@ -196,21 +215,30 @@ class ThinwireStrategy(DDPStrategy):
         return self.attached.state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self._built():  # every rank is here (trainer.save_checkpoint is collective): gather to rank 0
+        from lightning.pytorch.trainer.states import TrainerStatus
+
+        trainer = self._trainer()
+        if self._built() and trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            # an exception's or a signal's checkpoint: the ranks need not all be here to gather
+            rank_zero_warn(f"{filepath}: saved while interrupted, without {self.spec}'s state (residuals, codec "
+                           "state): a resume from it starts thinwire afresh")
+        elif self._built():  # every rank is here (trainer.save_checkpoint is collective): gathered to rank 0
             checkpoint["thinwire"] = {"spec": self.spec, "world_size": self.world_size,
                                       "ranks": gather_states(self.thinwire_state_dict())}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        if not self._fitting(self._trainer()):
+            return checkpoint  # validate, test, predict: no thinwire state needed, none touched
         saved = checkpoint.get("thinwire")
         if saved is None:
             rank_zero_warn(f"{checkpoint_path} holds no thinwire state (saved with another strategy): {self.spec} "
                            "starts without residuals or codec state")
-        elif self._built():
-            self._load(saved)
+        elif self._built() and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._load(saved)  # inside this fit (a tuner restoring its checkpoint)
         else:
-            self._pending = saved
+            self._pending = saved  # before setup: applied once this fit has built the method
         return checkpoint
 
     def _load(self, saved: dict[str, Any]) -> None:

@@ -24,17 +24,20 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def gather_states(state: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``state`` (tensors on the CPU), in rank order, on every rank; collective."""
-    ranks: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranks, to_cpu(state), group=group)
+def gather_states(state: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's ``state`` (tensors on the CPU), in rank order, on the group's first rank
+    (None on the others, which write nothing); collective."""
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    mine = dist.get_rank() == first
+    ranks: list[Any] | None = [None] * dist.get_world_size(group) if mine else None
+    dist.gather_object(to_cpu(state), ranks, dst=first, group=group)
     return ranks
 
 
 class EveryRank:
-    """``obj``'s state from every rank in one ``state_dict`` (collective: every rank calls it),
-    and this rank's own back from ``load_state_dict``; a state saved by another number of
-    ranks is refused by name."""
+    """``obj``'s state from every rank in one ``state_dict`` (collective: every rank calls it;
+    the states land on the group's first rank, the one that writes), and this rank's own back
+    from ``load_state_dict``; a state saved by another number of ranks is refused by name."""
 
     def __init__(self, obj: Any, group: Any = None) -> None:
         self.obj = obj

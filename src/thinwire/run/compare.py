@@ -346,15 +346,16 @@ class Decision:
     by: str
     best: str | None = None
     tied: tuple[str, ...] = ()
+    ranged: bool = False  # the tie compared ranges over seeds (a method with several runs), not single values
 
-    def text(self, seeds: int = 1) -> str:
+    def text(self) -> str:
         """``bf16``, ``tie between torch-ddp and bf16 (...)`` or ``none``."""
         if self.best is not None:
             return self.best
         if not self.tied:
             return "none"
         names = ", ".join(self.tied[:-1]) + f" and {self.tied[-1]}"
-        if seeds > 1:
+        if self.ranged:
             why = "overlapping ranges over the seeds of the time to the target" if self.by == "time" else \
                 "overlapping ranges over the seeds of the final accuracy"
         else:
@@ -402,7 +403,8 @@ def decide(table: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, Dec
             continue
         lead = ranked[0]
         tied = tuple(k for k in ranked[1:] if not _beats(values[lead], values[k], lower))
-        out[link] = Decision(by, tied=(lead, *tied)) if tied else Decision(by, best=lead)
+        ranged = any(len(values[k]) > 1 for k in (lead, *tied))  # _beats compared ranges, not single values
+        out[link] = Decision(by, tied=(lead, *tied), ranged=ranged) if tied else Decision(by, best=lead)
     return out
 
 
@@ -500,7 +502,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
     lines.append("")
     for link in links:
         d = decisions[link]
-        lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text(race.seeds)))
+        lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text()))
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         seed = (lambda r: f" (seed {r['seed']})") if race.seeds > 1 else (lambda r: "")

@@ -5,7 +5,7 @@ when the ``tensorboard`` package is installed (``pip install 'thinwire[tensorboa
 dev install has it), so ``tensorboard --logdir DIR`` (or ``--logdir OUT/runs`` for a
 comparison, one run per method) plots what ``metrics.jsonl`` holds. Tags, by record key:
 
-* ``train_loss`` -> ``train/loss``; ``test_<name>`` -> ``test/<name>``;
+* ``train_<name>`` -> ``train/<name>`` (``train/loss``, ``train/loss_mean``); ``test_<name>`` -> ``test/<name>``;
 * ``modeled_seconds@<link>`` -> ``modeled_seconds/<link>`` (the modeled time per ``--link``);
 * every other number -> ``thinwire/<key>``: ``bytes_sent``, ``messages``, ``intra_bytes``,
   the clocks, and the method's own figures (FFT's ``theta``, DaSGD's ``delay``, ...);
@@ -34,8 +34,8 @@ def available() -> bool:
 
 def tag(key: str) -> str:
     """The TensorBoard tag of a ``metrics.jsonl`` key."""
-    if key == "train_loss":
-        return "train/loss"
+    if key.startswith("train_"):
+        return f"train/{key[len('train_'):]}"
     if key.startswith("test_"):
         return f"test/{key[len('test_'):]}"
     if key.startswith("modeled_seconds@"):
