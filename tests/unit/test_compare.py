@@ -335,3 +335,8 @@ def test_one_seed_that_does_not_beat_the_runner_up_by_10_percent_is_a_tie(tmp_pa
     assert f"- {warning}" in report and "**" not in report.split("| method |")[1]  # nothing in bold
     assert "- best at 100mbit,1ms: tie between identity and bf16" in report
     assert "more than 10% shorter than every other method's" in report
+
+
+def test_an_interpolated_step_shows_a_tenth_only_below_100():
+    assert [compare._step(x) for x in (25.0, 3.33, 99.94, 227.96, 248.1, 300.0)] == \
+        ["25", "3.3", "99.9", "228", "248", "300"]

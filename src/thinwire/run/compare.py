@@ -436,7 +436,8 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def _step(x: float) -> str:
-    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+    """An (interpolated) step: whole from 100 on, where a tenth of a step says nothing."""
+    return f"{x:.0f}" if float(x).is_integer() or x >= 100 else f"{x:.1f}"
 
 
 def win_rule(seeds: int) -> str:
