@@ -439,9 +439,13 @@ def _cost(args: argparse.Namespace) -> int:
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
     try:
         base = _nodes_resolved(base)
-        base, resolved = resolve_methods(base, [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE])
+        typed = [cost.REFERENCE] + [s for s in specs if s != cost.REFERENCE]
+        base, resolved = resolve_methods(base, typed)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    from thinwire.run.labels import labels
+
+    names = dict(zip(resolved, labels(typed), strict=True))  # rows named as typed: two variants stay apart
     _warn_load("thinwire cost")
     runs, failed = cost.probe_repeats(base, resolved, args.probe_steps, args.repeats,
                                       say=lambda line: print(line, flush=True))
@@ -480,7 +484,7 @@ def _cost(args: argparse.Namespace) -> int:
             return cost.spread([1e3 * of(x) for x in each])
 
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
-        table.add_row(spec.split(":")[0], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
+        table.add_row(names[spec], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
                       ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
                       ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
                       cost.verdict(c, ref, links[0].latency_s),

@@ -534,8 +534,10 @@ def test_compare_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path
 @pytest.mark.timeout(300)
 def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
     r = _cli("cost", "--task", "synthetic", "--workers", "2", "--probe-steps", "4", "--methods",
-             "identity,topk:ratio=0.05,demo:chunk=8", "--link", "1gbit,50us")
+             "identity,topk:ratio=0.05,topk:ratio=0.2,demo:chunk=8", "--link", "1gbit,50us")
     assert r.returncode == 0, r.stderr
+    rows = [line.split("│")[1].strip() for line in r.stdout.splitlines() if line.startswith("│")]
+    assert rows == ["bf16", "identity", "topk:ratio=0.05", "topk:ratio=0.2", "demo"]  # named as typed
     assert "probing bf16" in r.stdout and "probing identity" in r.stdout and "probing topk" in r.stdout
     assert "probing demo" in r.stdout and "failed" not in r.stdout  # DeMo is its own optimizer, beside the task's
     assert "(the reference)" in r.stdout and "ms @ 1gbit,50us" in r.stdout
