@@ -424,7 +424,6 @@ def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
 
 def _cost(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from thinwire.comm.link import Link
     from thinwire.run import cost
@@ -461,22 +460,21 @@ def _cost(args: argparse.Namespace) -> int:
     per_node = int(base.ranks_per_node or 1)  # resolved: a number
     nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
              "MB and messages: between nodes)" if per_node > 1 else "")
-    table = Table(title=f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
-                  f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods"
-                  f"{repeats})",
-                  caption=f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
-                  f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
-                  f"with no link; window = the backward time "
-                  f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
-                  f"bandwidths at which the method's step is "
-                  f"faster than bf16's, at the latency of {base.links[0]}. A periodic method's sync is spread over "
-                  f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
-                  f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
-    for col in ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
-                *[f"ms @ {text}" for text in base.links], "beats bf16",
-                *(["its bandwidths over the repeats"] if args.repeats > 1 else [])]:
-        left = col in ("method", "beats bf16", "its bandwidths over the repeats")
-        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+    title = (f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
+             f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods"
+             f"{repeats})")
+    caption = (f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
+               f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
+               f"with no link; window = the backward time "
+               f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
+               f"bandwidths at which the method's step is "
+               f"faster than bf16's, at the latency of {base.links[0]}. A periodic method's sync is spread over "
+               f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
+               f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
+    columns = ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
+               *[f"ms @ {text}" for text in base.links], "beats bf16",
+               *(["its bandwidths over the repeats"] if args.repeats > 1 else [])]
+    rows = []
     for spec, c in costs.items():
         each = runs[spec]
 
@@ -484,13 +482,41 @@ def _cost(args: argparse.Namespace) -> int:
             return cost.spread([1e3 * of(x) for x in each])
 
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
-        table.add_row(names[spec], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
-                      ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
-                      ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
-                      cost.verdict(c, ref, links[0].latency_s),
-                      *([cost.bounds_text(each, runs[resolved[0]], links[0].latency_s)] if args.repeats > 1 else []))
-    Console(width=160 if args.repeats == 1 else 260).print(table)  # median [min-max] cells: wider
+        rows.append([names[spec], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
+                     ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
+                     ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
+                     cost.verdict(c, ref, links[0].latency_s),
+                     *([cost.bounds_text(each, runs[resolved[0]], links[0].latency_s)] if args.repeats > 1 else [])])
+    wide = 160 if args.repeats == 1 else 260  # median [min-max] cells: wider
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: the whole table, however wide
+        console = Console(width=wide)
+    print_cost(console, title, caption, columns, rows, wide)
     return 0
+
+
+def print_cost(console: Any, title: str, caption: str, columns: list[str], rows: list[list[str]], wide: int) -> None:
+    """The cost table on a console at least ``wide`` columns wide; on a narrower one each
+    method as a block of ``figure: value`` lines, which wrap between words."""
+    from rich.table import Table
+
+    if console.width >= wide:
+        table = Table(title=title, caption=caption)
+        for col in columns:
+            left = col in ("method", "beats bf16", "its bandwidths over the repeats")
+            table.add_column(col, justify="left" if left else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    console.print(title, style="bold")  # markup: the title escapes its brackets as the table's does
+    for row in rows:
+        console.print()
+        console.print(row[0], style="bold cyan", markup=False)
+        for col, cell in zip(columns[1:], row[1:]):
+            console.print(f"  {col}: {cell}", markup=False)
+    console.print()
+    console.print(caption, markup=False)
 
 
 def _warn_load(command: str) -> str | None:

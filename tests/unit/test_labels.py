@@ -148,3 +148,27 @@ def test_thinwire_methods_fits_80_columns_and_keeps_every_choice_whole(monkeypat
             for _, _, allowed, _ in knob_table(entry.Config):
                 if "|" in allowed and len(allowed) > 24:  # the long lists of choices, wrapped between choices
                     assert set(allowed.split("|")) <= words, allowed
+
+
+def test_the_cost_table_on_an_80_column_terminal_is_a_block_per_method():
+    from thinwire.cli import print_cost
+
+    columns = ["method", "MB / step", "compute ms", "ms @ 100mbit,1ms", "beats bf16", "its bandwidths over the repeats"]
+    rows = [["bf16", "0.624", "21.0 [20.3–25.8]", "75.4 [74.9–80.0]", "(the reference)", "-"],
+            ["topk:ratio=0.05", "0.054", "23.2 [21.4–25.4]", "42.7 [41.0–46.6]", "below 207 Mbit/s",
+             "repeats: above 665 Mbit/s; above 668 Mbit/s; never"]]
+    title = "mnist1d · 4 workers · predicted milliseconds per step (median \\[min-max] of 3 repeats)"
+    caption = "step = compute + G - min(window, early x G); " * 4
+    narrow = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)
+    print_cost(narrow, title, caption, columns, rows, wide=260)
+    text = narrow.export_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "topk:ratio=0.05" in lines and "  its bandwidths over the repeats: repeats: above 665 Mbit/s; above" in text
+    assert "(median [min-max] of 3" in text and "\\[" not in text  # the title's markup escape is not printed
+    for row in rows:  # every cell whole: no word split across lines
+        for cell in row:
+            assert set(cell.split()) <= set(text.split()), cell
+    wide = Console(width=260, record=True, file=io.StringIO(), force_terminal=True)
+    print_cost(wide, title, caption, columns, rows, wide=260)
+    assert any(line.startswith("│ topk:ratio=0.05 ") for line in wide.export_text().splitlines())  # the table
