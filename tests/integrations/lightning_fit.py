@@ -5,6 +5,7 @@ Writes ``rank<R>.json`` into the directory given as the first argument."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +23,9 @@ import thinwire.lightning
 
 warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging
 BATCH, LR = 8, 0.1
+# with gradient accumulation: a codec through DDP's no_sync, and DaSGD's warm-up and delayed averages
+# (a fixed delay: delay=auto picks it from the warm-up's measured times, which differ from run to run)
+ACCUMULATED = ("powersgd:rank=2", "dasgd:period=2,warmup=2,delay=1")
 
 
 def dataset() -> TensorDataset:
@@ -80,7 +84,8 @@ def scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10)
 
 
-def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = None, amp: bool = False):
+def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = None, amp: bool = False,
+        accumulate: int = 1):
     model = Net(amp)
     strategy = thinwire.lightning.strategy(method)
     # fp16 autocast with a GradScaler on the CPU (Lightning's "16-mixed" falls back to bf16 there)
@@ -88,16 +93,18 @@ def fit(method: str, epochs: int, ckpt: str | None = None, save: str | None = No
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                          plugins=plugins, use_distributed_sampler=False, enable_checkpointing=False,
                          limit_val_batches=0,  # the plain loop validates nothing either
-                         enable_progress_bar=False, enable_model_summary=False)
+                         accumulate_grad_batches=accumulate, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)
     return model, strategy
 
 
-def reference(method: str, epochs: int, amp: bool = False):
+def reference(method: str, epochs: int, amp: bool = False, accumulate: int = 1):
     """The same training in a plain loop: DDP with thinwire's hook (codecs), or thinwire.attach;
-    with ``amp``, fp16 autocast and a GradScaler as Lightning's MixedPrecision runs them."""
+    with ``amp``, fp16 autocast and a GradScaler as Lightning's MixedPrecision runs them; with
+    ``accumulate``, that many micro-batches a step (the loss divided by it, DDP's ``no_sync``
+    on all but the last), as Lightning's ``accumulate_grad_batches``."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = loader()
@@ -112,6 +119,22 @@ def reference(method: str, epochs: int, amp: bool = False):
     step = 0
     for epoch in range(epochs):
         data.sampler.set_epoch(epoch)
+        if accumulate > 1:
+            batches = list(data)
+            for i in range(0, len(batches), accumulate):
+                opt.zero_grad()
+                window = batches[i:i + accumulate]
+                for j, (x, y) in enumerate(window):
+                    last = j == len(window) - 1
+                    quiet = forward.no_sync() if not last and isinstance(forward, DistributedDataParallel) else \
+                        contextlib.nullcontext()
+                    with quiet:
+                        loss = F.cross_entropy(forward(x), y) / accumulate
+                        loss.backward()
+                after_backward(loss)
+                opt.step()
+                after_step()
+            continue
         for x, y in data:
             opt.zero_grad()
             if grad_scaler is None:
@@ -160,6 +183,12 @@ def main(out: str) -> None:
             "ref_bytes": ref_sent,
             "kind": strategy.kind,
         }
+    # gradient accumulation: two micro-batches a step, DDP's no_sync on the first (codecs), one average a step
+    for method in ACCUMULATED:
+        model, strategy = fit(method, epochs=2, accumulate=2)
+        ref, ref_sent = reference(method, epochs=2, accumulate=2)
+        result[f"accumulate {method}"] = {"max_diff": (flat(model) - flat(ref)).abs().max().item(),
+                                          "bytes": strategy.scalars()["thinwire/bytes_sent"], "ref_bytes": ref_sent}
     # mixed precision: the hook gets Lightning's GradScaler; rank 1's overflow skips a step on every rank
     model, strategy = fit("powersgd:rank=2", epochs=2, amp=True)
     ref, ref_sent = reference("powersgd:rank=2", epochs=2, amp=True)

@@ -37,6 +37,14 @@ def test_the_codec_ran_instead_of_ddps_all_reduce(ranks):
 
 
 @pytest.mark.timeout(240)
+def test_gradient_accumulation_equals_the_plain_loops_micro_batches(ranks):
+    for rank in ranks:
+        for method in ("powersgd:rank=2", "dasgd:period=2,warmup=2,delay=1"):
+            case = rank[f"accumulate {method}"]
+            assert case["max_diff"] == 0.0 and case["bytes"] == case["ref_bytes"] > 0, method
+
+
+@pytest.mark.timeout(240)
 def test_a_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
     for rank in ranks:
         amp = rank["amp"]
