@@ -75,6 +75,23 @@ class Net(pl.LightningModule):
         return loader()
 
 
+class ManualNet(Net):
+    """The same training with manual optimization: the user's own backward and step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.manual_backward(loss)  # thinwire's after_backward follows it
+        opt.step()  # and after_step follows the step
+        return loss
+
+
 def loader() -> DataLoader:
     """Each rank's shard, shuffled per epoch (Lightning calls ``set_epoch`` as the reference does)."""
     return DataLoader(dataset(), batch_size=BATCH, sampler=DistributedSampler(dataset(), shuffle=True, seed=0))
@@ -163,8 +180,9 @@ def params(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def trainer_for(strategy) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+def trainer_for(strategy, epochs: int = 1, validate: bool = True) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                      limit_val_batches=None if validate else 0,
                       use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)
 
@@ -189,6 +207,13 @@ def main(out: str) -> None:
         ref, ref_sent = reference(method, epochs=2, accumulate=2)
         result[f"accumulate {method}"] = {"max_diff": (flat(model) - flat(ref)).abs().max().item(),
                                           "bytes": strategy.scalars()["thinwire/bytes_sent"], "ref_bytes": ref_sent}
+    # manual optimization: a model-averaging method through manual_backward and the optimizer's step
+    manual = ManualNet()
+    strategy = thinwire.lightning.strategy("localsgd:period=3,warmup=2")
+    trainer_for(strategy, epochs=2, validate=False).fit(manual)  # the plain loop validates nothing either
+    ref, ref_sent = reference("localsgd:period=3,warmup=2", epochs=2)
+    result["manual"] = {"max_diff": (flat(manual) - flat(ref)).abs().max().item(),
+                        "bytes": strategy.scalars()["thinwire/bytes_sent"], "ref_bytes": ref_sent}
     # mixed precision: the hook gets Lightning's GradScaler; rank 1's overflow skips a step on every rank
     model, strategy = fit("powersgd:rank=2", epochs=2, amp=True)
     ref, ref_sent = reference("powersgd:rank=2", epochs=2, amp=True)

@@ -45,6 +45,12 @@ def test_gradient_accumulation_equals_the_plain_loops_micro_batches(ranks):
 
 
 @pytest.mark.timeout(240)
+def test_manual_optimization_averages_after_every_manual_backward(ranks):
+    for rank in ranks:  # localsgd with a warm-up: gradients averaged after manual_backward, models after the step
+        assert rank["manual"]["max_diff"] == 0.0 and rank["manual"]["bytes"] == rank["manual"]["ref_bytes"] > 0
+
+
+@pytest.mark.timeout(240)
 def test_a_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
     for rank in ranks:
         amp = rank["amp"]
