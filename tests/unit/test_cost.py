@@ -424,6 +424,7 @@ def test_the_verdict_s_bandwidths_come_with_their_range_over_the_repeats():
     assert bounds_text(SMALLS, REFS, 50e-6) == "1.6 Gbit/s–2.4 Gbit/s"
     assert bounds_text(REFS, REFS, 50e-6) == "-"
     assert spread([1e3 * c.compute_s for c in SMALLS]) == "12.0 [10.0–30.0]" and spread([23.14]) == "23.1"
+    assert spread([2.0, math.inf, math.inf]) == "∞ [2.0–∞]" and spread([]) == "-"
     # a repeat whose codec is as cheap as bf16's has no crossing (always faster): the shapes are listed
     cheap = [*SMALLS[:2], dataclasses.replace(SMALLS[2], codec_s=0.001)]
     assert bound_ranges(cheap, REFS, 50e-6) is None

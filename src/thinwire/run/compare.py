@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.run.config import TrainConfig
+from thinwire.run.cost import spread
 from thinwire.run.labels import labels, slug
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
@@ -418,18 +419,6 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    """One value: itself; several: ``median [min–max]`` (``∞``: a run that did not get there)."""
-    def one(x: float) -> str:
-        return "∞" if x == math.inf else format(x, fmt)
-
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return one(values[0])
-    return f"{one(statistics.median(values))} [{one(min(values))}–{one(max(values))}]"
-
-
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -484,7 +473,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
         bpc = _median(runs, "final_bpc")
         final_loss = _num(bpc, ".4f") + " bpc" if bpc is not None else _num(_median(runs, "final_loss"), ".4f")
         sent = _median(runs, "bytes_sent_per_worker")
-        cells = [m["method"], _spread(m["final_accuracy"], ".4f"), final_loss, _num((sent or 0) / 1e6, ".2f"),
+        cells = [m["method"], spread(m["final_accuracy"], ".4f"), final_loss, _num((sent or 0) / 1e6, ".2f"),
                  _num(_median(runs, "compression_ratio"), ".1f") + "x", _num(_median(runs, "wall_seconds"), ".1f")]
         cells += [_num(_median(runs, f"modeled_seconds@{link}"), ".1f") for link in links]
         steps = [_or_inf(r.get("step_to_target")) for r in runs]
@@ -494,7 +483,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
                 text = "not reached"
             else:
                 step = statistics.median(steps)
-                text = _spread(t, ".1f") + (f" (step {_step(step)})" if step < math.inf else "")
+                text = spread(t, ".1f") + (f" (step {_step(step)})" if step < math.inf else "")
             cells.append(f"**{text}**" if decisions[link].best == m["method"] and decisions[link].by == "time"
                          else text)
         if m["method"] in winners:

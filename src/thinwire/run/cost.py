@@ -447,10 +447,16 @@ def median_cost(costs: list[StepCost]) -> StepCost:
 
 
 def spread(values: list[float], fmt: str = ".1f") -> str:
-    """``median [min–max]`` of ``values`` (one value: itself)."""
+    """``median [min–max]`` of ``values`` (one value: itself; none: ``-``; ``∞``: a run that
+    did not get there, in compare's times to the target)."""
+    def one(x: float) -> str:
+        return "∞" if x == math.inf else format(x, fmt)
+
+    if not values:
+        return "-"
     if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+        return one(values[0])
+    return f"{one(statistics.median(values))} [{one(min(values))}–{one(max(values))}]"
 
 
 def bound_ranges(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> list[tuple[float, float]] | None:
