@@ -22,6 +22,8 @@ The public API (importing does no work beyond importing torch):
 * :class:`Method`: the contract every training method keeps (``docs/adding_a_method.md``);
   :data:`METHODS`, the registry of methods by name (a method of your own registers there).
 * :class:`Link`: the alpha-beta network model; :class:`ByteMeter` counts bytes sent.
+* :class:`ParameterMismatch`: raised on every rank when the ranks building a method hold
+  different parameters, or the same ones in another order.
 """
 
 from thinwire.aggregate import Aggregator
@@ -38,6 +40,7 @@ from thinwire.algorithms.streaming_diloco import StreamingDiLoCo
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
 from thinwire.codecs.registry import build_codec
+from thinwire.comm.fingerprint import ParameterMismatch
 from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter
 from thinwire.integrations import ddp
@@ -48,7 +51,7 @@ from thinwire.version import __version__
 
 __all__ = [
     "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DeMo", "DiLoCo", "DPSGD",
-    "Link", "LocalSGD", "METHODS", "Method", "Payload", "Policy", "PowerGossip", "Rule", "StreamingDiLoCo",
-    "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
+    "Link", "LocalSGD", "METHODS", "Method", "ParameterMismatch", "Payload", "Policy", "PowerGossip", "Rule",
+    "StreamingDiLoCo", "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
     "__version__",
 ]

@@ -6,6 +6,7 @@ Bad input never shows a traceback: one line naming the rule broken, exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -287,7 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_workers(args.workers, args.max_workers)
             except ValueError as e:
                 raise BadInput(str(e)) from None
-            return bench_memory(methods=args.methods, workers=args.workers, steps=args.steps, out=args.out)
+            try:
+                return bench_memory(methods=args.methods, workers=args.workers, steps=args.steps, out=args.out)
+            except outdir_errors() as e:
+                raise BadInput(str(e)) from None
         _parser().print_help()
         return EXIT_BAD_INPUT if args.command is None else 0
     except BadInput as e:
@@ -298,12 +302,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def outdir_errors() -> tuple[type[Exception], ...]:
+    """What writing into an output folder refuses with (a file of someone else's, a folder in use)."""
+    from thinwire.run.outdir import ForeignFile, OutputLocked
+
+    return (ForeignFile, OutputLocked)
+
+
 def _train(args: argparse.Namespace) -> int:
+    from thinwire.run import outdir
+    from thinwire.run.config import planned_out
+
+    with contextlib.ExitStack() as stack:
+        try:
+            cfg = _config(args, TRAIN_FIELDS)
+            # one run at a time in a folder: its lock is held from before its files are checked to the end
+            stack.enter_context(outdir.hold(planned_out(cfg) if os.environ.get("RANK", "0") == "0" else None))
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        return _train_locked(args, cfg)
+
+
+def _train_locked(args: argparse.Namespace, cfg: Any) -> int:
     from thinwire.run.config import RunFinished
     from thinwire.run.launch import RunFailed, launch
 
     try:
-        cfg = _config(args, TRAIN_FIELDS).resolve()
+        cfg = cfg.resolve()
         _check_task(cfg)
     except RunFinished as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it
@@ -319,9 +344,10 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None and summary.get("stopped_at") is not None:
         where = (f"; checkpoint in {cfg.out}/checkpoints: continue with --resume {cfg.out}" if cfg.out
                  else " (no --out, so no checkpoint)")
-        if summary.get("unfinished"):  # a rank ended by the signal itself, before it could checkpoint
-            where = ("; a rank ended before it could write a checkpoint (the signal reached it while it was "
-                     "starting up), so nothing after the last one was kept")
+        if summary.get("unfinished"):  # ranks ended before they could checkpoint the stop
+            why = summary.get("unfinished_why") or ("a rank ended before it could write a checkpoint (the signal "
+                                                    "reached it while it was starting up)")
+            where = f"; {why}, so nothing after the last checkpoint was kept"
         print(f"thinwire: stopped by {summary.get('signal', 'a signal')} after step {summary['stopped_at']}{where}",
               file=sys.stderr)
         return 143 if summary.get("signal") == "SIGTERM" else 130
@@ -381,19 +407,32 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
 
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
     base = _config(args, COMPARE_FIELDS, workers=workers)
-    try:
-        base = _nodes_resolved(base)
-        if args.suite:
-            races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
-        else:
-            race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
+    from thinwire.run import outdir
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(outdir.hold(args.out))  # one comparison at a time in a folder, to its end
+            for group in suite.SUITES[args.suite] if args.suite else ():  # and in each race's folder
+                stack.enter_context(outdir.hold(os.path.join(args.out, group.key)))
+            base = _nodes_resolved(base)
+            if args.suite:
+                races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
+            else:
+                race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        return _compare_locked(args, argv, races if args.suite else [race])
+
+
+def _compare_locked(args: argparse.Namespace, argv: list[str], races: list[Any]) -> int:
+    from thinwire.run import compare
+
     warning = _warn_load("thinwire compare")
-    for each in races if args.suite else [race]:
+    for each in races:
         each.warnings += [warning] if warning else []
     if args.suite:
         return _suite(args, argv, races)
+    race = races[0]
     results = compare.run(race, show_progress=not args.quiet, say=lambda line: print(line, flush=True))
     done = compare.finish(race, results, compare.command_line(argv))
     for link, decision in done["decisions"].items():

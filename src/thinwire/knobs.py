@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import types
 import typing
 from dataclasses import field
 from typing import Any
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a float knob ends up in float32 tensors
 
 
 def knob(default: Any, help: str, allowed: str = "") -> Any:
@@ -46,9 +49,15 @@ def convert(value: Any, typ: Any, what: str) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"{what} must be a number, got {value!r}")
         try:
-            return float(value) if typ is float else int(str(value), 10)
-        except ValueError:
+            number = float(value) if typ is float else int(str(value), 10)
+        except (ValueError, OverflowError):
             raise ValueError(f"{what} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
+        if typ is float:
+            require(math.isfinite(number), f"{what} must be a finite number, got {value!r}")
+            require(abs(number) <= FLOAT32_MAX,
+                    f"{what} must be within float32's range (|x| <= {FLOAT32_MAX:.4g}): the value is "
+                    f"used in float32 tensors, got {value!r}")
+        return number
     return str(value)
 
 

@@ -136,13 +136,18 @@ def _collective_after_backward_went_on(rank, world):
                 return self.event.is_set() and self.inner.is_completed()
 
         class Watching(TorchComm):
+            """Buckets' collectives complete late; set-up ones (the meter paused: register's
+            check that the ranks hold the same parameters) at once."""
+
             seen: list = []
 
             def _all_reduce(self, t, async_op):
-                return Late(super()._all_reduce(t, async_op))
+                handle = super()._all_reduce(t, async_op)
+                return Late(handle) if self.meter.enabled else handle
 
             def _all_gather(self, t, out, async_op):
-                return Late(super()._all_gather(t, out, async_op))
+                handle = super()._all_gather(t, out, async_op)
+                return Late(handle) if self.meter.enabled else handle
 
         model = DDP(_net(), bucket_cap_mb=0.002)  # the last layer's bucket is ready long before the first layer's
         first = next(model.module.parameters())

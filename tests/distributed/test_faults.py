@@ -98,3 +98,150 @@ def test_a_run_that_skipped_most_steps_exits_1_naming_the_parameter(tmp_path):
     assert "the first non-finite gradient was in fc" in line and f"{out}/summary.json records it" in line, line
     summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda token: pytest.fail(token))
     assert summary["status"] == "diverged"
+
+
+# -- how long a stopped rank or a stop request can hold a run ----------------------------------
+def _slow(out: Path, *extra: str) -> list[str]:
+    """The run of _cmd on usercodec.slowtask's task: ranks sleep or stop where SLOWTASK_* say."""
+    small = [a for k, v in SMALL.items() for a in ("--option", f"{k}={v}")]
+    return [sys.executable, "-m", "thinwire", "train", "--task", "slowsynthetic", "--import", "usercodec.slowtask",
+            "--batch-size", "16", *small, "--workers", "2", "--out", str(out), "--quiet", "--steps", "1000000",
+            "--eval-every", "1000000", *extra]
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen, limit: float = 90) -> None:
+    deadline = time.monotonic() + limit
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)  # a stopped rank cannot notice its launcher is gone
+        except ProcessLookupError:
+            pass
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stopped_with_the_default_timeout_ends_the_run_within_the_hang_limit(tmp_path):
+    from thinwire.comm.torch_dist import HANG_LIMIT_S
+
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    env = _env(THINWIRE_TEST_PIDS=str(pids))
+    env.pop("THINWIRE_COLLECTIVE_TIMEOUT", None)  # the default timeout, derived from the promise
+    cmd = _cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--import", "usercodec.rankpids")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    ranks: list[int] = []
+    try:
+        _wait_for([out / "metrics.jsonl", pids / "rank0.pid", pids / "rank1.pid"], proc)
+        ranks = [int((pids / f"rank{r}.pid").read_text()) for r in (0, 1)]
+        time.sleep(1.0)  # the ranks are training
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        _kill([proc.pid, *ranks])
+    assert proc.returncode == 1, err
+    line = err.strip().splitlines()[-1]
+    assert took < HANG_LIMIT_S == 60, (took, line)
+    assert line.startswith("thinwire: rank 1 stopped responding after step ") and "state T" in line, line
+    assert all(_gone(pid) for pid in ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_while_its_peer_is_in_a_long_step_is_named_by_the_launcher_within_the_limit(tmp_path,
+                                                                                                   monkeypatch):
+    # rank 0 sleeps in its step, so no collective of its waits on rank 1 and none times out: the
+    # launcher, reading the heartbeats, ends the run itself
+    from thinwire.comm.torch_dist import hang_limit
+
+    out, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = _env(THINWIRE_COLLECTIVE_TIMEOUT="2", SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0", SLOWTASK_SLEEP="600",
+               SLOWTASK_STOP_RANK="1", SLOWTASK_MARK=str(marks))
+    monkeypatch.setenv("THINWIRE_COLLECTIVE_TIMEOUT", "2")
+    limit = hang_limit()  # 2 s + the margins
+    proc = subprocess.Popen(_slow(out), stderr=subprocess.PIPE, text=True, env=env)
+    ranks: list[int] = []
+    try:
+        _wait_for([marks / "rank0", marks / "rank1"], proc)
+        stopped = time.monotonic()
+        ranks = [int((marks / f"rank{r}").read_text()) for r in (0, 1)]
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        _kill([proc.pid, *ranks])
+    assert proc.returncode == 1, err
+    line = err.strip().splitlines()[-1]
+    assert took < limit == 12, (took, line)
+    assert line.startswith("thinwire: rank 1 stopped responding after step 3 (no heartbeat for "), line
+    assert "state T" in line and line.endswith("the other ranks were stopped"), line
+    assert all(_gone(pid) for pid in ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_and_exits_143(tmp_path):
+    from thinwire.run.launch import STOP_GRACE_S
+
+    out, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0,1", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks))
+    proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
+    ranks: list[int] = []
+    try:
+        _wait_for([marks / "rank0", marks / "rank1"], proc)  # both ranks are in a 10-minute step
+        ranks = [int((marks / f"rank{r}").read_text()) for r in (0, 1)]
+        proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        _kill([proc.pid, *ranks])
+    assert proc.returncode == 143, err
+    assert STOP_GRACE_S <= took < STOP_GRACE_S + 5, (took, err)
+    assert "did not reach a step's end within 10 s of the signal and were ended" in err, err
+    assert "stopped by SIGTERM after step 3; the ranks did not reach" in err, err
+    assert "nothing after the last checkpoint was kept" in err, err
+    assert checkpoint.locate(out) == checkpoint.step_dir(out, 3)  # the last one kept stays
+    assert not (out / "summary.json").exists() and "Traceback" not in err
+    assert all(_gone(pid) for pid in ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_first_sigterm_ends_a_torchrun_rank_in_a_step_of_minutes_within_the_grace_and_exits_143(tmp_path):
+    # a world of one torchrun rank (torchrun's variables, no thinwire launcher): the rank's own timer
+    from spawn import free_port
+    from thinwire.run.launch import STOP_GRACE_S
+
+    out, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for([marks / "rank0"], proc)
+        proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        _kill([proc.pid])
+    assert proc.returncode == 143, err
+    assert STOP_GRACE_S <= took < STOP_GRACE_S + 5, (took, err)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("thinwire: stopped by SIGTERM after step 3; the ranks did not reach a step's end "), line
+    assert line.endswith("so nothing after the last checkpoint was kept"), line
+    assert checkpoint.locate(out) == checkpoint.step_dir(out, 3)

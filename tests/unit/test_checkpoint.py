@@ -15,7 +15,7 @@ import torch
 from thinwire.algorithms.registry import method_names
 from thinwire.comm.local import LocalWorld
 from thinwire.integrations.detonation_demo import detonation_available
-from thinwire.run import checkpoint
+from thinwire.run import checkpoint, outdir
 from thinwire.run.checkpoint import CheckpointError
 from thinwire.run.config import RunFinished, TrainConfig, from_options, merge_saved
 from thinwire.run.trainer import train_rank
@@ -207,18 +207,24 @@ def test_locate_names_what_is_missing(tmp_path):
 
 def test_an_earlier_longer_runs_checkpoints_never_outlive_a_new_commit(tmp_path):
     out = tmp_path / "run"
-    for step in (900, 1000):  # left by an earlier, longer run
+    for step in (900, 1000):  # left by an earlier, longer run (its manifest records them)
         d = checkpoint.step_dir(out, step)
         d.mkdir(parents=True)
         (d / "meta.json").write_text("{}")
+        outdir.record(out, d)
     checkpoint.step_dir(out, 100).mkdir()
     (checkpoint.step_dir(out, 100) / "rank-0.pt").write_bytes(b"an earlier run's file")
+    outdir.record(out, checkpoint.step_dir(out, 100))
+    theirs = checkpoint.step_dir(out, 1100)  # named like one, but no thinwire run made it
+    theirs.mkdir()
+    (theirs / "meta.json").write_text("mine")
     checkpoint.prepare(out, 100)  # rank 0, before anyone writes step 100
-    assert not checkpoint.step_dir(out, 100).exists()
+    assert not (checkpoint.step_dir(out, 100) / "rank-0.pt").exists()
     checkpoint.write_rank(out, 100, 0, {"format": checkpoint.FORMAT, "rank": 0})
     checkpoint.commit(out, 100, {"world_size": 1, "task": "t", "method": "m"})
     assert checkpoint.locate(out) == checkpoint.step_dir(out, 100)
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000100"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000100", "step-00001100"]
+    assert (theirs / "meta.json").read_text() == "mine"
 
 
 def test_resuming_in_place_from_an_older_checkpoint_needs_overwrite(tmp_path):
@@ -346,3 +352,25 @@ def test_the_last_step_is_checkpointed_so_a_finished_run_extends_from_its_end(tm
     assert checkpoint.locate(cfg.out) == checkpoint.step_dir(cfg.out, K + 1)
     longer = _train(from_options({"resume": cfg.out, "steps": 2 * K}).resolve())[0]
     assert longer["resumed_from"] == K + 1 and longer["steps_run"] == K - 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", METHODS)
+def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, tmp_path):
+    """A run of K steps checkpoints its last step before the method's end-of-run work
+    (streaming DiLoCo's merge of the fragments in flight, AB-training's final sync), so
+    extending it to 2K steps retraces the straight 2K-step run bit for bit."""
+    straight_cfg = _cfg(tmp_path, SHORT.get(name, name), checkpoint_every=2 * K)
+    straight = _train(straight_cfg)[0]
+    finished_cfg = _cfg(tmp_path, SHORT.get(name, name), steps=K, out=str(tmp_path / "k"))
+    _train(finished_cfg)
+    longer = _train(from_options({"resume": finished_cfg.out, "steps": 2 * K}).resolve())[0]
+    assert longer["resumed_from"] == K
+    for rank in range(straight_cfg.workers):
+        a, b = _state(Path(straight_cfg.out), 2 * K, rank), _state(tmp_path / "k", 2 * K, rank)
+        for part in ("model", "optimizer"):
+            _assert_same(a[part], b[part], f"rank {rank} {part}")
+        _assert_same({k: v for k, v in a["method"].items() if k != "warm"},
+                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method")
+    for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker"):
+        assert longer[key] == straight[key], key

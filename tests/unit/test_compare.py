@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.run import compare
+from thinwire.run import compare, outdir
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import RunFailed
 
@@ -45,7 +45,7 @@ def test_bad_method_lists_are_refused_before_any_run(methods, message, tmp_path)
 def test_unwritable_out_and_bad_target_are_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(ValueError, match="is not writable"):
+    with pytest.raises(ValueError, match="is a file, not a directory"):
         compare.prepare(BASE, ["identity"], str(blocker / "sub"))
     with pytest.raises(ValueError, match=r"target must be in \(0, 1\]"):
         compare.prepare(BASE, ["identity"], str(tmp_path / "out"), target=1.5)
@@ -53,8 +53,9 @@ def test_unwritable_out_and_bad_target_are_refused(tmp_path):
     (race.out / "results.csv").write_text("earlier\n")
     with pytest.raises(ValueError, match="already holds a comparison"):
         compare.prepare(BASE, ["identity"], str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="results.csv was not written by thinwire"):
+        compare.prepare(BASE, ["identity"], str(tmp_path / "out"), overwrite=True)
     assert (race.out / "results.csv").read_text() == "earlier\n"  # nothing a user saved is lost
-    assert compare.prepare(BASE, ["identity"], str(tmp_path / "out"), overwrite=True).specs[0].startswith("identity")
 
 
 def _fake_launch(fail: str):
@@ -72,6 +73,7 @@ def _fake_launch(fail: str):
             for link in cfg.links:
                 row[f"modeled_seconds@{link}"] = step * (1.0 if "1gbit" in link else 3.0) * bytes_per_step / 1000
             rows.append(row)
+        outdir.claim(out, "metrics.jsonl", "summary.json")  # a real run records its files first
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary = {"task": cfg.task, "method": cfg.method, "workers": cfg.workers, "steps": cfg.steps,
                    "final_accuracy": acc[-1], "final_loss": 0.5, "final_bpc": None,
@@ -157,7 +159,22 @@ def test_an_out_holding_any_file_of_an_earlier_comparison_is_refused(name, tmp_p
                                          "pass --overwrite or choose another --out"):
         compare.prepare(BASE, ["identity"], str(out))
     assert (out / name).read_bytes() == b"earlier \x00\xff" and _listing(out) == before  # nothing created
-    assert compare.prepare(BASE, ["identity"], str(out), overwrite=True).out == out
+    # thinwire did not write it (no manifest records it): not even --overwrite replaces it
+    with pytest.raises(ValueError, match=rf"{re.escape(name.rpartition('/')[2])} was not written by thinwire"):
+        compare.prepare(BASE, ["identity"], str(out), overwrite=True)
+    assert (out / name).read_bytes() == b"earlier \x00\xff"
+
+
+def test_overwrite_replaces_an_earlier_comparisons_own_files(tmp_path):
+    race = compare.prepare(BASE, ["identity"], str(tmp_path / "out"))
+    compare.finish(race, compare.run(race, launch=_fake_launch("none"), show_progress=False, say=lambda s: None),
+                   "thinwire compare ...")
+    with pytest.raises(ValueError, match="already holds a comparison"):
+        compare.prepare(BASE, ["identity"], str(race.out))
+    again = compare.prepare(BASE, ["identity"], str(race.out), overwrite=True)
+    compare.finish(again, compare.run(again, launch=_fake_launch("none"), show_progress=False, say=lambda s: None),
+                   "thinwire compare again")
+    assert "thinwire compare again" in (race.out / "report.md").read_text()
 
 
 def test_an_out_holding_only_other_files_or_an_empty_runs_is_accepted(tmp_path):
@@ -176,6 +193,8 @@ def test_every_file_a_comparison_writes_is_one_prepare_refuses_to_overwrite(tmp_
     written = sorted(p.name for p in race.out.iterdir())
     assert "report.md" in written and "time_breakdown.png" in written and "runs" in written
     for name in written:
+        if name == outdir.MANIFEST:  # the record of what thinwire wrote, not an output
+            continue
         fresh = tmp_path / f"again-{name}"
         fresh.mkdir()
         copy = fresh / name
@@ -272,6 +291,7 @@ def _seeded_launch(calls: list[tuple[str, int]]):
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         final = {0: 1.0, 1: 0.875, 2: 0.75}[cfg.seed]
         rows[0]["test_accuracy"], rows[1]["test_accuracy"] = 0.5, final
+        outdir.claim(out, "metrics.jsonl", "summary.json")  # a real run records its files first
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary["final_accuracy"] = final
         return summary

@@ -20,7 +20,7 @@ import torch
 
 from thinwire.cli import main
 from thinwire.comm.local import LocalWorld
-from thinwire.run import checkpoint, config, metrics
+from thinwire.run import checkpoint, config, metrics, outdir
 from thinwire.run.checkpoint import CheckpointError
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import _start_step
@@ -199,17 +199,21 @@ def test_a_folder_of_someone_elses_among_the_newest_does_not_cost_a_kept_checkpo
     assert not checkpoint.step_dir(cfg.out, 2).exists() and (foreign / "keep.txt").read_text() == "mine"
 
 
-def test_a_checkpoint_directory_that_is_a_link_is_never_written_through(tmp_path):
+def test_a_checkpoint_directory_that_is_a_link_is_never_written_through_nor_removed(tmp_path):
     cfg = _cfg(tmp_path / "a", steps=K, checkpoint_every=K)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "rank-0.pt").write_bytes(b"a user's file that happens to have this name")
     checkpoint.root(cfg.out).mkdir(parents=True)
-    checkpoint.step_dir(cfg.out, K).symlink_to(mine, target_is_directory=True)
-    _train(cfg)
+    link = checkpoint.step_dir(cfg.out, K)
+    link.symlink_to(mine, target_is_directory=True)
+    with pytest.raises(ValueError, match=f"checkpoints/{link.name} is a symbolic link"):
+        cfg.resolve()  # refused before any rank starts
+    with pytest.raises(outdir.ForeignFile, match="is a symbolic link"):
+        _train(cfg)  # and by rank 0 itself, had the link appeared after the checks
     assert sorted(p.name for p in mine.iterdir()) == ["rank-0.pt"]
     assert (mine / "rank-0.pt").read_bytes() == b"a user's file that happens to have this name"
-    assert not checkpoint.step_dir(cfg.out, K).is_symlink() and checkpoint.load_rank(checkpoint.step_dir(cfg.out, K), 0)
+    assert link.is_symlink()
 
 
 # -- 2: a run that did not train ends non-zero, in strict JSON -------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,13 @@ def test_an_out_holding_any_file_of_an_earlier_suite_is_refused_before_anything_
         suite.prepare(BASE, str(out), groups=GROUPS)
     assert (out / name).read_bytes() == b"earlier"
     assert not (out / "a").exists()  # race a was not prepared before race b's files were seen
-    assert [r.out for r in suite.prepare(BASE, str(out), overwrite=True, groups=GROUPS)] == [out / "a", out / "b"]
+    if name.startswith("b/runs/"):  # no run of this suite writes into that folder: --overwrite leaves it be
+        assert [r.out for r in suite.prepare(BASE, str(out), overwrite=True, groups=GROUPS)] == [out / "a", out / "b"]
+    else:  # thinwire did not write it (no manifest records it): not even --overwrite replaces it
+        with pytest.raises(ValueError, match=rf"{re.escape(name.rpartition('/')[2])} was not written by thinwire"):
+            suite.prepare(BASE, str(out), overwrite=True, groups=GROUPS)
+        assert not (out / "a").exists()  # every race is checked before any folder is made
+    assert (out / name).read_bytes() == b"earlier"
 
 
 def test_an_out_holding_only_other_files_is_accepted_by_the_suite(tmp_path):

@@ -23,7 +23,7 @@ Methods are registered by name in :data:`thinwire.algorithms.registry.METHODS`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +33,7 @@ from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_worl
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
+from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.link import Link
 from thinwire.comm.nodes import check_intra_dtype
 from thinwire.hierarchical import HierarchicalAggregator
@@ -63,7 +64,10 @@ class Method(ABC):
     The constructor takes the model, the optimizer (None where the method has no schedule
     of its own), the communicator (default: the default ``torch.distributed`` group) and a
     config, or the config's knobs as keywords; ``bucket_mb`` and ``overlap`` apply to the
-    methods that average gradients.
+    methods that average gradients. It checks, before the method sends anything, that every
+    rank holds the same parameters in the same order (``parameters``: the ``(name,
+    parameter)`` pairs to check, default the model's ``named_parameters()``), and raises
+    :class:`~thinwire.comm.fingerprint.ParameterMismatch` on every rank when they do not.
     """
 
     name: ClassVar[str]
@@ -78,7 +82,8 @@ class Method(ABC):
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
-                 overlap: bool = True, **knobs: Any) -> None:
+                 overlap: bool = True, parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                 **knobs: Any) -> None:
         if config is not None and knobs:
             raise TypeError(f"{self.name}: pass a config or its knobs, not both (got {', '.join(knobs)})")
         self.config = config if config is not None else self.Config(**knobs)
@@ -88,6 +93,10 @@ class Method(ABC):
         if self.flat_only is not None and self.comm.hierarchy is not None:
             raise ValueError(f"{self.name} cannot average in two levels: {self.flat_only}; give it a communicator "
                              "without nodes")
+        if parameters is None and model is not None:
+            parameters = model.named_parameters()
+        if parameters is not None:  # before anything of the method's own goes on the wire
+            agree_on_parameters(parameters, self.comm)
         self.bucket_mb = bucket_mb
         self.overlap = overlap
 

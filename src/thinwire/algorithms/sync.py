@@ -35,8 +35,9 @@ class SyncReducer(Method):
     give the model itself when a rule matches by module type); methods with their own
     schedule (``dasgd``, ``ab``, ...) attach with :func:`thinwire.attach` instead. ``comm``
     defaults to the default ``torch.distributed`` process group. Parameters are taken in
-    ``named_parameters()`` order (identical on all ranks, which keeps the collectives in
-    lockstep).
+    ``named_parameters()`` order, which must be identical on all ranks to keep the
+    collectives in lockstep: the reducer checks it when built and raises
+    :class:`~thinwire.comm.fingerprint.ParameterMismatch` on every rank when it is not.
 
     Gradient semantics are DDP's (:class:`~thinwire.algorithms.gradients.GradientReducer`):
     a ``None`` gradient stays ``None`` and costs nothing, ``requires_grad`` is read every
@@ -108,7 +109,7 @@ class SyncReducer(Method):
             self.method = codec.describe()
         # the communicator last: a bad spec is named whether or not torch.distributed is up
         super().__init__(model if isinstance(model, torch.nn.Module) else None, None, comm, NoKnobs(),
-                         bucket_mb=bucket_mb, overlap=overlap)
+                         bucket_mb=bucket_mb, overlap=overlap, parameters=named)
         self.reducer = GradientReducer(named, chooser, self.comm, bucket_mb=bucket_mb,
                                        find_unused_parameters=find_unused_parameters, overlap=overlap)
         self.params = [(n, p) for n, p in named if p.requires_grad]  # trainable when built

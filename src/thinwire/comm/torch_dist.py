@@ -24,13 +24,36 @@ import torch.distributed as dist
 from thinwire.comm.base import Communicator, Done, Handle
 from thinwire.comm.meter import ByteMeter
 
-COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting longer than this on a silent peer fails
+# -- how long a rank that stops responding can hold a run ----------------------------------------
+# A rank that stops (SIGSTOP, a frozen machine) ends the run within HANG_LIMIT_S. Its peers
+# notice when a collective times out; the one that timed out then watches the heartbeat counters
+# for SILENT_AFTER_S to name the silent peer, and reports. The launcher of spawned ranks also
+# watches the counters itself and ends the run when one stands still too long (a peer busy in a
+# long step is not waiting on a collective yet); it comes after the collective's path, so that
+# the usual report names the rank that timed out waiting. The collective timeout is what is left:
+HANG_LIMIT_S = 60.0  # the promise: a hung rank ends a run this long after it stopped, at most
+HEARTBEAT_S = 1.0  # each rank's heartbeat period (a counter's last move can be this long before the hang)
+SILENT_AFTER_S = 3.0  # a peer whose heartbeat stands still this long stopped responding
+REPORT_S = 3.0  # margin for the timed-out rank's report and the launcher's look at it (measured: 1.4 s)
+END_S = 3.0  # margin for ending the ranks and the command once the launcher decides (measured: < 0.5 s)
+# the launcher ends the run itself when a counter stood still this much longer than the collective timeout
+LAUNCHER_AFTER_TIMEOUT_S = SILENT_AFTER_S + REPORT_S + HEARTBEAT_S
+COLLECTIVE_TIMEOUT_S = HANG_LIMIT_S - END_S - LAUNCHER_AFTER_TIMEOUT_S  # 50 s: a collective waiting longer fails
 TIMEOUT_ENV = "THINWIRE_COLLECTIVE_TIMEOUT"  # seconds; replaces COLLECTIVE_TIMEOUT_S where set
 
 
+def hang_limit() -> float:
+    """Seconds within which a rank that stops responding ends the run: :data:`HANG_LIMIT_S`
+    with the default collective timeout; with ``THINWIRE_COLLECTIVE_TIMEOUT`` set, that timeout
+    plus the same margins (:func:`collective_timeout` + 10 s)."""
+    return collective_timeout() + LAUNCHER_AFTER_TIMEOUT_S + END_S
+
+
 def collective_timeout() -> float:
-    """Seconds a collective waits on a silent peer before it fails: :data:`COLLECTIVE_TIMEOUT_S`,
-    or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment variable (a number > 0)."""
+    """Seconds a collective waits on a silent peer before it fails: :data:`COLLECTIVE_TIMEOUT_S`
+    (derived from :data:`HANG_LIMIT_S`), or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment
+    variable (a number > 0), which sets the timeout itself; the hang limit then follows it
+    (:func:`hang_limit`)."""
     text = os.environ.get(TIMEOUT_ENV)
     if text is None:
         return COLLECTIVE_TIMEOUT_S
@@ -241,15 +264,17 @@ class TorchComm(Communicator):
         return TorchComm(group, self.meter, _order=members)
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 60.0, *, meter: ByteMeter | None = None) -> TorchComm:
+def init_from_env(backend: str | None = None, timeout_s: float | None = None, *,
+                  meter: ByteMeter | None = None) -> TorchComm:
     """Join the torchrun-style world described by the environment and return its communicator.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. The backend defaults
     to ``nccl`` when CUDA is available and ``LOCAL_RANK`` is set (that GPU becomes the
     current device), else ``gloo``. ``timeout_s`` bounds every collective (and the
-    rendezvous): a rank whose peer died raises after at most that long instead of hanging,
-    so the run exits. gloo applies it directly; on nccl it acts through the watchdog
-    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default), which aborts the process.
+    rendezvous; None: :func:`collective_timeout`): a rank whose peer died raises after at
+    most that long instead of hanging, so the run exits. gloo applies it directly; on nccl
+    it acts through the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default),
+    which aborts the process.
     If torch.distributed is already initialised it is used as is (``backend`` and
     ``timeout_s`` are then ignored).
     """
@@ -259,6 +284,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = 60.0, *, meter:
             raise RuntimeError(
                 f"init_from_env needs the torchrun env vars {', '.join(_ENV)}; missing {', '.join(missing)}"
             )
+        if timeout_s is None:
+            timeout_s = collective_timeout()
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         if backend is None:

@@ -50,6 +50,7 @@ from thinwire.algorithms.registry import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.registry import build_codec
 from thinwire.comm.base import Communicator
+from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.figures import figures
@@ -252,7 +253,10 @@ def register(
     ``overlap`` (default True): average each bucket on the hook's worker thread while the
     backward pass goes on; False averages it inside the hook (the same result, no overlap).
     Under a scaler the step's buckets are decided together at the last one, as described
-    above, whatever ``overlap`` says.
+    above, whatever ``overlap`` says. The ranks must hold the same parameters in the same
+    order (names, shapes, dtypes, ``requires_grad``): checked here, once, with a 40-byte
+    all_gather the meter does not count; ranks that differ raise
+    :class:`~thinwire.comm.fingerprint.ParameterMismatch` on every rank.
     """
     if isinstance(method, str):
         refuse_schedule(method, "a DDP communication hook")
@@ -274,7 +278,11 @@ def register(
         from thinwire.comm.torch_dist import TorchComm
 
         comm = TorchComm(model.process_group)
-    names = {id(p): n for n, p in model.module.named_parameters()}
+    named = list(model.module.named_parameters())
+    # DDP checks shapes position by position; this also names layers swapped between ranks,
+    # which the hook would average with each other (their residuals keyed by the wrong name)
+    agree_on_parameters(named, comm)
+    names = {id(p): n for n, p in named}
     state = HookState(codec, comm, names, assignment, scaler=scaler, overlap=overlap)
     model.register_comm_hook(state, hook)
     return state

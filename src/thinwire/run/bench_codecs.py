@@ -252,10 +252,15 @@ def to_markdown(rows: list[Row], title: str) -> str:
     return "\n".join(lines + ["", NOTES, ""])
 
 
+OUT_FILES = ("codecs.md", "codecs.csv", "codecs.json")  # what --out DIR receives
+
+
 def write_out(out: str, rows: list[Row], title: str) -> list[Path]:
     """``out`` is a directory: writes codecs.md, codecs.csv and codecs.json into it."""
+    from thinwire.run import outdir
+
     d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
+    outdir.claim(d, *OUT_FILES)  # only thinwire's own files are replaced
     (d / "codecs.md").write_text(to_markdown(rows, title))
     with open(d / "codecs.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])) if rows else list(Row.__dataclass_fields__))
@@ -306,6 +311,10 @@ def main(
     """
     try:
         specs, repeats, inputs, numel = _checked(quick, methods, repeats, size, inputs, threads)
+        if out:
+            from thinwire.run import outdir
+
+            outdir.claim(out, *OUT_FILES)  # before measuring: a file of anyone else's there is refused
     except ValueError as e:
         _note(f"thinwire: error: {e}")
         return 2

@@ -16,6 +16,7 @@ reached"), steps taken, and the final error; ``--out FILE.csv`` writes every cur
 from __future__ import annotations
 
 import csv
+import io
 import sys
 
 import torch
@@ -114,6 +115,10 @@ def main(quick: bool = False, methods: str | None = None, *, workers: int = 8, s
                 raise ValueError(f"consensus runs gossip methods (dpsgd, powergossip), got {name!r}")
             resolved = resolve_method(f"{name}:topology={topology}" + (f",{knobs}" if knobs else ""))
             check_world(resolved, workers)
+        if out:
+            from thinwire.run import outdir
+
+            outdir.new_file(out)  # before measuring: an existing file is refused, never replaced
     except ValueError as e:
         print(f"thinwire: error: {e}", file=sys.stderr)
         return 2
@@ -126,10 +131,13 @@ def main(quick: bool = False, methods: str | None = None, *, workers: int = 8, s
                       markup=False)
     console.print(table(curves, workers, size, topology))
     if out:
-        with open(out, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["method", "step", "bits_per_worker", "relative_error"])
-            for spec, rows in curves.items():
-                w.writerows([spec, *r] for r in rows)
+        from thinwire.run import outdir
+
+        text = io.StringIO()
+        w = csv.writer(text)
+        w.writerow(["method", "step", "bits_per_worker", "relative_error"])
+        for spec, rows in curves.items():
+            w.writerows([spec, *r] for r in rows)
+        outdir.write_new(out, text.getvalue(), newline="")
         console.print(f"wrote {out}")
     return 0

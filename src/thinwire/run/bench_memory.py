@@ -110,14 +110,16 @@ def table_md(rows: list[dict[str, Any]], params: int) -> str:
 
 def main(methods: str | None = None, workers: int = 2, steps: int = DEFAULT_STEPS, out: str | None = None) -> int:
     from thinwire.algorithms.registry import method_names
+    from thinwire.run import outdir
 
+    if out:
+        outdir.new_file(out)  # before measuring: an existing file is refused, never replaced
     specs = [s.strip() for s in methods.split(",") if s.strip()] if methods else [
         SPECS.get(n, n) for n in method_names() if n != "torch-bf16"]  # torch-bf16 needs CUDA + NCCL
     rows, params = measure(specs, workers=workers, steps=steps, say=lambda line: print(line, flush=True))
     text = table_md(rows, params)
     print(text)
     if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write("# thinwire bench memory\n\n" + f"`thinwire bench memory --workers {workers} --steps {steps}`\n\n"
-                    + text + "\n")
+        outdir.write_new(out, "# thinwire bench memory\n\n"
+                         + f"`thinwire bench memory --workers {workers} --steps {steps}`\n\n" + text + "\n")
     return 0 if all(r["passed"] is not False for r in rows) else 1

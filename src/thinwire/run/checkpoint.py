@@ -28,9 +28,10 @@ check its own zip CRCs on load, so a flipped byte would otherwise pass. ``meta.j
 with ``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary
 pickled objects.
 
-Deleting: thinwire removes only what it wrote, recognised by its own names (``latest.json``,
-``step-NNNNNNNN/`` holding ``meta.json`` and ``rank-R.pt``, their temporary files); a file
-of anyone else's inside ``checkpoints/`` stays, and so does the directory holding it.
+Deleting: thinwire removes only what it wrote: ``latest.json`` and the ``step-NNNNNNNN/``
+directories its manifest records (:mod:`thinwire.run.outdir`), and inside those only
+``meta.json``, ``rank-R.pt`` and their temporary files; a file of anyone else's inside
+``checkpoints/`` stays, and so does the directory holding it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from thinwire import jsonfile
+from thinwire.run import outdir
 
 FORMAT = 2  # 2: meta.json records every rank file's checksum
 KEEP = 2  # checkpoints kept on disk: the newest and the one before it
@@ -104,6 +108,7 @@ def commit(out: str | os.PathLike, step: int, meta: dict[str, Any],
     if files is None:
         files = {f"rank-{r}.pt": file_record(d / f"rank-{r}.pt") for r in range(int(meta["world_size"]))}
     _write_json(d / "meta.json", dict(meta, format=FORMAT, step=step, files=files))
+    outdir.claim(out, root(out) / LATEST, root(out) / f".{LATEST}.tmp")
     _write_json(root(out) / LATEST, {"step": step, "dir": d.name})
     # keep the newest KEEP complete ones at or below this step; any above it belong to an
     # earlier, longer run (a directory left holding only someone else's file is no checkpoint)
@@ -115,41 +120,52 @@ def commit(out: str | os.PathLike, step: int, meta: dict[str, Any],
 
 
 def prepare(out: str | os.PathLike, step: int) -> None:
-    """Rank 0, before any rank writes the checkpoint at ``step``: an existing directory of
-    that step (an earlier run's) is emptied of thinwire's files, so none can mix with this one."""
+    """Rank 0, before any rank writes the checkpoint at ``step``: the directory is created
+    and recorded in the folder's manifest (:mod:`thinwire.run.outdir`); an existing one of
+    that step (an earlier run's) is emptied of thinwire's files first, so none can mix with
+    this one. A directory of that name thinwire did not create is refused
+    (:class:`~thinwire.run.outdir.ForeignFile`)."""
     d = step_dir(out, step)
-    if d.is_symlink():  # never write through a link into someone else's directory
-        d.unlink()
-    elif d.is_dir():
+    if d.is_dir() and not d.is_symlink():
         remove_step(d)
+    outdir.mkdir(out, root(out))
+    if d.is_dir() and not d.is_symlink() and not outdir.owns(out, d):  # someone else's folder of that name
+        theirs = [p.name for p in d.iterdir() if OWN_FILE.fullmatch(p.name)]
+        if theirs:
+            raise outdir.ForeignFile(f"{d} holds {theirs[0]}, which thinwire did not write; move it away or "
+                                     "choose another --out")
+        outdir.record(out, d)  # none of its files has a checkpoint's name: every one written there is thinwire's
+        return
+    outdir.mkdir(out, d)
 
 
 def clear(out: str | os.PathLike) -> None:
     """Rank 0, when a fresh run (not a resume) starts in ``out``: an earlier run's
     checkpoints go, so ``latest.json`` can only ever name one of this run's. Only
     thinwire's own files go (:func:`remove_step`); ``checkpoints/`` itself goes when that
-    leaves it empty."""
+    leaves it empty and thinwire created it."""
     r = root(out)
     if not r.is_dir():
         return
     for d in _step_dirs(out):
         remove_step(d)
     for name in (LATEST, f".{LATEST}.tmp"):
-        if (r / name).is_file() and not (r / name).is_symlink():
-            (r / name).unlink()
-    _rmdir_if_empty(r)
+        outdir.remove(out, r / name)
+    outdir.rmdir(out, r)
 
 
 def remove_step(d: Path) -> None:
     """Remove a checkpoint directory's files that thinwire wrote (``meta.json``,
     ``rank-R.pt`` and their temporary files), then the directory if nothing else is left in
-    it: a file someone else put there is never deleted."""
-    if d.is_symlink() or not d.is_dir():
+    it. Only a directory thinwire's manifest records is touched: a file someone else put
+    there, or a directory of that name thinwire did not create, is never deleted."""
+    out = d.parent.parent
+    if d.is_symlink() or not d.is_dir() or not outdir.owns(out, d):
         return
     for p in d.iterdir():
         if OWN_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink():
             p.unlink()
-    _rmdir_if_empty(d)
+    outdir.rmdir(out, d)
 
 
 def _step_dirs(out: str | os.PathLike) -> list[Path]:
@@ -163,13 +179,6 @@ def _step_dirs(out: str | os.PathLike) -> list[Path]:
 
 def _step_of(d: Path) -> int:
     return int(d.name[5:])
-
-
-def _rmdir_if_empty(d: Path) -> None:
-    try:
-        d.rmdir()
-    except OSError:  # not empty (someone else's files), or already gone
-        pass
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -196,7 +205,7 @@ def locate(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"--resume {path}: no checkpoint there (neither meta.json nor checkpoints/{LATEST}); "
                               "write one with --checkpoint-every")
     try:
-        latest = json.loads(pointer.read_text())
+        latest = jsonfile.read(pointer)
         name, step = latest["dir"], latest["step"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"--resume {path}: checkpoints/{LATEST} is damaged ({_reason(e)})") from None
@@ -220,7 +229,7 @@ def read_meta(d: Path) -> dict[str, Any]:
     checksum record for each rank's file); raises :class:`CheckpointError` naming the field."""
     where = f"checkpoint {d}: meta.json"
     try:
-        meta = json.loads((d / "meta.json").read_text())
+        meta = jsonfile.read(d / "meta.json")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{where} is unreadable ({_reason(e)})") from None
     if not isinstance(meta, dict):
@@ -300,15 +309,12 @@ def later_results(run: Path, step: int) -> str | None:
     """What continuing run directory ``run`` from its checkpoint at ``step`` would replace:
     a newer checkpoint, or a summary of a run that went past ``step``; None when nothing."""
     try:
-        newest = json.loads((root(run) / LATEST).read_text())["step"]
+        newest = jsonfile.read(root(run) / LATEST)["step"]
     except (OSError, ValueError, KeyError, TypeError):
         newest = None
     if isinstance(newest, int) and newest > step:
         return f"its checkpoint at step {newest}"
-    try:
-        finished = json.loads((Path(run) / "summary.json").read_text()).get("steps")
-    except (OSError, ValueError, AttributeError):
-        finished = None
+    finished = _summary_steps(Path(run))
     if isinstance(finished, int) and finished > step:
         return f"the summary of its finished {finished}-step run"
     return None
@@ -361,10 +367,21 @@ def finished(run: Path | None, step: int, steps: int) -> bool:
     says so (a stopped or crashed run has no summary)."""
     if run is None or step != steps:
         return False
+    return _summary_steps(Path(run)) == steps
+
+
+def _summary_steps(run: Path) -> Any:
+    """The ``steps`` a run directory's ``summary.json`` records (None when it has none); a
+    summary that is there but unusable (damaged, not JSON, nested too deep, too large) is a
+    :class:`CheckpointError`: what resuming would replace must be known."""
+    path = run / "summary.json"
+    if not path.exists():
+        return None
     try:
-        return json.loads((Path(run) / "summary.json").read_text()).get("steps") == steps
-    except (OSError, ValueError, AttributeError):
-        return False
+        summary = jsonfile.read(path)
+    except jsonfile.JsonFileError as e:
+        raise CheckpointError(f"--resume {run}: {e}; move it away to continue this run") from None
+    return summary.get("steps") if isinstance(summary, dict) else None
 
 
 def saved_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
+import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from thinwire.run.config import TrainConfig
+from thinwire import jsonfile
+from thinwire.run import outdir
+from thinwire.run.config import TrainConfig, check_out
 from thinwire.run.cost import spread
 from thinwire.run.labels import labels, slug
 
@@ -97,10 +100,11 @@ class Race:
 
 
 def prepare(base: TrainConfig, methods: list[str], out: str, target: float | None = None,
-            overwrite: bool = False, seeds: int = 1) -> Race:
+            overwrite: bool = False, seeds: int = 1, create: bool = True) -> Race:
     """Validate everything before any run: raises ``ValueError`` naming the rule broken.
     Unless ``overwrite``, an ``out`` holding any file a comparison writes (:func:`earlier_output`)
-    is refused before anything is created there."""
+    is refused before anything is created there. ``create``: make ``OUT/runs/`` now (a suite
+    checks every race before it makes any: :func:`make`)."""
     specs = split_methods(methods)
     if not specs:
         raise ValueError("--methods names no method")
@@ -115,14 +119,50 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
                          "pass --overwrite or choose another --out")
     base = dataclasses.replace(base, links=base.links or DEFAULT_LINKS, out=None, policy=None, policy_rules=())
     base, resolved = resolve_methods(base, specs)
+    race = Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)), seeds=seeds)
+    check_out(str(path))
+    foreign_output(race)
+    if create:
+        make(race)
+    return race
+
+
+def make(race: Race) -> None:
+    """Create the race's ``OUT/runs/`` (recorded as thinwire's), checking ``OUT`` is writable."""
+    path = race.out
     try:
-        (path / "runs").mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        outdir.mkdir(path, path / "runs")
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".thinwire-write-test-"):
+            pass
     except OSError as e:
-        raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)), seeds=seeds)
+        raise ValueError(f"--out {path} is not writable: {e.strerror or e}") from None
+
+
+def foreign_output(race: Race) -> None:
+    """Refuse, before anything runs, a comparison that would replace a file thinwire did not
+    write (:mod:`thinwire.run.outdir`): its report, CSV or plots, or a run's files in the run
+    folders it writes."""
+    from thinwire.run.config import check_own_outputs
+    from thinwire.run.plots import plot_names
+
+    own = outdir.owned(race.out) if race.out.is_dir() else set()
+    for name in ["report.md", "results.csv", *plot_names(race.links)]:
+        if os.path.lexists(race.out / name) and (name not in own or os.path.islink(race.out / name)):
+            raise ValueError(f"--out {race.out}: {name} was not written by thinwire (it is not in "
+                             f"{outdir.MANIFEST}), so the comparison would replace it; move it away or choose "
+                             "another --out")
+    for _, _, _, folder in run_folders(race):
+        check_own_outputs(str(folder))
+
+
+def run_folders(race: Race) -> list[tuple[int, int, str, Path]]:
+    """Every run of the race, in order: (seed, method number from 1, spec, its folder
+    ``OUT/runs/NN-SLUG[-seedK]``)."""
+    seeds = [race.base.seed + k for k in range(race.seeds)]
+    typed = [race.typed.get(spec, spec) for spec in race.specs]
+    return [(seed, i, spec, race.out / "runs" / (f"{i:02d}-{slug(typed[i - 1])}"
+                                                  + (f"-seed{seed}" if len(seeds) > 1 else "")))
+            for seed in seeds for i, spec in enumerate(race.specs, 1)]
 
 
 def earlier_output(path: Path) -> Path | None:
@@ -198,10 +238,8 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
     t_race = time.perf_counter()
     typed = [race.typed.get(spec, spec) for spec in race.specs]  # labels and folders: what the user wrote
     names = labels(typed)
-    for j, (seed, (i, spec)) in enumerate(((seed, x) for seed in seeds for x in enumerate(race.specs, 1)), 1):
+    for j, (seed, i, spec, out) in enumerate(run_folders(race), 1):
         label = names[i - 1]
-        tag = f"-seed{seed}" if len(seeds) > 1 else ""
-        out = race.out / "runs" / f"{i:02d}-{slug(typed[i - 1])}{tag}"
         cfg = for_method(race.base, spec, out=str(out), overwrite=True, seed=seed, label=typed[i - 1])
         with_seed = f", seed {seed}" if len(seeds) > 1 else ""
         say(f"[{j}/{n}] {label} ({race.base.task}, {race.base.workers} workers, {race.base.steps} steps{with_seed})")
@@ -229,7 +267,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return jsonfile.read_lines(path)
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -510,10 +548,11 @@ def finish(race: Race, results: list[dict[str, Any]], command: str) -> dict[str,
     """Write results.csv, the plots (of the first seed's runs) and report.md; returns their
     paths, the winner per link (None on a tie: ``decisions`` holds the tied methods) and the
     per-link :class:`Decision`."""
-    from thinwire.run.plots import plot_all
+    from thinwire.run.plots import plot_all, plot_names
 
     target = target_of(results, race.target)
     records = table_rows(results, race.links, target)
+    outdir.claim(race.out, "results.csv", "report.md", *plot_names(race.links))  # thinwire's own, or refused
     write_csv(race.out / "results.csv", records, race.links)
     first = [r for r in results if r.get("seed", race.base.seed) == race.base.seed]
     plots = plot_all(race.out, first, race.links, target)

@@ -64,9 +64,11 @@ class TrainConfig:
         ``imports``, imported here and in every rank so that a method they register
         resolves like a built-in one; the environment; the files: a policy, a checkpoint's
         metadata, ``--out``), :meth:`validate` checks the config against those facts alone,
+        then a batch too large for the machine's memory is refused (:func:`check_batch_memory`),
         and last the checkpoint's files are verified against their checksums."""
         facts = plan(self)
         resolved = self.validate(facts)
+        check_batch_memory(resolved, facts.torchrun)
         facts.verify()
         return resolved
 
@@ -263,9 +265,64 @@ def plan(cfg: TrainConfig) -> Facts:
         facts = _resume_facts(cfg, facts)
     if facts.out is not None:
         check_out(facts.out)
+        if facts.decides:
+            check_own_outputs(facts.out)
         if not facts.continuing:
             facts = dataclasses.replace(facts, holds_run=_holds_run(facts.out))
     return facts
+
+
+def planned_out(cfg: TrainConfig) -> str | None:
+    """The folder a run of ``cfg`` writes to, before it is resolved: ``--out``, or the run
+    directory of the checkpoint ``--resume`` names (None when there is none, or it cannot be
+    found: resolving says why). The one whose lock the run holds (:func:`thinwire.run.outdir.hold`)."""
+    if cfg.out is not None:
+        return cfg.out
+    if cfg.resume is None:
+        return None
+    from thinwire.run import checkpoint
+
+    try:
+        own = checkpoint.run_dir(checkpoint.locate(cfg.resume))
+    except (ValueError, OSError):
+        return None
+    return None if own is None else str(own)
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp", "checkpoints/latest.json",
+               "checkpoints/.latest.json.tmp")  # what a run replaces in its --out
+
+
+def check_own_outputs(out: str) -> None:
+    """Refuse, before any rank starts, an ``--out`` where the run would have to replace a
+    file thinwire did not write (:mod:`thinwire.run.outdir`): one of :data:`RUN_OUTPUTS`, or
+    a checkpoint's file in a ``checkpoints/step-NNNNNNNN`` folder, that its manifest does not
+    record, or a link in their place."""
+    from thinwire.run import checkpoint, outdir
+
+    if not os.path.isdir(out):
+        return
+    own = outdir.owned(out)
+    steps = checkpoint.root(out)
+    found = ["checkpoints"] if steps.is_symlink() else []  # the run writes into it: never through a link
+    found += [name for name in RUN_OUTPUTS if not found and os.path.lexists(os.path.join(out, name))]
+    if steps.is_dir() and not steps.is_symlink():
+        found += [f"checkpoints/{p.name}" for p in sorted(steps.iterdir()) if checkpoint.STEP_NAME.fullmatch(p.name)]
+    for name in found:
+        path = os.path.join(out, name)
+        if os.path.islink(path):
+            raise ValueError(f"--out {out}: {name} is a symbolic link (to {os.readlink(path)}); thinwire writes "
+                             "only files of its own there: remove the link or choose another --out")
+        if name in RUN_OUTPUTS and not os.path.isfile(path):
+            raise ValueError(f"--out {out}: {name} is not a file; a run there writes its own {name}: move it away "
+                             "or choose another --out")
+        if name not in own and os.path.isdir(path):  # a folder named like a checkpoint: only its files matter
+            theirs = [p for p in sorted(os.listdir(path)) if checkpoint.OWN_FILE.fullmatch(p)]
+            name = f"{name}/{theirs[0]}" if theirs else ""
+        if name and name not in own:
+            raise ValueError(f"--out {out}: {name} was not written by thinwire (it is not in "
+                             f"{outdir.MANIFEST}), so a run there would replace it; move it away or choose "
+                             "another --out")
 
 
 def node_layout(ranks_per_node: int | str | None, world: int, torchrun: bool) -> Any:
@@ -431,6 +488,14 @@ def worker_limit() -> tuple[int, str]:
     return limit, why
 
 
+def check_batch_memory(cfg: TrainConfig, torchrun: bool) -> None:
+    """Refuse a batch that cannot fit the memory this machine has available, for all its local
+    ranks together (estimated from the task's model: :mod:`thinwire.run.memory_estimate`)."""
+    from thinwire.run.memory_estimate import check_batch
+
+    check_batch(cfg, torchrun=torchrun, available=_available_memory())
+
+
 def _available_memory() -> float | None:
     """Bytes of memory available to new processes (Linux: MemAvailable), else the physical
     memory where the OS says, else None."""
@@ -460,15 +525,10 @@ def check_workers(workers: int, max_workers: int | None = None, limit: tuple[int
 
 
 def check_out(out: str) -> None:
-    """``--out`` must be a directory, or a path where one can be created: every part that
-    exists is a directory, and the deepest existing one is writable."""
-    path = os.path.abspath(out)
-    require(not os.path.exists(path) or os.path.isdir(path), f"--out {out} is a file, not a directory")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    require(os.path.isdir(parent), f"--out {out}: {parent} is a file, not a directory")
-    require(os.access(parent, os.W_OK | os.X_OK), f"--out {out}: {parent} is not writable")
+    """``--out`` must be a directory, or a path where one can be created (:func:`thinwire.run.outdir.check`)."""
+    from thinwire.run import outdir
+
+    outdir.check(out)
 
 
 def _holds_run(path: str) -> bool:

@@ -70,7 +70,6 @@ comes with its range over the repeats, repeat i of the method against repeat i o
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import tempfile
@@ -79,6 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thinwire import jsonfile
 from thinwire.comm.link import Link
 from thinwire.run.config import TrainConfig
 
@@ -492,4 +492,4 @@ def bounds_text(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> s
 def _rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return jsonfile.read_lines(path)

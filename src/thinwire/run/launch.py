@@ -12,7 +12,16 @@ before it reports: a peer whose counter stood still is the one that stopped resp
 (SIGSTOP, a frozen machine, a process gone), and the run names that peer, not the rank that
 timed out waiting for it. Counters rather than clock readings: ranks on different machines
 need not agree on the time. (NCCL's own watchdog aborts a rank whose collective times out,
-before any of this can run.)
+before any of this can run.) The launcher of spawned ranks reads the same counters: a rank
+whose counter stands still for the collective timeout and a few seconds more is named and the
+run ended by the launcher itself, so a rank that stops while its peers are busy in a long step
+(not yet waiting on it) still ends the run within :func:`~thinwire.comm.torch_dist.hang_limit`.
+
+A first SIGINT / SIGTERM asks the ranks to stop at their next stop poll (about once a second
+of training) and checkpoint there. Ranks that have not taken the request up within
+:data:`STOP_GRACE_S` (a step of minutes, a rank still starting) are ended: by the launcher for
+spawned ranks, by a timer in each rank under torchrun; the run then keeps nothing after its
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -36,15 +45,24 @@ import torch
 import torch.multiprocessing as mp
 
 from thinwire.comm.base import Communicator
-from thinwire.comm.torch_dist import COLLECTIVE_TIMEOUT_S, TIMEOUT_ENV, collective_timeout  # noqa: F401 (public here)
+from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
+    COLLECTIVE_TIMEOUT_S,
+    HANG_LIMIT_S,
+    HEARTBEAT_S,
+    LAUNCHER_AFTER_TIMEOUT_S,
+    SILENT_AFTER_S,
+    TIMEOUT_ENV,
+    collective_timeout,
+    hang_limit,
+)
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
 
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
-HEARTBEAT_S = 1.0  # each rank's heartbeat period
-SILENT_AFTER_S = 3.0  # a peer whose heartbeat stands still this long stopped responding
 REPEAT_S = 1.0  # a signal repeated within this long of the first is the same delivery (see _on_stop_signals)
+STOP_GRACE_S = 10.0  # after a first SIGINT / SIGTERM, how long the ranks have to take up the stop at a step
+LOOK_GAP_S = 1.0  # the launcher's looks at the heartbeats: a longer gap between two counts as this long
 
 
 class RunFailed(RuntimeError):
@@ -52,10 +70,16 @@ class RunFailed(RuntimeError):
 
 
 def launch(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any] | None:
-    """Run ``cfg`` (already resolved). Returns rank 0's summary (None on other torchrun ranks)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _join_torchrun(cfg, show_progress)
-    return _spawn_local(cfg, show_progress)
+    """Run ``cfg`` (already resolved). Returns rank 0's summary (None on other torchrun ranks).
+    The run holds its ``--out``'s lock (:func:`thinwire.run.outdir.hold`; re-entrant, so a
+    command that took it before resolving keeps it): rank 0 under torchrun, else this process."""
+    from thinwire.run import outdir
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    with outdir.hold(cfg.out if not torchrun or os.environ["RANK"] == "0" else None):
+        if torchrun:
+            return _join_torchrun(cfg, show_progress)
+        return _spawn_local(cfg, show_progress)
 
 
 # -- heartbeats ------------------------------------------------------------------------------
@@ -137,13 +161,17 @@ def collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
 
 
-def _silent_message(silent: list[int], rank: int, step: int | None, error: str, stopped: bool = False) -> str:
+def _silent_message(silent: list[int], rank: int | None, step: int | None, error: str, stopped: bool = False,
+                    seconds: float = SILENT_AFTER_S) -> str:
+    """``rank`` timed out waiting on the ``silent`` peers (``error``); None: the launcher saw
+    their heartbeats stand still for ``seconds`` and ended the run itself."""
     who = ", ".join(map(str, silent))
     after = "" if step is None else f" after step {step}"
     how = ("its process is stopped (state T: SIGSTOP or SIGTSTP)" if stopped
            else "stopped, e.g. by SIGSTOP, frozen, or gone")
+    then = "the other ranks were stopped" if rank is None else f"rank {rank} timed out waiting: {error}"
     return (f"rank{'s' if len(silent) > 1 else ''} {who} stopped responding{after} (no heartbeat for "
-            f"{SILENT_AFTER_S:g} s: {how}); rank {rank} timed out waiting: {error}")
+            f"{seconds:.0f} s: {how}); {then}")
 
 
 # -- torchrun -------------------------------------------------------------------------------
@@ -160,22 +188,46 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     received: list[str] = []  # torchrun forwards SIGINT / SIGTERM to every rank
     step: list[int | None] = [None]  # the last step rank 0 reported (other ranks do not know it)
 
-    def report(kind: str, **fields: Any) -> None:
+    def report(kind: str, **fields: Any) -> None:  # rank 0's: the step its messages name, and the view
         if kind == "step":
             step[0] = fields["step"]
-        assert view is not None  # train_rank gets this callback only with a view
-        view.handle(kind, **fields)
+        if view is not None:
+            view.handle(kind, **fields)
 
+    taken: list[bool] = []  # this rank took the stop up at a step (its stop poll saw the signal)
+
+    def stop_requested() -> int:
+        if not received:
+            return 0
+        taken.append(True)
+        return int(signal.Signals[received[0]])
+
+    def give_up() -> None:  # the grace ran out before this rank reached a stop poll: end it now
+        if taken:
+            return
+        if comm.rank == 0:
+            after = "" if step[0] is None else f" after step {step[0]}"
+            sys.stderr.write(f"thinwire: stopped by {received[0]}{after}; {_no_stop_in_grace()}, so nothing "
+                             "after the last checkpoint was kept\n")
+        sys.stderr.flush()
+        from thinwire.run import outdir
+
+        outdir.release_all()  # os._exit runs no finally: the lock (rank 0's) is released here
+        os._exit(128 + int(signal.Signals[received[0]]))
+
+    timer = threading.Timer(STOP_GRACE_S, give_up)
+    timer.daemon = True
     # torchrun forwards the signal it gets to every rank, so a scheduler that signals every
     # process of the job reaches a rank twice: a repeat must not cancel the checkpoint (torchrun
     # kills ranks that outlast its own grace period)
-    restore = _on_stop_signals(lambda signum: None, received, escalate=False)
+    restore = _on_stop_signals(lambda signum: timer.start(), received, escalate=False)
     try:
         if view:
             view.start()
         try:
-            summary = train_rank(cfg, comm, report if view else None, device,
-                                 stop_requested=lambda: int(signal.Signals[received[0]]) if received else 0)
+            summary = train_rank(cfg, comm, report if comm.rank == 0 else None, device,
+                                 stop_requested=stop_requested, stop_agreed=lambda: taken.append(True))
+            timer.cancel()  # finished: a signal after the last stop poll lets the run end by itself
         except RuntimeError as e:  # a collective that failed: name the peer that went silent, if one did
             silent = silent_ranks(comm.rank, comm.world_size) if collective_failure(e) else []
             if silent:
@@ -187,11 +239,16 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
         torch.distributed.barrier()
         return summary
     finally:
+        timer.cancel()
         beating.set()
         restore()
         if view:
             view.stop()
         torch.distributed.destroy_process_group()
+
+
+def _no_stop_in_grace() -> str:
+    return f"the ranks did not reach a step's end within {STOP_GRACE_S:g} s of the signal and were ended"
 
 
 def _device() -> torch.device:
@@ -230,6 +287,7 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
     asked: list[int] = []  # SIGTERM to the whole process group or to this rank: stop like the launcher
     signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
     step = [0]
+    taken: list[int] = []  # the stop this rank took up at a step (its stop poll saw it)
     _exit_with_parent(parent)
     torch.set_num_threads(_threads(cfg))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
@@ -253,10 +311,18 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int
                 step[0] = fields["step"]
             q.put((kind, rank, fields))  # every step: the launcher names the last completed one
 
-        def stop_requested() -> int:
-            return asked[0] if asked else (stop.value if stop is not None else 0)
+        def took_stop() -> None:  # the launcher's grace for the stop ends for this rank
+            if not taken:
+                taken.append(1)
+                q.put(("stopping", rank, {}))
 
-        summary = train_rank(cfg, comm, report, stop_requested=stop_requested)
+        def stop_requested() -> int:
+            signum = asked[0] if asked else (stop.value if stop is not None else 0)
+            if signum:
+                took_stop()
+            return signum
+
+        summary = train_rank(cfg, comm, report, stop_requested=stop_requested, stop_agreed=took_stop)
         gc.collect()  # what holds the group in a reference cycle (a DDP wrapper, a hook's state) goes while it lives
         torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
         torch.distributed.destroy_process_group()
@@ -326,7 +392,7 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
             p.start()
         if view:
             view.start()
-        return _watch_ranks(cfg, procs, q, view, received, last_step)
+        return _watch_ranks(cfg, procs, q, view, received, last_step, beats)
     finally:
         restore()
         if view:
@@ -336,13 +402,18 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
 
 
 def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: ProgressView | None,
-                 received: list[str], last_step: int) -> dict[str, Any] | None:
+                 received: list[str], last_step: int, beats: Any = None) -> dict[str, Any] | None:
     """Relay the started ranks' reports until every rank is done; returns rank 0's summary,
     or the stop record when a signal ended the run. Raises :class:`RunFailed` when a rank
-    fails. ``last_step``: the step the run starts after."""
+    fails, or when its heartbeat (``beats``) stood still long enough to be taken for a hang
+    (:class:`_Heartbeats`). ``last_step``: the step the run starts after. After a signal the
+    ranks have :data:`STOP_GRACE_S` to take the stop up at a step; then they are ended."""
     summary: dict[str, Any] | None = None
     done: set[int] = set()
     errors: dict[int, dict] = {}
+    taking: set[int] = set()  # the ranks that took up the stop asked for (at their stop poll)
+    asked_at: float | None = None  # when this loop first saw the signal
+    hearts = _Heartbeats(beats, cfg.workers) if beats is not None else None
     while len(done) < cfg.workers:
         try:
             kind, rank, fields = q.get(timeout=0.2)
@@ -357,19 +428,76 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
             summary = fields if rank == 0 else summary
         elif kind == "error":
             errors.setdefault(rank, fields)
+        elif kind == "stopping":
+            taking.add(rank)
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
         if (errors or failed) and received:
             # asked to stop, and a rank ended: a signal to the whole group that reached a rank
             # still starting up, before its handlers were in place, ends it; that is the stop asked for
             _terminate(procs)
-            return {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
+            return _unfinished(received, last_step)
         if errors or failed:
             raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
+        if received and asked_at is None:
+            asked_at = time.monotonic()
+        if asked_at is not None and len(taking | done) < cfg.workers and time.monotonic() - asked_at > STOP_GRACE_S:
+            sys.stderr.write(f"thinwire: {received[0]}: {_no_stop_in_grace()}\n")
+            _terminate(procs)
+            return _unfinished(received, last_step, _no_stop_in_grace())
+        hung = hearts.look(procs, done) if hearts is not None else []
+        if hung and hearts is not None:
+            states = [_process_state(procs[r].pid) for r in hung]
+            seconds = min(hearts.still[r] for r in hung)
+            _terminate(procs)
+            raise RunFailed(_silent_message(hung, None, last_step, "", all(s == "T" for s in states), seconds))
     for p in procs:
         p.join(timeout=30)
     if summary is not None and received:
         summary["signal"] = received[0]
     return summary
+
+
+def _unfinished(received: list[str], last_step: int, why: str | None = None) -> dict[str, Any]:
+    """The stop record of a run whose ranks were ended before they could checkpoint the stop
+    (``why``: how, when not a rank still starting up that the signal itself ended)."""
+    record = {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
+    return {**record, "unfinished_why": why} if why else record
+
+
+class _Heartbeats:
+    """How long each spawned rank's heartbeat counter has stood still, as the launcher sees it,
+    and which ranks have stood still past the collective timeout plus
+    :data:`~thinwire.comm.torch_dist.LAUNCHER_AFTER_TIMEOUT_S`: long enough that a peer waiting
+    on the rank would have timed out, named it and reported by then; this catches the rank whose
+    peers are not waiting on it yet (they are in a long step), and keeps the whole wait within
+    :func:`~thinwire.comm.torch_dist.hang_limit`.
+
+    Time counts only while the launcher itself runs: a gap between two looks counts as at most
+    :data:`LOOK_GAP_S`, so a launcher stopped together with its ranks (Ctrl-Z of the whole job,
+    then ``fg``) does not take its own pause for theirs. A rank counts once it has beaten
+    (a rank still starting up has not), and until it is done or gone."""
+
+    def __init__(self, beats: Any, world: int) -> None:
+        self.beats = beats
+        self.seen = [0] * world
+        self.still = [0.0] * world
+        self.at = time.monotonic()
+        self.after = collective_timeout() + LAUNCHER_AFTER_TIMEOUT_S
+
+    def look(self, procs: Sequence[BaseProcess], done: set[int]) -> list[int]:
+        """Count the time since the last look; the ranks standing still too long."""
+        now = time.monotonic()
+        gap, self.at = min(now - self.at, LOOK_GAP_S), now
+        hung = []
+        for r, p in enumerate(procs):
+            count = int(self.beats[r])
+            if count != self.seen[r] or count == 0 or r in done or p.exitcode is not None:
+                self.seen[r], self.still[r] = count, 0.0
+                continue
+            self.still[r] += gap
+            if self.still[r] >= self.after:
+                hung.append(r)
+        return hung
 
 
 def _start_step(cfg: TrainConfig) -> int:

@@ -12,6 +12,9 @@ import math
 import os
 from typing import Any
 
+from thinwire import jsonfile
+from thinwire.run import outdir
+
 NON_FINITE = "non_finite"  # the key naming a record's figures that were NaN or infinite
 
 
@@ -49,6 +52,9 @@ class MetricsWriter:
         self.out = out
         path = os.path.join(out, "metrics.jsonl")
         tmp = f"{path}.tmp"
+        # only files of thinwire's own are replaced (thinwire.run.outdir): a user's file of one of
+        # these names is refused before anything is written
+        outdir.claim(out, "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:  # the history replaces the file in one step
             f.writelines(json.dumps(finite(record), allow_nan=False) + "\n" for record in history or [])
         os.replace(tmp, path)
@@ -60,9 +66,7 @@ class MetricsWriter:
             self._tensorboard = TensorBoardWriter(out)
             for record in history or []:
                 self._tensorboard.write(record)
-        stale = os.path.join(out, "summary.json")  # an earlier run's (or the resumed one's): not this run's
-        if os.path.exists(stale):
-            os.remove(stale)
+        outdir.remove(out, "summary.json")  # an earlier run's (or the resumed one's): not this run's
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(finite(record), sort_keys=False, allow_nan=False) + "\n")
@@ -71,6 +75,7 @@ class MetricsWriter:
             self._tensorboard.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        outdir.claim(self.out, "summary.json", "summary.json.tmp")
         write_json_atomic(os.path.join(self.out, "summary.json"), summary)
 
     def close(self) -> None:
@@ -88,5 +93,5 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a ``metrics.jsonl`` (:func:`thinwire.jsonfile.read_lines`: size and nesting bounded)."""
+    return jsonfile.read_lines(path)

@@ -35,6 +35,12 @@ def link_slug(link: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", link).strip("_")
 
 
+def plot_names(links: tuple[str, ...]) -> list[str]:
+    """The files :func:`plot_all` writes for ``links``, in its order."""
+    return (["accuracy_vs_step.png", "accuracy_vs_bytes.png"]
+            + [f"accuracy_vs_time_{link_slug(link)}.png" for link in links] + ["time_breakdown.png"])
+
+
 def plot_all(out: Path, results: list[dict[str, Any]], links: tuple[str, ...], target: float | None) -> list[str]:
     """Write every plot into ``out``; returns their paths."""
     ok = [r for r in results if r["status"] == "ok" and r["rows"]]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from thinwire.run import compare
+from thinwire.run import compare, outdir
 from thinwire.run.config import TrainConfig
 
 SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
@@ -231,6 +232,11 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
     if found is not None:
         raise ValueError(f"--out {out} already holds a suite ({found.relative_to(path).as_posix()}); "
                          "pass --overwrite or choose another --out")
+    own = outdir.owned(path) if path.is_dir() else set()
+    for name in OUTPUTS:  # even --overwrite replaces only thinwire's own (thinwire.run.outdir)
+        if os.path.lexists(path / name) and (name not in own or os.path.islink(path / name)):
+            raise ValueError(f"--out {out}: {name} was not written by thinwire (it is not in {outdir.MANIFEST}), "
+                             "so the suite would replace it; move it away or choose another --out")
     steps = int(compare.for_method(base, "identity").resolve().steps or 0)  # --steps, or the task's budget
     for g in groups:
         for spec in g.specs:
@@ -242,11 +248,14 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
     if not base.links and wanted:  # the race's default links, and one for each claim about a link of its own
         base = dataclasses.replace(base, links=(*compare.DEFAULT_LINKS, *dict.fromkeys(f"{w},1ms" for w in wanted)))
     races = []
-    for g in groups:
+    for g in groups:  # every race checked before any folder is made
         skipped = cannot_run(base, g.peers)  # a peer that cannot run on the task is left out, with why
-        race = compare.prepare(base, [s for s in g.specs if s not in skipped], str(path / g.key), overwrite=overwrite)
+        race = compare.prepare(base, [s for s in g.specs if s not in skipped], str(path / g.key), overwrite=overwrite,
+                               create=False)
         race.skipped = skipped
         races.append(race)
+    for race in races:
+        compare.make(race)
     return races
 
 
@@ -321,7 +330,12 @@ def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch:
         assert cfg.out is not None  # compare.run gives every run its own directory
         if cfg.method in done:
             src, summary = done[cfg.method]
-            shutil.copytree(src, cfg.out, dirs_exist_ok=True)
+            # a copy, recorded as thinwire's in its new folder (whose earlier records stay); the
+            # prepare checked that no file of anyone else's is in the way
+            before = outdir.owned(cfg.out) if os.path.isdir(cfg.out) else set()
+            shutil.copytree(src, cfg.out, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(outdir.LOCK, outdir.MANIFEST))
+            outdir.record(cfg.out, *(before | outdir.owned(src)))
             return summary
         summary = launch(cfg, show_progress=show_progress)
         done[cfg.method] = (cfg.out, summary)
@@ -344,6 +358,7 @@ def finish(out: str, races: list[compare.Race], results: list[list[dict[str, Any
         compare.finish(race, res, command + f"  (race {group.key})")
         rows += measure(group, res, race.links, race.skipped)
     path = Path(out)
+    outdir.claim(path, *OUTPUTS)
     _write_claims(path / "claims.csv", rows)
     name = next((k for k, v in SUITES.items() if v == groups), "custom")
     _write_report(path / "report.md", races[0], groups, rows, command, name)

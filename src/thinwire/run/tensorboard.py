@@ -12,7 +12,8 @@ comparison, one run per method) plots what ``metrics.jsonl`` holds. Tags, by rec
 
 the record's ``step`` is the global step; text, lists and nested figures are left out.
 The event files are rewritten with the run, as ``metrics.jsonl`` is: an earlier run's in the
-directory go, and a resumed run writes its history (up to its checkpoint) first.
+directory go (only thinwire's own, recorded in its manifest), and a resumed run writes its
+history (up to its checkpoint) first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 from typing import Any
 
 from thinwire.figures import numeric
+from thinwire.run import outdir
 
 INSTALL = "pip install 'thinwire[tensorboard]'"
 
@@ -58,14 +60,20 @@ EVENTS = "events.out.tfevents.*"  # the event files SummaryWriter names
 
 class TensorBoardWriter:
     """Writes each record's :func:`scalars` at its ``step`` into an event file in ``out``,
-    in place of the event files an earlier run left there."""
+    in place of the event files an earlier run of thinwire's left there (those its manifest
+    records, :mod:`thinwire.run.outdir`: an event file of anyone else's stays)."""
 
     def __init__(self, out: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        for stale in glob.glob(os.path.join(out, EVENTS)):
-            os.remove(stale)
+        for stale in sorted(glob.glob(os.path.join(out, EVENTS))):
+            outdir.remove(out, os.path.basename(stale))
+        before = set(glob.glob(os.path.join(out, EVENTS)))
         self._writer = SummaryWriter(log_dir=out)
+        # SummaryWriter creates its file as it opens, named by the time, host and process: a new
+        # name, which nobody else's file held a moment before
+        self.files = sorted(set(glob.glob(os.path.join(out, EVENTS))) - before)
+        outdir.record(out, *(os.path.basename(p) for p in self.files))
 
     def write(self, record: dict[str, Any]) -> None:
         step = record.get("step")

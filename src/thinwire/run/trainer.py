@@ -22,6 +22,7 @@ import torch
 from thinwire.algorithms.base import Method
 from thinwire.algorithms.registry import build_method, method_optimizer
 from thinwire.comm.base import Communicator
+from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import LINKS, sent_bytes
 from thinwire.run import checkpoint
@@ -95,6 +96,7 @@ class _Run:
     step_seconds: float = 0.0
     stop_signal: int = 0
     stopped_at: int | None = None
+    stop_agreed: Callable[[], None] | None = None  # told when the ranks agreed to stop after this step
     # this rank's training losses since the last metrics row (finite ones): their sum and count
     loss_sum: float = 0.0
     loss_steps: int = 0
@@ -108,7 +110,7 @@ class _Run:
 
 def train_rank(
     cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu",
-    stop_requested: Callable[[], int | bool] | None = None,
+    stop_requested: Callable[[], int | bool] | None = None, stop_agreed: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """Train on this rank's ``device``; rank 0 writes metrics and returns the summary (others
     return None).
@@ -124,31 +126,55 @@ def train_rank(
     (:data:`STOP_POLL_SECONDS`): the step is finished, a checkpoint written when there is
     an ``--out``, and the run ends early with ``stopped_at`` in its summary (and ``signal``,
     the signal any rank got: ``stop_requested()`` returns its number, or True for a request
-    without one).
+    without one). ``stop_agreed()`` is called on every rank once the ranks agreed to stop
+    (also on a rank that had not seen the request itself).
 
     The summary's ``status`` is ``ok``, ``stopped``, or ``diverged`` (with ``failure`` saying
     why) for a run that skipped most of its steps for non-finite gradients or whose final
     loss is not finite; nothing non-finite is written to JSON (see :mod:`thinwire.run.metrics`)."""
     started = utc_now()
     run = _setup(cfg, comm, report, device, stop_requested)
-    run.started_at = started
+    run.started_at, run.stop_agreed = started, stop_agreed
     batches = run.task.train_batches(comm.rank, comm.world_size, cfg.batch_size, start=run.start)  # batch b: any start
     net = run.method.forward_module(run.model)  # PyTorch's DDP peers run forward and backward through their wrapper
     run.t_start = time.perf_counter()
     for step in range(run.start + 1, run.steps + 1):
         loss, stop = _train_step(run, net, next(batches), step)
         last = step == run.steps
+        due = bool(cfg.out) and ((bool(cfg.checkpoint_every) and (step % cfg.checkpoint_every == 0 or last)) or stop)
+        if last:
+            # the last checkpoint holds the run before the method's end-of-run work (DiLoCo's merge
+            # of the averages in flight, AB-training's final sync), so a longer run resumed from it
+            # continues exactly as the straight run would; the metrics see the finished model
+            if due:
+                _checkpoint(run, step, _window_after(run, loss, step))
+            t6 = time.perf_counter()
+            run.method.finish()
+            run.clock.train_wall += time.perf_counter() - t6
         _record(run, loss, step, last)
-        if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last)) or stop):
-            t5 = time.perf_counter()
-            _save(cfg, comm, step, run.model, run.optimizer, run.method, run.clock, run.last_eval, device,
-                  (run.loss_sum, run.loss_steps))
-            run.clock.checkpoints += 1
-            run.clock.checkpoint_seconds += time.perf_counter() - t5
+        if due and not last:
+            _checkpoint(run, step, (run.loss_sum, run.loss_steps))
         if stop:
             run.stopped_at = step
             break
     return _finish(run)
+
+
+def _checkpoint(run: _Run, step: int, window: tuple[float, int]) -> None:
+    t5 = time.perf_counter()
+    _save(run.cfg, run.comm, step, run.model, run.optimizer, run.method, run.clock, run.last_eval, run.device,
+          window)
+    run.clock.checkpoints += 1
+    run.clock.checkpoint_seconds += time.perf_counter() - t5
+
+
+def _window_after(run: _Run, loss: torch.Tensor, step: int) -> tuple[float, int]:
+    """The training-loss window (sum, steps) :func:`_record` leaves after ``step`` in a run
+    that goes on past it: emptied at an evaluation step, else with this step's loss added."""
+    if step % run.eval_every == 0:
+        return 0.0, 0
+    value = loss.item()
+    return (run.loss_sum + value, run.loss_steps + 1) if math.isfinite(value) else (run.loss_sum, run.loss_steps)
 
 
 def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: torch.device | str,
@@ -161,6 +187,8 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
         raise ValueError("train_rank needs a resolved config (TrainConfig.resolve() fills every default)")
     task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
     model = task.build_model().to(device)
+    # ranks whose task built another model are named here, before the broadcast below could fail in gloo
+    agree_on_parameters(model.named_parameters(), comm)
     with comm.meter.paused():  # set-up traffic is not the method's
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
@@ -232,8 +260,6 @@ def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torc
             clock.first_nonfinite = {"step": step, "rank": verdict.bad[0], "parameter": verdict.bad[1]}
         t2 = t3 = time.perf_counter()
         in_step = 0.0
-    if step == run.steps:  # a stopped run is not over: its checkpoint holds the method mid-schedule
-        method.finish()  # e.g. AB-training's final sync: one model on every rank
     t4 = time.perf_counter()
     run.step_seconds = t4 - t0  # the whole step, codec and communication included
     clock.compute += (t1 - t0 - in_backward) + (t3 - t2 - in_step)
@@ -263,6 +289,10 @@ class _Verdict:
         asked = _signum(run.stop_requested()) if (self.polling and run.stop_requested is not None) else 0
         who, self.idx, run.stop_signal, seconds = _agree(run.comm, self.idx, asked, run.step_seconds, run.device)
         self.stop = run.stop_signal != 0
+        if self.stop and run.stop_agreed is not None:
+            # also on a rank that polled before the signal reached it: its launcher (or its own
+            # grace timer) lets it finish the step and write the checkpoint
+            run.stop_agreed()
         self.bad = None if who is None else (who, self.params[self.idx][0])
         if self.polling and self.step == run.start + 2:  # from the first whole step: ask about once a second
             run.poll_every = max(1, min(1000, math.ceil(STOP_POLL_SECONDS / max(seconds, 1e-9))))
