@@ -114,3 +114,31 @@ def test_a_reducer_built_from_pairs_and_every_kind_of_method_check_the_ranks():
         return caught
 
     assert LocalWorld(2).run(fn) == [["pairs", "topk:ratio=0.5", "dasgd:period=2", "dpsgd:topology=ring"]] * 2
+
+
+def test_the_trainer_names_ranks_whose_task_built_another_model(monkeypatch):
+    """A task whose model differs between ranks (here: the second rank to build gets an extra
+    layer) is named before the trainer's first broadcast, not left to gloo."""
+    import itertools
+    import threading
+
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.trainer import train_rank
+    from thinwire.tasks.synthetic import Synthetic
+
+    built, lock = itertools.count(), threading.Lock()
+    plain = Synthetic.build_model
+
+    def build_model(self):
+        with lock:
+            n = next(built)
+        model = plain(self)
+        if n == 1:  # the second rank to build adds a layer
+            model.add_module("extra", torch.nn.Linear(2, 2))
+        return model
+
+    monkeypatch.setattr(Synthetic, "build_model", build_model)
+    cfg = TrainConfig(task="synthetic", workers=2, steps=2, eval_every=2, batch_size=8,
+                      task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64, "test_samples": 16}).resolve()
+    with pytest.raises(ParameterMismatch, match=r"parameters, rank \d has \d+; the first extra is extra\.weight"):
+        LocalWorld(2).run(lambda comm: train_rank(cfg, comm))
