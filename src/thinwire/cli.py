@@ -44,7 +44,8 @@ def _train_parser(sub: Any) -> None:
                        "that decide the run (task, method, world size, seed, batch size, optimizer, lr, task options) "
                        "must match the checkpoint's.")
     # default None (filled by TrainConfig): a resume tells the options typed from those to keep
-    t.add_argument("--task", help=f"{' | '.join(_tasks())} (default: mnist1d)")
+    t.add_argument("--task", help=f"{' | '.join(_tasks())} (default: mnist1d); or a task of your own that "
+                   "--import FILE.py registers (docs/your_own_task.md)")
     t.add_argument("--method", help="method spec name[:key=value,...], e.g. topk:ratio=0.01 or hylo "
                    "(see `thinwire methods`; "
                    "default: identity)")
@@ -137,7 +138,8 @@ def _compare_parser(sub: Any) -> None:
                    "(bf16 and 1-bit) against detonation's DeMo, the dct codec, fft, top-k, PowerSGD and fp32 "
                    "all_reduce (the last two: each figure against a target, PASS/MISS, times to a target loss per "
                    "link; all: OUT/report.md, OUT/claims.csv; one race per group in OUT/<group>/)")
-    c.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
+    c.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d); or a "
+                   "task of your own that --import FILE.py registers (docs/your_own_task.md)")
     c.add_argument("--workers", type=int, help="local ranks per run (default: 2; 4 with --suite)")
     c.add_argument("--steps", type=int,
                    help=f"training steps per run (default: the task's budget: {_per_task('steps')}); a suite "
@@ -182,7 +184,8 @@ def _compare_parser(sub: Any) -> None:
 def _cost_parser(sub: Any) -> None:
     k = sub.add_parser("cost", help="predict each method's step time on a link from a short probe, and where "
                        "compression pays off against bf16")
-    k.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d)")
+    k.add_argument("--task", default="mnist1d", help=f"{' | '.join(_tasks())} (default: mnist1d); or a "
+                   "task of your own that --import FILE.py registers (docs/your_own_task.md)")
     k.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to predict for, one column each (default: 1gbit,50us and 100mbit,1ms)")
     k.add_argument("--workers", type=int, default=4, help="local ranks of each probe (default: 4)")
@@ -250,7 +253,8 @@ def _import_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", action="append", dest="imports", metavar="MODULE",
                    help="import MODULE first, in this process and in every rank: a dotted name (found on "
                    "PYTHONPATH or in the current directory) or a path to a .py file; the codecs and algorithms "
-                   "it registers become methods (repeatable)")
+                   "it registers become methods, the tasks it registers tasks (docs/your_own_task.md; "
+                   "repeatable)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -615,6 +619,8 @@ def _print_summary(s: dict[str, Any], out: str | None, console: Any = None) -> N
     console = console or Console()
     for table in _summary_tables(s):
         console.print(table)
+    for warning in s.get("warnings") or []:
+        print(f"thinwire: warning: {warning}", file=sys.stderr)
     if out:
         console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl", markup=False, overflow="fold")
 

@@ -84,4 +84,7 @@ def test_four_gloo_ranks_with_four_bit_pseudo_gradients_learn_and_agree_on_theta
         assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6
     reports = [r for *_, r in out]
     assert len({r["peak_bytes_per_sync"] for r in reports}) == 1  # the same schedule on every rank
-    assert reports[0]["outer_steps"] == 12  # 6 syncs of each fragment, the last merged by finish()
+    # 6 syncs of each fragment (the last merged by finish()), then finish()'s final sync of each
+    assert reports[0]["syncs_before_finish"] == 11 and reports[0]["outer_steps"] == 14
+    models = [flat for flat, *_ in out]
+    assert all(torch.equal(models[0], m) for m in models[1:])  # one model on every rank

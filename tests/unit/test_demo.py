@@ -172,6 +172,19 @@ def test_the_method_refuses_an_optimizer_that_is_not_demo():
         build_method("demo", model, torch.optim.Adam(model.parameters()), LocalWorld(1))
 
 
+def test_attach_with_another_optimizer_or_none_names_the_one_call_that_works():
+    import thinwire
+
+    model = copy.deepcopy(BASE)
+    said = []
+    for optimizer in (torch.optim.AdamW(model.parameters()), None):
+        with pytest.raises(ValueError) as e:
+            thinwire.attach(model, optimizer, "demo")
+        said.append(str(e.value))
+    assert said[0] == said[1] and "thinwire.method_optimizer('demo', model.parameters(), lr)" in said[0]
+    assert "thinwire.attach(model, opt, 'demo')" in said[0]
+
+
 def test_the_method_steps_with_its_optimizer_and_reports_its_seconds():
     def run(comm):
         from thinwire.algorithms.registry import method_config

@@ -120,7 +120,8 @@ def test_bad_knobs_name_the_rule(spec, message):
 
 def test_the_spec_fills_every_default():
     assert resolve_method("diloco") == ("diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,"
-                                        "nesterov=true,codec=identity:ef=false;min_numel=0,average_momentum=false")
+                                        "nesterov=true,codec=identity:ef=false;min_numel=0,average_momentum=false,"
+                                        "final_sync=true")
     assert DiLoCoConfig().period == 50
 
 
@@ -150,3 +151,15 @@ def test_a_state_saved_before_fragments_resumes_exactly():
     converted = LocalWorld(2).run(earlier)
     for a, b in zip(straight, converted):
         assert torch.equal(a, b)
+
+
+def test_a_run_shorter_than_its_period_says_so_in_its_summary():
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.trainer import train_rank
+
+    cfg = TrainConfig(task="synthetic", method="diloco", workers=2, steps=3, eval_every=3, batch_size=8,
+                      task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64, "test_samples": 16}).resolve()
+    summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
+    assert summary["warnings"] == ["diloco: 3 local steps and no outer step before finish() (period=50): the run "
+                                   "trained a single round and finish() averages it"]
+    assert summary["method_report"]["syncs_before_finish"] == 0 and summary["method_report"]["outer_steps"] == 1

@@ -164,7 +164,12 @@ def test_finish_merges_the_fragments_still_in_flight():
     make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=3)  # noqa: E731
     ended = LocalWorld(2).run(lambda comm: _train(comm, make, 4, finish=True)[1])
     assert all(f.merge_at is None and f.pending is None for m in ended for f in m.fragments)
-    assert [m.syncs for m in ended] == [2, 2]  # fragment 1 (launched at 2) and fragment 0 (at 4)
+    # fragment 1 (launched at 2) and fragment 0 (at 4) merged, then the final sync of each
+    # (mixed with alpha at their merges, the ranks still differ)
+    assert [m.syncs for m in ended] == [4, 4] and [m.syncs_before_finish for m in ended] == [0, 0]
+    plain = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: StreamingDiLoCo(
+        m, o, c, period=4, fragments=2, delay=3, final_sync=False), 4, finish=True)[1])
+    assert [m.syncs for m in plain] == [2, 2]  # the merges of the averages in flight only
 
 
 def test_one_step_sends_at_most_the_largest_fragment_where_diloco_sends_the_model():
@@ -202,7 +207,7 @@ def test_more_fragments_than_parameter_tensors_is_refused_before_training():
 def test_the_spec_fills_every_default():
     assert resolve_method("streaming-diloco") == (
         "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
-        "codec=identity:ef=false;min_numel=0,average_momentum=false,fragments=4,delay=1,alpha=0.5")
+        "codec=identity:ef=false;min_numel=0,average_momentum=false,final_sync=true,fragments=4,delay=1,alpha=0.5")
 
 
 def test_more_fragments_than_steps_in_a_period_is_refused():
@@ -216,3 +221,38 @@ def test_diloco_merged_at_its_launch_reports_nothing_hidden():
     from thinwire.comm.link import Link
 
     assert method.hidden_seconds(Link.parse("10mbit,1ms")) == 0.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, o, c: DiLoCo(m, o, c, period=4),
+    lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1),
+    lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1, alpha=0.5),
+    lambda m, o, c: StreamingDiLoCo(m, o, c, period=6, fragments=3, delay=2, codec="topk:ratio=0.25;ef=true"),
+], ids=["diloco", "streaming", "streaming-alpha", "streaming-topk"])
+def test_finish_ends_with_one_model_bit_identical_on_every_rank(make):
+    for steps in (7, 8, 9):  # mid-round, at a sync, with a fragment in flight
+        ended = LocalWorld(3).run(lambda comm, steps=steps: _train(comm, make, steps, bn=True, finish=True))
+        states = [s for s, _ in ended]
+        assert all(torch.equal(states[0], s) for s in states[1:]), steps
+        method = ended[0][1]
+        assert all(torch.equal(p, t) for p, t in zip(method.state.params, method.outer_params))  # the model is θ
+        assert method.syncs >= method.syncs_before_finish > 0
+
+
+def test_final_sync_false_leaves_each_rank_its_own_model_and_a_sync_step_needs_no_extra_outer_step():
+    make = lambda m, o, c: DiLoCo(m, o, c, period=4, final_sync=False)  # noqa: E731
+    ended = LocalWorld(2).run(lambda comm: _train(comm, make, 6, finish=True))
+    assert not torch.equal(ended[0][0], ended[1][0])  # 2 local steps since the sync at 4
+    at_sync = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=4), 8,
+                                                    finish=True))
+    plain = LocalWorld(2).run(lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=4), 8))
+    for (a, method), (b, _) in zip(at_sync, plain):
+        assert torch.equal(a, b) and method.syncs == method.syncs_before_finish == 2  # nothing left to sync
+
+
+def test_a_run_that_never_reached_a_sync_warns_once_and_still_ends_with_one_model():
+    make = lambda m, o, c: DiLoCo(m, o, c, period=50)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"diloco: 3 local steps and no outer step before finish\(\) \(period=50\)"):
+        ended = LocalWorld(2).run(lambda comm: _train(comm, make, 3, finish=True))
+    assert torch.equal(ended[0][0], ended[1][0])
+    assert [m.report()["syncs_before_finish"] for _, m in ended] == [0, 0] and ended[0][1].syncs == 1

@@ -23,7 +23,13 @@ import torch
 
 from thinwire.algorithms.averaging import comm_or_world
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import build_method, is_gradient_codec, own_optimizer, resolve_method
+from thinwire.algorithms.registry import (
+    build_method,
+    is_gradient_codec,
+    optimizer_method_help,
+    own_optimizer,
+    resolve_method,
+)
 from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
 from thinwire.figures import figures
@@ -68,8 +74,10 @@ class Attached:
     def finish(self) -> None:
         """Call once after the last step: methods that end with work of their own do it
         (AB-training syncs every rank and gives back plain layers); the others have none.
-        Model averaging and gossip (``localsgd``, ``dasgd``, ``dpsgd``, ``powergossip``)
-        leave each rank with its own model, apart by the steps since the last average."""
+        The DiLoCo family (``diloco``, ``streaming-diloco``) ends with one more outer step, so
+        every rank holds the same model (``final_sync=false`` skips it). Model averaging and
+        gossip (``localsgd``, ``dasgd``, ``dpsgd``, ``powergossip``) leave each rank with its
+        own model, apart by the steps since the last average."""
         self._check_open()
         self.method.finish()
         self.finished = True
@@ -138,6 +146,8 @@ def attach(
             raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to "
                              f"{spec.split(':')[0]}: its averaging assumes every rank's gradients cover the same "
                              "parameters")
+        if optimizer is None and own_optimizer(spec):
+            raise ValueError(optimizer_method_help(spec.split(":")[0]))
         if optimizer is None and not is_gradient_codec(spec):
             raise ValueError(f"{spec} keeps its own schedule around the optimizer's steps: pass the optimizer, "
                              f"thinwire.attach(model, optimizer, {method!r})")

@@ -59,8 +59,9 @@ class DeMoMethod(Method):
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
                  overlap: bool = True, **knobs: Any) -> None:
         if not isinstance(optimizer, DeMo):
-            raise ValueError("demo is an optimizer itself: build it with thinwire.method_optimizer(spec, "
-                             "model.parameters(), lr) (or thinwire.optim.DeMo) in place of yours")
+            from thinwire.algorithms.registry import optimizer_method_help
+
+            raise ValueError(optimizer_method_help("demo"))
         if comm is not None and comm is not optimizer.comm:
             raise ValueError("demo: pass the communicator its optimizer was built with (its bytes are metered there)")
         super().__init__(model, optimizer, optimizer.comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)

@@ -42,6 +42,7 @@ on a staggered schedule, each applied some steps after its launch.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,8 @@ class DiLoCoConfig:
                       "knobs separated by ';' (topk:ratio=0.01;ef=true)", "a codec spec")
     average_momentum: bool = knob(False, "also average the inner optimizer's per-parameter state at each outer step",
                                   "true|false")
+    final_sync: bool = knob(True, "finish() ends with one more outer step on the steps since each fragment's last "
+                            "sync, so every rank holds the same model (false: each keeps its own)", "true|false")
 
     def __post_init__(self) -> None:
         require(self.period >= 1, f"period must be >= 1, got {self.period}")
@@ -102,6 +105,7 @@ class Fragment:
     pending: Reduction | None = None  # the average in flight
     landed: bool = False  # the mean is in ``delta`` (a resumed run's average that was in flight)
     merge_at: int | None = None  # the local step of the pending merge
+    merged_at: int | None = 0  # the local step of its last merge (None: unknown, a checkpoint from before it was kept)
     launched: tuple[ByteMeter, float] | None = None  # what the launch sent, and when
     watch: Watch = field(default_factory=Watch)
 
@@ -133,6 +137,8 @@ class DiLoCo(PeriodicAveraging):
         self._windows: list[tuple[ByteMeter, float]] = []  # per merged sync: its traffic, seconds it ran behind
         self._rest: torch.Tensor | None = None  # buffers (and inner state), averaged plainly
         self._plain: Aggregator | None = None
+        self.syncs_before_finish: int | None = None  # set by finish(): the outer steps of the run itself
+        self.never_synced_warned = False
 
     # -- what a subclass varies -------------------------------------------------------------
     @property
@@ -188,9 +194,9 @@ class DiLoCo(PeriodicAveraging):
         for f in self.fragments:
             self._launch(f, None)
 
-    def _launch(self, f: Fragment, local: int | None) -> None:
+    def _launch(self, f: Fragment, local: int | None, alpha: float | None = None) -> None:
         """Start averaging fragment ``f``'s pseudo-gradient ``θ − θ_i``; merged ``delay`` local
-        steps after ``local`` (at once with no delay, or with ``local`` None)."""
+        steps after ``local`` (at once with no delay, or with ``local`` None, with ``alpha``)."""
         t0 = time.perf_counter()
         params = self.state.params[f.lo : f.hi]
         delta = f.delta = _flat(f.delta, f.numel, params[0])
@@ -212,13 +218,14 @@ class DiLoCo(PeriodicAveraging):
         f.landed = False
         self._timing.codec_seconds += t1 - t0
         if local is None or at_once:
-            self._merge(f)
+            self._merge(f, alpha)
         else:
             f.merge_at = local + self.delay
 
-    def _merge(self, f: Fragment) -> None:
+    def _merge(self, f: Fragment, alpha: float | None = None) -> None:
         """Land ``f``'s mean pseudo-gradient, step the outer optimizer on ``f``'s ``θ`` and
-        set the fragment's parameters to ``α · θ_i + (1 − α) · θ``."""
+        set the fragment's parameters to ``α · θ_i + (1 − α) · θ`` (``alpha``: in place of
+        :attr:`alpha`; finish()'s final sync sets every rank to ``θ``)."""
         t0 = time.perf_counter()
         watched = f.launched is not None  # an average run behind later steps (not one merged at its launch)
         if f.launched is not None:  # what the sync sent, and the seconds of work it ran behind
@@ -241,7 +248,7 @@ class DiLoCo(PeriodicAveraging):
             theta.grad = delta[off : off + n].view(theta.shape)  # only this fragment's θ steps
             off += n
         self.outer.step()
-        alpha = self.alpha
+        alpha = self.alpha if alpha is None else alpha
         with torch.no_grad():
             for theta, p in zip(thetas, self.state.params[f.lo : f.hi]):
                 theta.grad = None
@@ -255,6 +262,7 @@ class DiLoCo(PeriodicAveraging):
         f.syncs += 1
         f.landed = False
         f.merge_at = None
+        f.merged_at = self.step - self.config.warmup
         self.syncs += 1
         self._timing.codec_seconds += t2 - t1
 
@@ -284,10 +292,32 @@ class DiLoCo(PeriodicAveraging):
                 theta.copy_(p)
 
     def finish(self) -> None:
-        """Land and merge the averages still in flight: the final model holds every sync."""
+        """Land and merge the averages still in flight, then (``final_sync``, the default) one
+        more outer step for every fragment with local steps since its last sync (or mixed
+        with ``alpha``), after which every rank's parameters are ``θ``: the run ends with one
+        global model, the same on every rank. With ``final_sync=false`` each rank keeps its
+        own model (apart by the local steps since the last sync). A run past its warm-up that
+        never synced before this (fewer local steps than ``period``) is warned about once:
+        it trained one round, and ``report()`` says so (``syncs_before_finish``). Ending with
+        an outer step on the partial round, rather than a plain average of the models, is our
+        choice: the papers do not say how a run ends between syncs."""
+        local = self.step - self.config.warmup
+        self.syncs_before_finish = self.syncs
+        launched = self.syncs > 0 or any(f.merge_at is not None for f in self.fragments)
+        if local > 0 and not launched and not self.never_synced_warned:
+            self.never_synced_warned = True
+            warnings.warn(f"{self.spec.split(':')[0]}: {local} local steps and no outer step before finish() "
+                          f"(period={self.config.period}): the run trained a single round"
+                          + (" and finish() averages it" if self.config.final_sync else
+                             "; with final_sync=false every rank keeps its own model"), stacklevel=2)
         for f in self.fragments:
             if f.merge_at is not None:
                 self._merge(f)
+        if not self.config.final_sync or local <= 0:
+            return None
+        for f in self.fragments:  # the same on every rank: the schedule's state is
+            if f.merged_at != local or self.alpha != 0.0:
+                self._launch(f, None, alpha=0.0)
         return None
 
     # -- figures ----------------------------------------------------------------------------
@@ -320,7 +350,8 @@ class DiLoCo(PeriodicAveraging):
                 f.watch.join()
         outer_state = sum(t.numel() for s in self.outer.state.values() for t in s.values()
                           if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"method": self.spec, "outer_steps": self.syncs, "outer_optimizer": type(self.outer).__name__,
+        return {"method": self.spec, "outer_steps": self.syncs, "syncs_before_finish": self.syncs_before_finish,
+                "outer_optimizer": type(self.outer).__name__,
                 "fragments": [[f.lo, f.hi, f.numel, f.offset] for f in self.fragments],
                 "peak_bytes_per_sync": self.peak_bytes, "hidden_fraction": self.hidden_fraction(),
                 "blocked_seconds": self.blocked_seconds, "average_seconds": self.comm_seconds,
@@ -338,7 +369,7 @@ class DiLoCo(PeriodicAveraging):
                 self.blocked_seconds += time.perf_counter() - t0
                 f.pending.wait()
                 f.pending, f.landed = None, True
-            fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "landed": f.landed,
+            fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "merged_at": f.merged_at, "landed": f.landed,
                               "delta": None if f.delta is None or not f.landed else f.delta.detach().clone(),
                               "agg": None if f.agg is None else f.agg.state_dict()})
         return {**super().state_dict(), "syncs": self.syncs, "peak_bytes": self.peak_bytes,
@@ -362,6 +393,7 @@ class DiLoCo(PeriodicAveraging):
         self.outer.load_state_dict(state["outer"])
         for f, saved in zip(self.fragments, state["fragments"]):
             f.syncs, f.merge_at, f.landed = int(saved["syncs"]), saved["merge_at"], bool(saved["landed"])
+            f.merged_at = saved.get("merged_at")  # None (an older checkpoint): finish() syncs it to be safe
             f.pending, f.launched = None, None
             like = self.state.params[f.lo]
             f.delta = _flat(f.delta, f.numel, like)

@@ -142,6 +142,14 @@ def own_optimizer(spec: str | Policy | Codec) -> bool:
         return False  # not a method spec (a policy's label): no method of its own
 
 
+def optimizer_method_help(name: str) -> str:
+    """The one way to attach a method that is an optimizer itself (DeMo), for the errors that
+    meet a loop doing otherwise."""
+    return (f"{name} is an optimizer itself: build it in place of yours and attach that one, "
+            f"opt = thinwire.method_optimizer('{name}', model.parameters(), lr); "
+            f"thinwire.attach(model, opt, '{name}')")
+
+
 def method_optimizer(spec: str | Policy | Codec, params: Any, lr: float, *, weight_decay: float = 0.0,
                      comm: Communicator | None = None) -> torch.optim.Optimizer | None:
     """The optimizer of a method that is one (``demo``, ``peer-demo``), built on ``params`` in

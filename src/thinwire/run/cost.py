@@ -369,6 +369,18 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
                     peak_bytes=last.get("peak_bytes_per_sync"), probe_steps=steps)
 
 
+def _steady(spec: str) -> str:
+    """``spec`` as a probe runs it: the DiLoCo family without its end-of-run sync
+    (``final_sync=false``), which is no step's cost."""
+    from thinwire.algorithms.registry import resolve_method
+
+    try:
+        resolved = resolve_method(spec)
+    except ValueError:
+        return spec  # the probe itself names what is wrong with it
+    return resolved.replace("final_sync=true", "final_sync=false")
+
+
 def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
           say: Callable[[str], None] = print) -> tuple[dict[str, StepCost], dict[str, str]]:
     """Run ``steps`` warm-up and ``steps`` timed training steps of every method (whole periods
@@ -390,7 +402,9 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[.
             continue
         say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
         with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-            cfg = for_method(base, spec, steps=2 * n, eval_every=n, out=tmp, overwrite=True, tensorboard=False)
+            # the steady state: the DiLoCo family's end-of-run sync (finish()) is no step's cost
+            steady = _steady(spec)
+            cfg = for_method(base, steady, steps=2 * n, eval_every=n, out=tmp, overwrite=True, tensorboard=False)
             try:
                 summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
                 if summary is not None and summary.get("stopped_at") is not None:
