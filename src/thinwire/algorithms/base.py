@@ -93,6 +93,7 @@ class Method(ABC):
         if self.flat_only is not None and self.comm.hierarchy is not None:
             raise ValueError(f"{self.name} cannot average in two levels: {self.flat_only}; give it a communicator "
                              "without nodes")
+        self.warned: list[str] = []  # what the method warned of (:meth:`warn`): a run's summary lists them
         if parameters is None and model is not None:
             parameters = model.named_parameters()
         if parameters is not None:  # before anything of the method's own goes on the wire
@@ -134,6 +135,14 @@ class Method(ABC):
     @abstractmethod
     def after_step(self) -> None:
         """Called after ``optimizer.step()``, every step: the method's schedule advances."""
+
+    def warn(self, message: str) -> None:
+        """Warn the user (``warnings.warn``) and keep the message in :attr:`warned`, which
+        ``thinwire train`` writes into ``summary.json`` under ``warnings``."""
+        import warnings
+
+        self.warned.append(message)
+        warnings.warn(message, stacklevel=3)
 
     def finish(self) -> torch.nn.Module | None:
         """Called once after the last step: work the method ends with (AB-training's final

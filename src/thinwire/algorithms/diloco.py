@@ -42,7 +42,6 @@ on a staggered schedule, each applied some steps after its launch.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,10 +305,10 @@ class DiLoCo(PeriodicAveraging):
         launched = self.syncs > 0 or any(f.merge_at is not None for f in self.fragments)
         if local > 0 and not launched and not self.never_synced_warned:
             self.never_synced_warned = True
-            warnings.warn(f"{self.spec.split(':')[0]}: {local} local steps and no outer step before finish() "
-                          f"(period={self.config.period}): the run trained a single round"
-                          + (" and finish() averages it" if self.config.final_sync else
-                             "; with final_sync=false every rank keeps its own model"), stacklevel=2)
+            self.warn(f"{self.spec.split(':')[0]}: {local} local steps and no outer step before finish() "
+                      f"(period={self.config.period}): the run trained a single round"
+                      + (" and finish() averages it" if self.config.final_sync else
+                         "; with final_sync=false every rank keeps its own model"))
         for f in self.fragments:
             if f.merge_at is not None:
                 self._merge(f)

@@ -13,7 +13,6 @@ import os
 import platform
 import signal
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,7 +97,6 @@ class _Run:
     stop_signal: int = 0
     stopped_at: int | None = None
     stop_agreed: Callable[[], None] | None = None  # told when the ranks agreed to stop after this step
-    warnings: list[str] = field(default_factory=list)  # what the method warned of (summary.json "warnings")
     # this rank's training losses since the last metrics row (finite ones): their sum and count
     loss_sum: float = 0.0
     loss_steps: int = 0
@@ -151,10 +149,7 @@ def train_rank(
             if due:
                 _checkpoint(run, step, _window_after(run, loss, step))
             t6 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as caught:  # what finish() found: into the summary too
-                warnings.simplefilter("always")
-                run.method.finish()
-            run.warnings += [str(w.message) for w in caught]
+            run.method.finish()
             run.clock.train_wall += time.perf_counter() - t6
         _record(run, loss, step, last)
         if due and not last:
@@ -330,9 +325,8 @@ def _finish(run: _Run) -> dict[str, Any] | None:
     cfg = run.cfg
     summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
                        run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps)
-    summary.update(warnings=run.warnings, resumed_from=run.start or None, stopped_at=run.stopped_at,
-                   started_at=run.started_at,
-                   ended_at=utc_now())
+    summary.update(warnings=list(getattr(run.method, "warned", [])), resumed_from=run.start or None,
+                   stopped_at=run.stopped_at, started_at=run.started_at, ended_at=utc_now())
     if run.stopped_at is not None:  # not over: no verdict on a run that may yet train
         summary.pop("failure", None)
         summary.update(status="stopped", signal=_signal_name(run.stop_signal))
