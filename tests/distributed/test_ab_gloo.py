@@ -72,7 +72,7 @@ def test_four_gloo_ranks_in_two_groups_learn_and_end_in_agreement():
 
 
 def _readme(rank, world, steps):
-    """The README's AB snippet, as written (default knobs: groups of half the world), on a
+    """docs/guide.md's AB snippet, as written (default knobs: groups of half the world), on a
     real gloo world; the plain model's state and the method's report."""
     import thinwire
 

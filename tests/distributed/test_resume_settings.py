@@ -50,7 +50,7 @@ def test_resume_alone_keeps_the_runs_settings_and_keeps_checkpointing(tmp_path, 
     assert first.returncode == 0, first.stderr
     original = _summary(out)["config"]
 
-    # the README's pair: the same command with --resume in place of --out; the run finished, so
+    # docs/guide.md's pair: the same command with --resume in place of --out; the run finished, so
     # it says so in one line, exits 0 and touches nothing
     before = _files(out)
     assert main(["train", *SETTINGS, "--steps", "6", "--resume", str(out), "--quiet"]) == 0

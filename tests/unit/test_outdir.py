@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from clicheck import files as _files
+from clicheck import refused as _refused
 from thinwire import jsonfile
 from thinwire.cli import main
 from thinwire.comm.local import LocalWorld
@@ -25,18 +27,6 @@ SMALL = ["--task", "synthetic", "--option", "dim=24", "--option", "hidden=32", "
 K = 4
 
 
-def _files(d: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() or p.is_symlink()}
-
-
-def _refused(capsys, argv: list[str], *needles: str) -> str:
-    """``thinwire ARGV`` exits 2 with one line holding every needle."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _train(out: Path, *extra: str) -> int:

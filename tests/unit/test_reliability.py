@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinwire.cli import main
+from clicheck import files as _files
+from clicheck import refused as _refused
 from thinwire.comm.local import LocalWorld
 from thinwire.run import checkpoint, config, metrics, outdir
 from thinwire.run.checkpoint import CheckpointError
@@ -43,18 +44,6 @@ def _train(cfg: TrainConfig) -> list:
     return LocalWorld(cfg.workers).run(lambda comm: train_rank(cfg, comm))
 
 
-def _files(d: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-def _refused(capsys, argv: list[str], *needles: str) -> str:
-    """``thinwire ARGV`` exits 2 with one line holding every needle, before any rank starts."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 @pytest.fixture()
