@@ -5,8 +5,11 @@ then timed steps, on this machine with no link) predicts the step time on a link
 compute + G - min(window, early x G), G = codec + max(wait, messages x latency + bytes /
 bandwidth), wait being the probe's own communication time with no link, window the
 backward time per step after the first bucket was launched and early the share of the
-average launched during backward (see thinwire.run.cost). That prediction is then checked
-against training runs that really cross the link:
+average launched during backward (see thinwire.run.cost). As ``thinwire cost`` does, the
+compute is the one figure the methods share (every method here runs the task's plain step):
+the median of the probes' per-step compute (``thinwire.run.cost.shared_compute``), each
+method's window scaled with it (``at_compute``). That prediction is then checked against
+training runs that really cross the link:
 
 1. ``--emulate-link`` runs (4 workers; every collective held until the link's modeled time
    has passed) at 1gbit,50us and 100mbit,1ms;
@@ -99,7 +102,7 @@ def error_rows(preds: dict[str, float], meas: dict[str, float]) -> tuple[list[li
 
 def section(report: Report, title: str, costs: dict[str, cost.StepCost], link: Link, meas: dict[str, float],
             label: str) -> None:
-    preds = {spec: c.seconds(link) for spec, c in costs.items()}
+    preds = {spec: c.seconds(link) for spec, c in predicting(costs).items()}
     rows, within, worst = error_rows(preds, meas)
     report.add(f"{title}\n\n" + table(["method", "predicted ms / step", "measured ms / step", "error"], rows))
     report.figures.append(Figure(f"methods predicted within 20% [{label}]", within, ">=", TARGET_METHODS, "",
@@ -107,11 +110,22 @@ def section(report: Report, title: str, costs: dict[str, cost.StepCost], link: L
 
 
 def probe_table(costs: dict[str, cost.StepCost]) -> str:
-    return table(["method", "compute ms", "codec ms", "wait ms", "KB sent / step", "messages / step",
+    """The probes' own figures (each method's measured compute), and the shared compute figure."""
+    shared = cost.shared_compute({s: [c] for s, c in costs.items()})
+    line = "" if shared is None else (f"\n\ncompute in every prediction: {shared.text()}, shared by "
+                                      f"{', '.join(shared.methods)}")
+    return table(["method", "measured compute ms", "codec ms", "wait ms", "KB sent / step", "messages / step",
                   "overlap window ms", "early share"],
                  [[s, f"{1e3 * c.compute_s:.2f}", f"{1e3 * c.codec_s:.2f}", f"{1e3 * c.wait_s:.2f}",
                    f"{c.bytes / 1e3:.1f}", f"{c.messages:.0f}", f"{1e3 * c.window_s:.2f}", f"{c.early_share:.2f}"]
-                  for s, c in costs.items()])
+                  for s, c in costs.items()]) + line
+
+
+def predicting(costs: dict[str, cost.StepCost]) -> dict[str, cost.StepCost]:
+    """The costs as thinwire cost predicts with them: the shared compute figure in place of each
+    method's own where the method shares it."""
+    shared = cost.shared_compute({s: [c] for s, c in costs.items()})
+    return {s: cost.at_compute(c, cost.shares_compute(s), shared) for s, c in costs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

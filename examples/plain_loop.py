@@ -6,6 +6,7 @@ Run on one machine with 2 CPU processes:
 """
 
 import argparse
+import math
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,10 @@ def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 
     optimizer = thinwire.method_optimizer(method, model.parameters(), lr=2e-3) or torch.optim.SGD(
         model.parameters(), lr=0.05, momentum=0.9)
     run = thinwire.attach(model, optimizer, method)  # <- the one line: codec, policy or algorithm
+    # your own learning-rate schedule, as without thinwire (here: warm-up, then cosine down to a tenth)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
     # mixed precision: fp16 autocast with a loss scaler on GPUs, bf16 autocast on the CPU
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
     autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
@@ -47,12 +52,15 @@ def train(method: str, steps: int = 200, *, amp: bool = False, log_every: int = 
         scaler.step(optimizer)  # skipped on every rank alike after an overflow
         scaler.update()
         run.after_step()  # models averaged or mixed, for methods with a schedule
+        schedule.step()
         if rank == 0 and log_every and step % log_every == 0:
             print(f"step {step}: loss {loss.item():.4f}, bytes sent so far {run.bytes_sent:,.0f}")
     run.finish()  # AB-training's last sync (a plain model again); nothing for most methods
     # a checkpoint holds the method's state beside the model's and the optimizer's
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "method": run.state_dict()}
-    return {"loss": loss.item(), "bytes_sent": run.bytes_sent, "checkpoint_keys": sorted(checkpoint)}
+    group = optimizer.param_groups[0]
+    return {"loss": loss.item(), "bytes_sent": run.bytes_sent, "checkpoint_keys": sorted(checkpoint),
+            "lr_factor": group["lr"] / group["initial_lr"]}
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ The public API (importing does no work beyond importing torch):
 * :class:`Policy`: a codec per parameter by module type, name and size (presets: ``hylo``).
 * :class:`LocalSGD`, :class:`DaSGD`: periodic model averaging, blocking or hidden behind
   the next steps; :class:`DiLoCo`: an outer optimizer on the averaged pseudo-gradients,
-  :class:`StreamingDiLoCo` the same synced in fragments behind the next steps;
+  :class:`StreamingDiLoCo` the same synced in fragments behind the next steps,
+  :class:`SparseLoCo` with per-rank error feedback and 2-bit chunked top-k in place of
+  outer momentum;
   :class:`DPSGD`, :class:`PowerGossip`: gossip with graph neighbours,
   plain or low-rank compressed (``thinwire.topology``); :class:`ABTraining`: low-rank
   ``A·B`` factors trained in groups (``thinwire.nn.Factorized``); all attach with
@@ -36,6 +38,7 @@ from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
 from thinwire.algorithms.powergossip import PowerGossip
 from thinwire.algorithms.registry import METHODS, method_optimizer
+from thinwire.algorithms.sparseloco import SparseLoCo
 from thinwire.algorithms.streaming_diloco import StreamingDiLoCo
 from thinwire.algorithms.sync import SyncReducer
 from thinwire.codecs.registry import available as available_codecs
@@ -52,6 +55,6 @@ from thinwire.version import __version__
 __all__ = [
     "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DeMo", "DiLoCo", "DPSGD",
     "Link", "LocalSGD", "METHODS", "Method", "ParameterMismatch", "Payload", "Policy", "PowerGossip", "Rule",
-    "StreamingDiLoCo", "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
+    "SparseLoCo", "StreamingDiLoCo", "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
     "__version__",
 ]

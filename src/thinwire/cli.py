@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -23,7 +24,8 @@ class BadInput(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise BadInput(f"{self.prog}: {message}")
+        sub = self.prog.removeprefix("thinwire").strip()  # "thinwire: error: " comes first already
+        raise BadInput(f"{sub}: {message}" if sub else message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,12 +58,16 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--batch-size", type=int,
                    help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
     t.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {_per_task('lr')})")
-    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
-                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's: "
+    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "muon"],
+                   help="adam, adamw (decoupled weight decay), sgd with momentum 0.9, or muon (Muon for the hidden "
+                   "weight matrices, AdamW for embeddings, the output layer, norms and biases) (default: the task's: "
                    f"{_per_task('optimizer')})")
+    _schedule_options(t)
     t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of "
                    "the method; default: 0)")
-    t.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    t.add_argument("--data", "--data-dir", dest="data_dir", metavar="PATH",
+                   help="the task's data (text: a UTF-8 file, a folder of them or a uint16 token file; cifar10: the "
+                   "CIFAR-10 binary files' folder)")
     t.add_argument("--link", action="append", dest="links", metavar="LINK",
                    help="network to model, e.g. 1gbit,50us or 100mbit,1ms; repeat for several")
     t.add_argument("--emulate-link", action=argparse.BooleanOptionalAction,
@@ -125,6 +131,18 @@ def _node_options(p: argparse.ArgumentParser) -> None:
                    "each gradient before the node's sum and the mean after the codec; needs --ranks-per-node)")
 
 
+def _schedule_options(p: Any) -> None:
+    p.add_argument("--lr-schedule", choices=["constant", "cosine", "wsd"],
+                   help="the learning rate over the run: constant, cosine decay or wsd (stable, then a linear decay "
+                   "over the last 20%% of the steps), each after --warmup-steps (default: constant)")
+    p.add_argument("--warmup-steps", type=int, metavar="W", help="linear warm-up to --lr over W steps (default: 0)")
+    p.add_argument("--min-lr", type=float, metavar="R",
+                   help="the share of --lr that cosine and wsd decay to, in [0, 1] (default: 0)")
+    p.add_argument("--muon-lr", type=float, metavar="LR",
+                   help="--optimizer muon: Muon's own learning rate (default: --lr, Muon's update rescaled to "
+                   "AdamW's RMS)")
+
+
 def _compare_parser(sub: Any) -> None:
     c = sub.add_parser("compare", help="race methods on one task: report.md, results.csv and plots of accuracy "
                        "against steps, bytes and modeled time per link")
@@ -152,7 +170,12 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--out", required=True, help="directory for report.md, results.csv, the PNGs and runs/")
     c.add_argument("--overwrite", action="store_true", help="allow --out to replace an earlier comparison")
     c.add_argument("--target", type=float,
-                   help="test accuracy to time each method to (default: 95%% of the best final accuracy)")
+                   help="a classifier's test accuracy to time each method to (default: 95%% of the best final "
+                   "accuracy)")
+    c.add_argument("--target-loss", type=float, metavar="LOSS",
+                   help="a language model's test loss (nats) to time each method to (default: the best final test "
+                   "loss + 2%%); a race is judged by the task's own figure: loss for language models, accuracy for "
+                   "classifiers")
     c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
     c.add_argument("--seeds", type=int, default=1, metavar="S",
                    help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
@@ -165,10 +188,14 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--batch-size", type=int,
                    help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
     c.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {_per_task('lr')})")
-    c.add_argument("--optimizer", choices=["adam", "adamw", "sgd"],
-                   help="adam, adamw (decoupled weight decay) or sgd with momentum 0.9 (default: the task's: "
+    c.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "muon"],
+                   help="adam, adamw (decoupled weight decay), sgd with momentum 0.9, or muon (Muon for the hidden "
+                   "weight matrices, AdamW for embeddings, the output layer, norms and biases) (default: the task's: "
                    f"{_per_task('optimizer')})")
-    c.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    _schedule_options(c)
+    c.add_argument("--data", "--data-dir", dest="data_dir", metavar="PATH",
+                   help="the task's data (text: a UTF-8 file, a folder of them or a uint16 token file; cifar10: the "
+                   "CIFAR-10 binary files' folder)")
     c.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help=f"task option, e.g. model=vgg (repeatable); {_task_options()}")
     c.add_argument("--bucket-mb", type=float, default=25.0, help="fuse tensors into buckets of this size (default: 25)")
@@ -193,14 +220,29 @@ def _cost_parser(sub: Any) -> None:
                    help="method specs separated by commas, as for compare (default: identity,bf16,"
                    "topk:ratio=0.01,powersgd:rank=2,fft,hylo); bf16 is always probed as the reference")
     k.add_argument("--probe-steps", type=int, default=20,
-                   help="timed training steps of each probe, after as many warm-up steps (default: 20)")
+                   help="timed training steps of each probe, after as many warm-up steps, or fewer where "
+                   "--probe-seconds does not hold them (default: 20)")
+    k.add_argument("--probe-seconds", type=float, default=PROBE_SECONDS, metavar="S",
+                   help="at most S seconds of training steps per probe, at the step time measured so far: a probe "
+                   "whose steps do not fit times as many as fit after one warm-up step, at least one (a periodic "
+                   "method: one period); the ranks' start-up is not counted; inf: no bound (default: "
+                   f"{PROBE_SECONDS:g})")
+    k.add_argument("--compute-ms", type=float, metavar="MS",
+                   help="the compute of one training step on your own hardware, in milliseconds: it replaces the "
+                   "compute measured here in every prediction (methods with their own compute: scaled by MS over "
+                   "the measured figure); the codec and wait times stay this machine's")
+    k.add_argument("--compute-from", metavar="RUN_DIR",
+                   help="as --compute-ms, from a finished run's summary.json (compute_seconds / steps): a run of "
+                   "the same task, options and batch size on the hardware to predict")
     k.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="probe every method R times, in rounds, and show each figure as median [min-max] and "
                    "each bandwidth of the verdict (from the medians) with its range over the repeats (default: 1)")
     k.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
     k.add_argument("--batch-size", type=int,
                    help=f"batch size per worker (default: the task's: {_per_task('batch_size')})")
-    k.add_argument("--data-dir", help="data directory (cifar10: the CIFAR-10 binary files)")
+    k.add_argument("--data", "--data-dir", dest="data_dir", metavar="PATH",
+                   help="the task's data (text: a UTF-8 file, a folder of them or a uint16 token file; cifar10: the "
+                   "CIFAR-10 binary files' folder)")
     k.add_argument("--option", action="append", dest="task_options", metavar="KEY=VALUE",
                    help=f"task option, e.g. model=vgg (repeatable); {_task_options()}")
     k.add_argument("--threads", type=int, help="torch threads per spawned worker (default: cores / workers)")
@@ -367,12 +409,15 @@ def _train_locked(args: argparse.Namespace, cfg: Any) -> int:
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
-                "intra_link", "intra_dtype", "tensorboard")  # train's options, by field
+                "intra_link", "intra_dtype", "tensorboard", "lr_schedule", "warmup_steps", "min_lr",
+                "muon_lr")  # train's options, by field
 
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
                   "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers",
-                  "ranks_per_node", "intra_link", "intra_dtype", "tensorboard")
+                  "ranks_per_node", "intra_link", "intra_dtype", "tensorboard", "lr_schedule", "warmup_steps",
+                  "min_lr", "muon_lr")
+PROBE_SECONDS = 20.0  # thinwire cost: seconds of training steps per probe, by default
 COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
                "max_workers", "ranks_per_node", "intra_link", "intra_dtype")
 
@@ -403,8 +448,9 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
 
     if bool(args.methods) == bool(args.suite):
         raise BadInput("compare needs exactly one of --methods and --suite")
-    if args.suite and args.target is not None:
-        raise BadInput("--target applies to --methods races (each suite race sets its own)")
+    if args.suite and (args.target is not None or args.target_loss is not None):
+        raise BadInput(f"--{'target' if args.target is not None else 'target-loss'} applies to --methods races "
+                       "(each suite race sets its own)")
     if args.suite and args.seeds != 1:
         raise BadInput("--seeds applies to --methods races (a suite's claims are read on one seed)")
     from thinwire.run import suite
@@ -422,7 +468,8 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
             if args.suite:
                 races = suite.prepare(base, args.out, args.overwrite, suite.SUITES[args.suite])
             else:
-                race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds)
+                race = compare.prepare(base, args.methods, args.out, args.target, args.overwrite, seeds=args.seeds,
+                                       target_loss=args.target_loss)
         except ValueError as e:
             raise BadInput(str(e)) from None
         return _compare_locked(args, argv, races if args.suite else [race])
@@ -466,9 +513,6 @@ def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from thinwire.comm.link import Link
     from thinwire.run import cost
     from thinwire.run.compare import DEFAULT_LINKS, resolve_methods, split_methods
 
@@ -476,6 +520,9 @@ def _cost(args: argparse.Namespace) -> int:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
     if args.repeats < 1:
         raise BadInput(f"repeats must be >= 1, got {args.repeats}")
+    if not args.probe_seconds > 0:  # nan too
+        raise BadInput(f"--probe-seconds must be a number of seconds > 0 (inf: no bound), got {args.probe_seconds}")
+    given = _given_compute(args)
     base = _config(args, COST_FIELDS, steps=args.probe_steps, eval_every=args.probe_steps,
                    links=tuple(args.links or DEFAULT_LINKS))
     specs = split_methods(args.methods or [cost.DEFAULT_METHODS])
@@ -485,57 +532,218 @@ def _cost(args: argparse.Namespace) -> int:
         base, resolved = resolve_methods(base, typed)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if given is not None and given[1] is not None:
+        _check_compute_run(given[1], base, args.compute_from)
     from thinwire.run.labels import labels
 
-    names = dict(zip(resolved, labels(typed), strict=True))  # rows named as typed: two variants stay apart
+    table = _CostTable(args, base, resolved, labels(typed), None if given is None else given[0])
     _warn_load("thinwire cost")
-    runs, failed = cost.probe_repeats(base, resolved, args.probe_steps, args.repeats,
-                                      say=lambda line: print(line, flush=True))
-    for spec, error in failed.items():
-        print(f"thinwire: the probe of {spec.split(':')[0]} failed: {error}", file=sys.stderr)
+    collected: dict[str, list[Any]] = {spec: [] for spec in resolved}
+    failed: dict[str, str] = {}
+
+    def on_result(spec: str, result: Any) -> None:
+        if isinstance(result, str):
+            failed[spec] = result
+            print(f"thinwire: the probe of {spec.split(':')[0]} failed: {result}", file=sys.stderr, flush=True)
+            return
+        collected[spec].append(result)
+        line = table.line(spec, {s: cs for s, cs in collected.items() if cs and s not in failed})
+        if line:
+            print(line, flush=True)
+
+    restore = _sigterm_interrupts()
+    try:
+        pace = cost.Pace.first(base, args.probe_seconds)
+        runs, _ = cost.probe_repeats(base, resolved, args.probe_steps, args.repeats, pace=pace,
+                                     say=lambda line: print(line, flush=True), on_result=on_result)
+    except KeyboardInterrupt as e:
+        name = getattr(e, "signal", None) or "SIGINT"
+        done = {s: cs for s, cs in collected.items() if cs and s not in failed}
+        if resolved[0] in done:
+            print(f"thinwire cost: stopped by {name}; the methods probed so far:", flush=True)
+            table.print(done, interrupted=True)
+        else:
+            print(f"thinwire cost: stopped by {name} before the reference ({cost.REFERENCE}) was probed", flush=True)
+        print(f"thinwire: stopped by {name}", file=sys.stderr)
+        return 143 if name == "SIGTERM" else 130
+    finally:
+        restore()
     if resolved[0] not in runs:
         return 1  # no reference to compare against
-    costs = {spec: cost.median_cost(cs) for spec, cs in runs.items()}
-    ref = costs[resolved[0]]
-    repeats = (f"; median \\[min-max] of {args.repeats} repeats, the verdict from the medians"
-               if args.repeats > 1 else "")
-    links = [Link.parse(text) for text in base.links]
-    per_node = int(base.ranks_per_node or 1)  # resolved: a number
-    nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
-             "MB and messages: between nodes)" if per_node > 1 else "")
-    title = (f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
-             f"{args.probe_steps} timed steps each, after as many warm-up; whole periods for periodic methods"
-             f"{repeats})")
-    caption = (f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
-               f"bytes / bandwidth{' + intra-node time' if nodes else ''}); wait = the collectives' time here, "
-               f"with no link; window = the backward time "
-               f"after the first bucket went, early = the share of it sent during backward. beats bf16: the "
-               f"bandwidths at which the method's step is "
-               f"faster than bf16's, at the latency of {base.links[0]}. A periodic method's sync is spread over "
-               f"its period's steps; peak MB = the most sent in one step (the DiLoCo family), what the link must "
-               f"carry at once; averages hidden behind whole steps (DaSGD, streaming-diloco) are not credited")
-    columns = ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
-               *[f"ms @ {text}" for text in base.links], "beats bf16",
-               *(["its bandwidths over the repeats"] if args.repeats > 1 else [])]
-    rows = []
-    for spec, c in costs.items():
-        each = runs[spec]
-
-        def ms(of: Any, each: list[Any] = each) -> str:
-            return cost.spread([1e3 * of(x) for x in each])
-
-        peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
-        rows.append([names[spec], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}",
-                     ms(lambda x: x.compute_s), ms(lambda x: x.codec_s), ms(lambda x: x.wait_s),
-                     ms(lambda x: x.window_s), *[ms(lambda x, link=link: x.seconds(link)) for link in links],
-                     cost.verdict(c, ref, links[0].latency_s),
-                     *([cost.bounds_text(each, runs[resolved[0]], links[0].latency_s)] if args.repeats > 1 else [])])
-    wide = 160 if args.repeats == 1 else 260  # median [min-max] cells: wider
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: the whole table, however wide
-        console = Console(width=wide)
-    print_cost(console, title, caption, columns, rows, wide)
+    table.print(runs)
     return 0
+
+
+def _given_compute(args: argparse.Namespace) -> tuple[float, dict[str, Any] | None] | None:
+    """The compute a step takes on the user's hardware (seconds; ``--compute-ms`` or
+    ``--compute-from``, with that run's summary), or None: the one measured here."""
+    if args.compute_ms is not None and args.compute_from is not None:
+        raise BadInput("give one of --compute-ms and --compute-from")
+    if args.compute_ms is not None:
+        if not (math.isfinite(args.compute_ms) and args.compute_ms > 0):
+            raise BadInput(f"--compute-ms must be a finite number of milliseconds > 0, got {args.compute_ms}")
+        return args.compute_ms / 1e3, None
+    if args.compute_from is not None:
+        from thinwire.run.cost import compute_from_run
+
+        try:
+            seconds, summary = compute_from_run(args.compute_from)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        return seconds, summary
+    return None
+
+
+def _check_compute_run(summary: dict[str, Any], base: Any, where: str) -> None:
+    """A ``--compute-from`` run must have computed this probe's step: the same task, task
+    options and batch size per worker, and a method that runs the task's plain step."""
+    from thinwire.algorithms.registry import own_compute
+
+    config: dict[str, Any] = summary["config"] if isinstance(summary.get("config"), dict) else {}
+    ran = {"task": summary.get("task", config.get("task")), "task options": config.get("task_options") or {},
+           "batch size": config.get("batch_size")}
+    here = {"task": base.task, "task options": dict(base.task_options), "batch size": base.batch_size}
+    for what, value in ran.items():
+        if value != here[what]:
+            raise BadInput(f"--compute-from {where}: that run's {what} is {value!r}, this probe's {here[what]!r}: its "
+                           "compute is another step's")
+    method = summary.get("method")
+    if isinstance(method, str) and own_compute(method):
+        raise BadInput(f"--compute-from {where}: its method {method.split(':')[0]} computes a step of its own, not "
+                       "the task's plain one")
+
+
+def _sigterm_interrupts() -> Any:
+    """SIGTERM raises :class:`thinwire.run.cost.ProbeInterrupted` (as SIGINT raises
+    KeyboardInterrupt) until the returned undo is called; a launch in flight takes both
+    signals itself meanwhile. Nothing off the main thread."""
+    import signal
+    import threading
+
+    from thinwire.run.cost import ProbeInterrupted
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise ProbeInterrupted("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+class _CostTable:
+    """``thinwire cost``'s rows, from the per-step costs probed so far: a line per method as
+    its probe ends, the table at the end (or at an interrupt)."""
+
+    def __init__(self, args: argparse.Namespace, base: Any, resolved: list[str], names: list[str],
+                 given_s: float | None) -> None:
+        from thinwire.comm.link import Link
+        from thinwire.run import cost
+
+        self.args, self.base, self.resolved, self.given_s = args, base, resolved, given_s
+        self.names = dict(zip(resolved, names, strict=True))  # rows named as typed: two variants stay apart
+        self.shares = {spec: cost.shares_compute(spec) for spec in resolved}
+        self.links = [Link.parse(text) for text in base.links]
+        self.repeats = args.repeats
+
+    def _compute(self, runs: dict[str, list[Any]]) -> Any:
+        from thinwire.run import cost
+
+        return cost.shared_compute(runs, lambda spec: self.shares[spec])
+
+    def rows(self, runs: dict[str, list[Any]]) -> tuple[list[str], list[list[str]]]:
+        """The columns and a row per method of ``runs`` (the reference among them)."""
+        from thinwire.run import cost
+
+        shared = self._compute(runs)
+        ref_spec = self.resolved[0]
+        at = {spec: [cost.at_compute(c, self.shares[spec], shared, self.given_s) for c in cs]
+              for spec, cs in runs.items()}
+        ref_raw = cost.median_cost(runs[ref_spec])
+        latency = self.links[0].latency_s
+        columns = ["method", "MB / step", "peak MB", "messages", "compute ms", "codec ms", "wait ms", "window ms",
+                   *[f"ms @ {text}" for text in self.base.links], "beats bf16",
+                   *(["its bandwidths over the repeats"] if self.repeats > 1 else [])]
+        rows = []
+        for spec, each in at.items():
+            c = cost.median_cost(each)
+
+            def ms(of: Any, each: list[Any] = each) -> str:
+                return cost.spread([1e3 * of(x) for x in each])
+
+            if self.given_s is not None:
+                beats = cost.verdict(c, cost.median_cost(at[ref_spec]), latency) if spec != ref_spec \
+                    else "(the reference)"
+            else:
+                beats = cost.ranged_verdict(cost.median_cost(runs[spec]), ref_raw, latency, shared,
+                                            m_shares=self.shares[spec], ref_shares=self.shares[ref_spec])
+            compute = f"{1e3 * c.compute_s:.1f}" if self.shares[spec] else ms(lambda x: x.compute_s)
+            peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e6:.3f}"
+            n = min(len(each), len(at[ref_spec]))  # an interrupted round: the repeats both have
+            rows.append([self.names[spec], f"{c.bytes / 1e6:.3f}", peak, f"{c.messages:.0f}", compute,
+                         ms(lambda x: x.codec_s), ms(lambda x: x.wait_s), ms(lambda x: x.window_s),
+                         *[ms(lambda x, link=link: x.seconds(link)) for link in self.links], beats,
+                         *([cost.bounds_text(each[:n], at[ref_spec][:n], latency)] if self.repeats > 1 else [])])
+        return columns, rows
+
+    def compute_line(self, runs: dict[str, list[Any]]) -> str:
+        """``compute: 48.1 ms a step [46.0–51.2] over 8 blocks, shared by identity, bf16, ...``."""
+        shared = self._compute(runs)
+        own = [self.names[spec] for spec in runs if not self.shares[spec]]
+        if shared is None:
+            measured = "none measured here"
+        else:
+            measured = f"{shared.text()}, shared by {', '.join(self.names[spec] for spec in shared.methods)}"
+        if self.given_s is None:
+            line = f"compute: {measured}"
+            return line + (f"; {', '.join(own)}: their own" if own else "")
+        source = (f"--compute-from {self.args.compute_from}" if self.args.compute_from is not None
+                  else "--compute-ms")
+        line = f"compute: {1e3 * self.given_s:.1f} ms a step ({source}) in every prediction; measured here: {measured}"
+        if own and shared is not None:
+            line += f"; {', '.join(own)}: their own, scaled by {1e3 * self.given_s:.1f} / {1e3 * shared.per_step:.1f}"
+        return line
+
+    def line(self, spec: str, runs: dict[str, list[Any]]) -> str | None:
+        """One method's row as ``figure value`` pairs, the moment its probe ends (None before
+        the reference is probed)."""
+        if self.resolved[0] not in runs or spec not in runs:
+            return None
+        columns, rows = self.rows(runs)
+        row = rows[list(runs).index(spec)]
+        return f"  {row[0]}: " + ", ".join(f"{col} {cell}" for col, cell in zip(columns[1:], row[1:], strict=True))
+
+    def print(self, runs: dict[str, list[Any]], interrupted: bool = False) -> None:
+        from rich.console import Console
+
+        base, args = self.base, self.args
+        columns, rows = self.rows(runs)
+        per_node = int(base.ranks_per_node or 1)  # resolved: a number
+        nodes = (f" ({base.workers // per_node} nodes; inside them {base.intra_link}, whose time is in G; "
+                 "MB and messages: between nodes)" if per_node > 1 else "")
+        repeats = (f"; median \\[min-max] of {args.repeats} repeats, the verdict from the medians"
+                   if args.repeats > 1 else "")
+        budget = (f", or what {args.probe_seconds:g} s of steps allow" if math.isfinite(args.probe_seconds) else "")
+        title = (f"{base.task} · {base.workers} workers{nodes} · predicted milliseconds per step (probe: "
+                 f"{args.probe_steps} timed steps each, after as many warm-up{budget}; whole periods for periodic "
+                 f"methods{repeats}{'; interrupted' if interrupted else ''})")
+        caption = (f"step = compute + G - min(window, early x G), G = codec + max(wait, messages x latency + "
+                   f"bytes / bandwidth{' + intra-node time' if nodes else ''}); compute = the one figure above for "
+                   f"the methods that share it, the window scaled with it; wait = the collectives' time here, "
+                   f"with no link; window = the backward time after the first bucket went, early = the share of "
+                   f"it sent during backward. beats bf16: the bandwidths at which the method's step is faster than "
+                   f"bf16's, at the latency of {base.links[0]}, at the compute figure and both ends of its range. "
+                   f"A periodic method's sync is spread over its period's steps; peak MB = the most sent in one "
+                   f"step (the DiLoCo family), what the link must carry at once; averages hidden behind whole "
+                   f"steps (DaSGD, streaming-diloco) are not credited")
+        widths = [max(len(col), *(len(row[i]) for row in rows)) for i, col in enumerate(columns)]
+        wide = max(160 if args.repeats == 1 else 260, sum(widths) + 3 * len(columns) + 1)
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: the whole table, however wide
+            console = Console(width=wide)
+        print(self.compute_line(runs), flush=True)  # one line, however long
+        print_cost(console, title, caption, columns, rows, wide)
 
 
 def print_cost(console: Any, title: str, caption: str, columns: list[str], rows: list[list[str]], wide: int) -> None:
@@ -610,7 +818,14 @@ def _check_task(cfg) -> None:
         task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
     except TypeError as e:
         raise ValueError(f"bad --option for task {cfg.task}: {e}") from None
-    check_model(cfg.method_spec(), task.build_model())
+    if cfg.workers is not None and cfg.batch_size is not None:
+        task.check_world(cfg.workers, cfg.batch_size)  # e.g. a corpus smaller than one window per rank
+    model = task.build_model()
+    if cfg.optimizer == "muon":
+        from thinwire.optim.muon import split
+
+        split(model)  # a model without hidden weight matrices is refused here, not in a rank
+    check_model(cfg.method_spec(), model)
 
 
 def _print_summary(s: dict[str, Any], out: str | None, console: Any = None) -> None:

@@ -215,17 +215,20 @@ def test_help_shows_every_tasks_defaults_and_options(command, capsys):
         main([command, "--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines between words
-    assert "batch size per worker (default: the task's: mnist1d 64, charlm 32, cifar10 64, synthetic 64)" in text
+    assert ("batch size per worker (default: the task's: mnist1d 64, charlm 32, text 32, cifar10 64, "
+            "synthetic 64)") in text
     assert ("task option, e.g. model=vgg (repeatable; on --resume, added to the run's own); " if command == "train"
             else "task option, e.g. model=vgg (repeatable); ") + (
-        "keys: mnist1d: size; charlm: model, context, layers, d_model, heads, dropout; cifar10: model, augment; "
+        "keys: mnist1d: size; charlm: model, context, layers, d_model, heads, dropout; text: model, context, "
+        "layers, d_model, heads, dropout, vocab, eval_windows, test_share; cifar10: model, augment; "
         "synthetic: dim, hidden, depth, classes, samples, test_samples, data_seed") in text
-    assert "--task TASK mnist1d | charlm | cifar10 | synthetic (default: mnist1d)" in text
+    assert "--task TASK mnist1d | charlm | text | cifar10 | synthetic (default: mnist1d)" in text
     if command != "cost":
-        assert "(default: the task's budget: mnist1d 800, charlm 600, cifar10 2000, synthetic 300)" in text
-        assert "learning rate (default: the task's: mnist1d 0.003, charlm 0.001, cifar10 0.1, synthetic 0.05)" in text
-        assert "(default: the task's: mnist1d adam, charlm adam, cifar10 sgd, synthetic sgd)" in text
-        assert "K steps (default: the task's: mnist1d 100, charlm 100, cifar10 500, synthetic 100)" in text
+        assert "(default: the task's budget: mnist1d 800, charlm 600, text 600, cifar10 2000, synthetic 300)" in text
+        assert ("learning rate (default: the task's: mnist1d 0.003, charlm 0.001, text 0.001, cifar10 0.1, "
+                "synthetic 0.05)") in text
+        assert "(default: the task's: mnist1d adam, charlm adam, text adam, cifar10 sgd, synthetic sgd)" in text
+        assert "K steps (default: the task's: mnist1d 100, charlm 100, text 100, cifar10 500, synthetic 100)" in text
     assert "the task's)" not in text
 
 
@@ -493,7 +496,8 @@ def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[1/2] identity" in r.stdout and "[2/2] torch-ddp" in r.stdout and "best at 1gbit,50us" in r.stdout
     for name in ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png",
-                 "accuracy_vs_time_1gbit_50us.png", "accuracy_vs_time_100mbit_1ms.png", "time_breakdown.png"):
+                 "accuracy_vs_time_1gbit_50us.png", "accuracy_vs_time_100mbit_1ms.png", "time_breakdown_1gbit_50us.png",
+                 "time_breakdown_100mbit_1ms.png"):
         assert (out / name).stat().st_size > 0, name
     with open(out / "results.csv") as f:
         rows = {row["method"]: row for row in csv.DictReader(f)}
@@ -501,9 +505,15 @@ def test_compare_writes_the_report_csv_and_plots_from_real_runs(tmp_path):
         s = json.loads((run / "summary.json").read_text())
         row = rows[s["method"].split(":")[0]]
         for key in ("final_accuracy", "final_loss", "bytes_sent_per_worker", "compression_ratio", "wall_seconds",
-                    "compute_seconds", "codec_seconds", "comm_seconds"):
+                    "codec_seconds", "comm_seconds"):
             assert float(row[key]) == s[key], key  # the CSV holds the summary's own numbers
-        assert float(row["modeled_seconds@1gbit,50us"]) == s["modeled_seconds_by_link"]["1gbit,50us"]
+        # compute: the race's shared figure (both methods run the same step); the run's own beside it, and the
+        # modeled time moved by the difference
+        assert row["compute_figure"] == "shared" and float(row["measured_compute_seconds"]) == s["compute_seconds"]
+        shift = float(row["compute_seconds"]) - s["compute_seconds"]
+        assert float(row["modeled_seconds@1gbit,50us"]) == pytest.approx(
+            s["modeled_seconds_by_link"]["1gbit,50us"] + shift, rel=1e-12, abs=1e-12)
+    assert rows["torch-ddp"]["compute_seconds"] == rows["identity"]["compute_seconds"]
     # PyTorch's DDP and thinwire's identity: the same losses and bytes on the same seed
     assert float(rows["torch-ddp"]["final_loss"]) == pytest.approx(float(rows["identity"]["final_loss"]), rel=1e-6)
     assert rows["torch-ddp"]["bytes_sent_per_worker"] == rows["identity"]["bytes_sent_per_worker"]

@@ -183,7 +183,7 @@ def _every_method(rank: int, world: int, methods: list[str], amp: bool):
     for spec in methods:
         try:
             r = plain_loop.train(spec, steps=4, amp=amp, log_every=0)
-            out[spec] = ("ok", r["loss"], r["bytes_sent"], r["checkpoint_keys"])
+            out[spec] = ("ok", r["loss"], r["bytes_sent"], r["checkpoint_keys"], r["lr_factor"])
         except ValueError as e:
             out[spec] = ("refused", str(e))
         gc.collect()
@@ -204,6 +204,8 @@ def test_the_plain_loop_example_runs_every_listed_method_on_two_ranks():
             continue
         assert got[0] == "ok", (spec, got)
         assert got[1] == got[1] and got[3] == ["method", "model", "optimizer"]  # a finite loss
+        # the example's own torch scheduler ran under every method: after 4 steps its cosine is at its floor
+        assert got[4] == pytest.approx(0.1, rel=1e-12), (spec, got[4])
         assert results[1][spec][0] == "ok"
 
 

@@ -128,7 +128,7 @@ def test_a_task_missing_a_part_is_refused_at_its_import_in_one_line(body, rule, 
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--task", "spiral"], "unknown task 'spiral'; available: mnist1d, charlm, cifar10, synthetic, spirals"),
+    (["--task", "spiral"], "unknown task 'spiral'; available: mnist1d, charlm, text, cifar10, synthetic, spirals"),
     (["--task", NAME, "--option", "hidden=0"], "spirals: need samples >= 10, hidden >= 1 and noise >= 0, got 3000, "
                                                "0 and 0.3"),
     (["--task", NAME, "--option", "depth=3"], "unknown option 'depth' for task spirals; options: csv, hidden, noise, "

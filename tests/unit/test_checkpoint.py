@@ -32,7 +32,8 @@ METHODS = sorted(n for n in method_names()
 # launched at step 4, merged at 5)
 SHORT = {"ab": "ab:warmup=1,cycle=6,full_steps=1", "dasgd": "dasgd:warmup=1,period=3,delay=2",
          "localsgd": "localsgd:warmup=1,period=3", "diloco": "diloco:warmup=1,period=2",
-         "streaming-diloco": "streaming-diloco:warmup=1,period=3,fragments=2,delay=1"}
+         "streaming-diloco": "streaming-diloco:warmup=1,period=3,fragments=2,delay=1",
+         "sparseloco": "sparseloco:warmup=1,period=3"}
 
 
 def _cfg(tmp: Path, method: str, **kw) -> TrainConfig:

@@ -100,7 +100,7 @@ def test_a_failing_method_does_not_stop_the_race(tmp_path):
     assert "| topk | failed: RunFailed: rank 1 failed after step 3" in report and "**bf16**" in report
     assert sorted(os.path.basename(p) for p in done["plots"]) == [
         "accuracy_vs_bytes.png", "accuracy_vs_step.png", "accuracy_vs_time_100mbit_1ms.png",
-        "accuracy_vs_time_1gbit_50us.png", "time_breakdown.png"]
+        "accuracy_vs_time_1gbit_50us.png", "time_breakdown_100mbit_1ms.png", "time_breakdown_1gbit_50us.png"]
     for p in done["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(done["csv"]) as f:
@@ -141,7 +141,7 @@ def test_runs_are_named_by_the_specs_as_typed(tmp_path):
 
 # -- an earlier comparison's files are never overwritten without --overwrite --------------------
 EARLIER = ["report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png",
-           "accuracy_vs_time_1gbit_50us.png", "time_breakdown.png", "runs/01-identity/metrics.jsonl"]
+           "accuracy_vs_time_1gbit_50us.png", "time_breakdown_1gbit_50us.png", "runs/01-identity/metrics.jsonl"]
 
 
 def _listing(path: Path) -> list[str]:
@@ -191,7 +191,7 @@ def test_every_file_a_comparison_writes_is_one_prepare_refuses_to_overwrite(tmp_
     compare.finish(race, compare.run(race, launch=_fake_launch("none"), show_progress=False, say=lambda s: None),
                    "thinwire compare ...")
     written = sorted(p.name for p in race.out.iterdir())
-    assert "report.md" in written and "time_breakdown.png" in written and "runs" in written
+    assert "report.md" in written and "time_breakdown_1gbit_50us.png" in written and "runs" in written
     for name in written:
         if name == outdir.MANIFEST:  # the record of what thinwire wrote, not an output
             continue
@@ -321,11 +321,12 @@ def test_several_seeds_run_in_rounds_and_report_medians_and_ranges(tmp_path):
     report = Path(done["report"]).read_text()
     assert ("- seeds 0, 1, 2 (each figure: median [min–max] over the seeds; ∞: a seed did not reach the target)"
             in report)
-    assert ("| identity | 0.8750 [0.7500–1.0000] | 0.5000 | 0.00 | 1.0x | 2.0 | 4.0 | 12.0 | 3.3 [3.0–4.0] (step 3.3) "
+    assert ("| identity | 0.8750 [0.7500–1.0000] | 0.5000 [0.5000–0.5000] | 0.00 | 1.0x | 1.0 | 2.0 | 4.0 | 12.0 | "
+            "3.3 [3.0–4.0] (step 3.3) "
             "| 10.0 [9.0–12.0] (step 3.3) |" in report)
     assert "| **bf16** |" in report and "**2.5 [2.2–3.0] (step 3.3)**" in report
     assert "slowest seed reaches the target before the fastest seed of every other method" in report
-    assert len(done["plots"]) == 5 and "## Plots (seed 0's runs)" in report
+    assert len(done["plots"]) == 6 and "## Plots (seed 0's runs)" in report
 
 
 def test_one_seed_that_does_not_beat_the_runner_up_by_10_percent_is_a_tie(tmp_path, monkeypatch, capsys):

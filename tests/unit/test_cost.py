@@ -434,18 +434,22 @@ def test_the_verdict_s_bandwidths_come_with_their_range_over_the_repeats():
 
 
 def test_cost_repeats_prints_medians_ranges_and_warns_of_a_busy_machine(monkeypatch, capsys):
-    """The CLI over a stand-in probe: each figure as median [min–max], the verdict from the
+    """The CLI over a stand-in probe: each figure as median [min–max] (the compute: the one
+    figure the two methods share, over the blocks of every round), the verdict from the
     medians with its bandwidths' range, and one line on stderr for the load."""
     from thinwire import cli
     from thinwire.run import cost, load
 
     rounds = iter(range(3))
 
-    def probe(base, specs, steps, *, launch=None, say=print):
+    def probe(base, specs, steps, *, say=print, on_result=None, **_):
         r = next(rounds)
         say(f"[1/2] probing {specs[0].split(':')[0]}")  # specs resolved: bf16 first, as the reference
-        return {specs[0]: dataclasses.replace(REFS[r], method=specs[0]),
-                specs[1]: dataclasses.replace(SMALLS[r], method=specs[1])}, {}
+        out = {specs[0]: dataclasses.replace(REFS[r], method=specs[0]),
+               specs[1]: dataclasses.replace(SMALLS[r], method=specs[1])}
+        for spec, c in out.items():
+            on_result(spec, c)
+        return out, {}
 
     monkeypatch.setattr(cost, "probe", probe)
     monkeypatch.setattr(load, "load1", lambda: 9.0)
@@ -454,11 +458,13 @@ def test_cost_repeats_prints_medians_ranges_and_warns_of_a_busy_machine(monkeypa
                      "3", "--link", "1gbit,50us"]) == 0
     out, err = capsys.readouterr()
     assert "[1/2] probing bf16 (repeat 3/3)" in out and "median [min-max] of 3 repeats" in out
-    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("topk"))
+    # the compute blocks 10, 12, 30 ms of each method in each round: median 12, quartiles 10.5 and 25.5
+    assert "compute: 12.0 ms a step [10.5–25.5] over 6 blocks, shared by bf16, topk\n" in out
+    row = next(line for line in out.splitlines() if line.startswith("│") and line.strip("│ ").startswith("topk"))
     cells = [c.strip() for c in row.strip("│").split("│")]
-    # compute, codec ms; ms @ 1gbit,50us = compute + codec + 6 x 50 us + 0.1 MB / 125 MB/s
-    assert cells[4:7] == ["12.0 [10.0–30.0]", "5.0 [4.0–5.5]", "0.0 [0.0–0.0]"]
-    assert cells[8:] == ["18.1 [15.1–36.6]", "below 1.8 Gbit/s", "1.6 Gbit/s–2.4 Gbit/s"]
+    # compute (the shared figure), codec, wait ms; ms @ 1gbit,50us = 12 ms + codec + 6 x 50 us + 0.1 MB / 125 MB/s
+    assert cells[4:7] == ["12.0", "5.0 [4.0–5.5]", "0.0 [0.0–0.0]"]
+    assert cells[8:] == ["18.1 [17.1–18.6]", "below 1.8 Gbit/s", "1.6 Gbit/s–2.4 Gbit/s"]
     assert err.strip() == ("thinwire: warning: load average 9.0 on 2 cores at the start of thinwire cost: other work "
                            "holds the cores, so the measured compute and codec times (and every time built on them) "
                            "vary from run to run")

@@ -48,12 +48,12 @@ def flat_params(model):
 
 
 # -- registry and options -------------------------------------------------------------------
-def test_registry_lists_the_four_tasks_and_names_them_on_error():
-    assert list(tasks.available()) == ["mnist1d", "charlm", "cifar10", "synthetic"]
+def test_registry_lists_the_five_tasks_and_names_them_on_error():
+    assert list(tasks.available()) == ["mnist1d", "charlm", "text", "cifar10", "synthetic"]
     assert tasks.get("charlm").metric == "bpc"
     with pytest.raises(TaskError) as e:
         tasks.get("x")
-    assert str(e.value) == "unknown task 'x'; available: mnist1d, charlm, cifar10, synthetic"
+    assert str(e.value) == "unknown task 'x'; available: mnist1d, charlm, text, cifar10, synthetic"
     assert isinstance(e.value, ValueError)
 
 

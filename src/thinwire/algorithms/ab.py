@@ -122,6 +122,7 @@ class ABTraining(Method):
     """Factored weights trained in groups (A or B), synchronised every ``cycle`` steps."""
 
     flat_only = "its groups of ranks train factors on their own; they are not nodes"
+    own_compute = True  # factorized layers: another forward and backward than the task's
 
     name = "ab"
     summary = "AB-training: low-rank A·B factors trained in independent groups, synchronised every cycle"

@@ -79,6 +79,10 @@ class Method(ABC):
     skip_unsafe: ClassVar[str | None] = None
     replaces_optimizer: ClassVar[bool] = False
     flat_only: ClassVar[str | None] = None
+    # True where a step's computation is not the task's plain forward, backward and optimizer
+    # step (AB-training's factorized layers, DeMo's own optimizer): ``compare`` and ``cost``
+    # then keep this method's own compute figure instead of the one its race shares
+    own_compute: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,

@@ -36,6 +36,7 @@ BUILTIN = (
     "thinwire.algorithms.dasgd:DaSGD",
     "thinwire.algorithms.diloco:DiLoCo",
     "thinwire.algorithms.streaming_diloco:StreamingDiLoCo",
+    "thinwire.algorithms.sparseloco:SparseLoCo",
     "thinwire.algorithms.demo:DeMoMethod",
     "thinwire.algorithms.gossip:DPSGD",
     "thinwire.algorithms.powergossip:PowerGossip",
@@ -140,6 +141,19 @@ def own_optimizer(spec: str | Policy | Codec) -> bool:
         return isinstance(spec, str) and kind_of(spec) == "method" and method_config(spec)[0].replaces_optimizer
     except ValueError:
         return False  # not a method spec (a policy's label): no method of its own
+
+
+def own_compute(spec: str | Policy | Codec) -> bool:
+    """Whether a resolved spec's steps compute something other than the task's plain forward,
+    backward and optimizer step (:attr:`Method.own_compute`; a method that is its own optimizer
+    always does): its compute figure is its own, not the one methods of a race share."""
+    try:
+        if not (isinstance(spec, str) and kind_of(spec) == "method"):
+            return False
+        cls = method_config(spec)[0]
+    except ValueError:
+        return False
+    return bool(cls.own_compute or cls.replaces_optimizer)
 
 
 def optimizer_method_help(name: str) -> str:

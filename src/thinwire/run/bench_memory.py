@@ -39,6 +39,7 @@ DOCUMENTED: dict[str, tuple[float, str]] = {
     "dasgd": (2.0, "snapshot and in-flight average buffer"),
     "diloco": (2.0, "the outer parameters and outer SGD's momentum (outer Adam: two moments, 3 copies)"),
     "streaming-diloco": (2.0, "as diloco: the fragments' outer parameters and momentum cover the model once"),
+    "sparseloco": (2.0, "the outer parameters and the error-feedback buffer (no outer momentum)"),
     "dpsgd": (0.0, "nothing across steps (each exchange is done within its step)"),
     "powergossip": (0.1, "per-edge P and Q of rank 1: (m + n) per matrix and neighbour"),
     "ab": (2.0, "the factors A and B beside W (at most A + B = 2 copies for a square layer at full rank)"),
@@ -49,7 +50,7 @@ DOCUMENTED: dict[str, tuple[float, str]] = {
 }
 # warm-ups short enough that the state exists within the run (DaSGD's first average at step 12)
 SPECS = {"ab": "ab:warmup=4", "dasgd": "dasgd:warmup=4", "diloco": "diloco:period=4",
-         "streaming-diloco": "streaming-diloco:period=4"}
+         "streaming-diloco": "streaming-diloco:period=4", "sparseloco": "sparseloco:period=4"}
 TASK_OPTIONS: dict[str, Any] = {"dim": 512, "hidden": 2048, "depth": 2, "classes": 10, "samples": 4096,
                                 "test_samples": 256}
 DEFAULT_STEPS = 12

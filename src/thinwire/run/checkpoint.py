@@ -332,12 +332,19 @@ def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str,
 
 def check_same_run(meta: dict[str, Any], *, workers: int, task: str, method: str,
                    task_options: dict[str, Any] | None = None, seed: int | None = None,
-                   batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None) -> None:
+                   batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None,
+                   schedule: dict[str, Any] | None = None) -> None:
     """Refuse a checkpoint from a different run, naming every field that differs (the seed
     and the batch size decide the data stream a resume continues; the optimizer's kind and
-    learning rate travel in its saved state, which a resume restores)."""
+    learning rate travel in its saved state, which a resume restores; the learning-rate
+    ``schedule``'s settings decide the rate at each step). A checkpoint written before a
+    setting existed holds its default."""
     diffs = []
     saved = meta.get("config", {})
+    defaults = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0}
+    for key, value in (schedule or {}).items():
+        if saved.get(key, defaults.get(key)) != value:
+            diffs.append(f"{key.replace('_', ' ')} {saved.get(key, defaults.get(key))} (this run: {value})")
     for name, value, key in (("seed", seed, "seed"), ("batch size", batch_size, "batch_size"),
                              ("optimizer", optimizer, "optimizer"), ("learning rate", lr, "lr")):
         if value is not None and saved.get(key, value) != value:

@@ -7,24 +7,40 @@ and the time to the target accuracy at each link), ``OUT/report.md`` (the table,
 per link in bold, or a tie) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
 any of these files, or a non-empty ``runs/``, is refused unless ``--overwrite``.
 
+**The figure that judges** is the task's own (:attr:`thinwire.tasks.Task.metric`): a classifier's
+test accuracy (higher is better), a language model's test loss (``bpc`` tasks; lower is better).
 The target accuracy defaults to 95% of the best final accuracy any method reached (ours; with
-several seeds, of the best median); ``--target`` sets it. Times at a link are modeled:
-measured compute and codec time plus the link's alpha-beta time for the bytes each worker
-sent (see ``thinwire train --link``). The time to the target interpolates linearly between
-the two evaluations that straddle it (:func:`crossing`).
+several seeds, of the best median), ``--target`` sets it; the target loss defaults to the best
+final test loss plus 2% (:data:`LOSS_BAND`, ours), ``--target-loss`` sets it. Each is refused
+on a task judged by the other figure. Times at a link are modeled: compute and codec time
+plus the link's alpha-beta time for the bytes each worker sent (see ``thinwire train
+--link``). The time to the target interpolates linearly between the two evaluations that
+straddle it (:func:`crossing`).
+
+**One compute figure** (:mod:`thinwire.run.compute`). Methods that run the task's plain
+forward, backward and optimizer step do the same work per step; the compute their runs
+measured differs only by the machine's noise, which would otherwise decide a race on a fast
+link. Their modeled times use one shared figure: the median per-step compute over every
+evaluation window of every such run (the runs alternate, so a burst of load spreads over
+them), with the windows' interquartile range as its range; a method with
+:attr:`~thinwire.algorithms.base.Method.own_compute` (AB-training, DeMo) keeps its own.
+Overlap credited against the compute (DaSGD, buckets averaged in backward) stays as the
+run measured it.
 
 ``--seeds S`` runs every method with the seeds ``seed``, ``seed + 1``, ... (in rounds: every
 method with one seed, then the next), into ``runs/NN-name-seedK/``; results.csv keeps one row
 per run, and the report shows the median of each figure with its range over the seeds.
 
 **Winners** (:func:`decide`). Per link the methods are ranked by their (median) time to the
-target, or, when no method reaches it, by their (median) final accuracy. The leader is the
+target, or, when no method reaches it, by their (median) final figure. The leader is the
 winner (in bold) only when it beats every other method beyond the noise; otherwise the report
 says ``tie`` and names the methods it does not beat. With one run per method: a time to the
 target more than :data:`TIME_TOLERANCE` (10%) shorter, an accuracy more than
-:data:`ACCURACY_NOISE_PTS` (0.5 points) higher. With several seeds: the leader's slowest seed
-faster than the other's fastest (accuracy: its lowest above the other's highest), the
-ranges not overlapping.
+:data:`ACCURACY_NOISE_PTS` (0.5 points) higher, a loss more than :data:`LOSS_NOISE` (1%)
+lower. With several seeds: the leader's slowest seed faster than the other's fastest
+(a final figure: its worst better than the other's best), the ranges not overlapping. And
+the verdict must hold at both ends of the shared compute's range (:func:`decide_over`): a
+leader that changes within it is a tie.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from typing import Any
 
 from thinwire import jsonfile
 from thinwire.run import outdir
+from thinwire.run.compute import SharedCompute
 from thinwire.run.config import TrainConfig, check_out
 from thinwire.run.cost import spread
 from thinwire.run.labels import labels, slug
@@ -57,10 +74,13 @@ TARGET_SHARE = 0.95  # default target: this share of the best final accuracy
 # point between seeds at this scale.
 TIME_TOLERANCE = 0.10
 ACCURACY_NOISE_PTS = 0.5
+LOSS_NOISE = 0.01  # ours: one seed's final test loss moves by well under 1% at these budgets (charlm, 3 seeds)
+LOSS_BAND = 0.02  # default target loss: the best final test loss + 2% (ours, as the suites' to-target claims)
+FIGURES = ("accuracy", "loss")  # what judges a race: the task's Task.metric ("accuracy"; "bpc" is a loss)
 # What a comparison writes at the top of --out (glob patterns; the plots' names are those of
 # thinwire.run.plots), besides the runs under runs/.
 OUTPUTS = ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png", "accuracy_vs_time_*.png",
-           "time_breakdown.png")
+           "loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time_*.png", "time_breakdown*.png")
 
 
 def split_methods(texts: list[str]) -> list[str]:
@@ -93,6 +113,8 @@ class Race:
     typed: dict[str, str] = dataclasses.field(default_factory=dict)  # resolved spec -> as the user wrote it
     seeds: int = 1  # runs per method: seeds base.seed, base.seed + 1, ...
     warnings: list[str] = dataclasses.field(default_factory=list)  # one line each, in the report (a busy machine)
+    target_loss: float | None = None  # a loss-judged race's target test loss (None: the default band)
+    figure: str = "accuracy"  # what judges the race: "accuracy" or "loss" (the task's metric)
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -100,16 +122,26 @@ class Race:
 
 
 def prepare(base: TrainConfig, methods: list[str], out: str, target: float | None = None,
-            overwrite: bool = False, seeds: int = 1, create: bool = True) -> Race:
+            overwrite: bool = False, seeds: int = 1, create: bool = True, target_loss: float | None = None) -> Race:
     """Validate everything before any run: raises ``ValueError`` naming the rule broken.
     Unless ``overwrite``, an ``out`` holding any file a comparison writes (:func:`earlier_output`)
     is refused before anything is created there. ``create``: make ``OUT/runs/`` now (a suite
-    checks every race before it makes any: :func:`make`)."""
+    checks every race before it makes any: :func:`make`). ``target`` (a test accuracy) and
+    ``target_loss`` (a test loss) each apply only to a task judged by that figure."""
     specs = split_methods(methods)
     if not specs:
         raise ValueError("--methods names no method")
     if target is not None and not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise ValueError(f"target-loss must be a finite number > 0, got {target_loss}")
+    figure = figure_of(base.task)
+    if figure == "loss" and target is not None:
+        raise ValueError(f"--target is a test accuracy, but task {base.task} is judged by its test loss; "
+                         "use --target-loss")
+    if figure == "accuracy" and target_loss is not None:
+        raise ValueError(f"--target-loss is a test loss, but task {base.task} is judged by its test accuracy; "
+                         "use --target")
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     path = Path(out)
@@ -119,12 +151,20 @@ def prepare(base: TrainConfig, methods: list[str], out: str, target: float | Non
                          "pass --overwrite or choose another --out")
     base = dataclasses.replace(base, links=base.links or DEFAULT_LINKS, out=None, policy=None, policy_rules=())
     base, resolved = resolve_methods(base, specs)
-    race = Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)), seeds=seeds)
+    race = Race(base, resolved, path, target, typed=dict(zip(resolved, specs, strict=True)), seeds=seeds,
+                target_loss=target_loss, figure=figure)
     check_out(str(path))
     foreign_output(race)
     if create:
         make(race)
     return race
+
+
+def figure_of(task: str) -> str:
+    """``"accuracy"`` or ``"loss"``: the figure that judges a race on ``task`` (its metric)."""
+    from thinwire.tasks import get as get_task
+
+    return "accuracy" if get_task(task).metric == "accuracy" else "loss"
 
 
 def make(race: Race) -> None:
@@ -146,7 +186,7 @@ def foreign_output(race: Race) -> None:
     from thinwire.run.plots import plot_names
 
     own = outdir.owned(race.out) if race.out.is_dir() else set()
-    for name in ["report.md", "results.csv", *plot_names(race.links)]:
+    for name in ["report.md", "results.csv", *plot_names(race.links, race.figure)]:
         if os.path.lexists(race.out / name) and (name not in own or os.path.islink(race.out / name)):
             raise ValueError(f"--out {race.out}: {name} was not written by thinwire (it is not in "
                              f"{outdir.MANIFEST}), so the comparison would replace it; move it away or choose "
@@ -271,17 +311,25 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 
 # -- figures -----------------------------------------------------------------------------------
-def target_of(results: list[dict[str, Any]], target: float | None) -> float | None:
-    """``target``, or :data:`TARGET_SHARE` of the best final accuracy (of each method's median
-    over its seeds)."""
+def key_of(figure: str) -> str:
+    """The metrics rows' key of a race's figure: ``test_accuracy`` or ``test_loss``."""
+    return "test_accuracy" if figure == "accuracy" else "test_loss"
+
+
+def target_of(results: list[dict[str, Any]], target: float | None, figure: str = "accuracy") -> float | None:
+    """``target``, or the default: :data:`TARGET_SHARE` of the best final accuracy, or the best
+    final test loss plus :data:`LOSS_BAND` (each method's median over its seeds)."""
     if target is not None:
         return target
+    name = "final_accuracy" if figure == "accuracy" else "final_loss"
     by_method: dict[str, list[float]] = {}
     for r in results:
-        if r["status"] == "ok" and r["summary"].get("final_accuracy") is not None:
-            by_method.setdefault(r["label"], []).append(r["summary"]["final_accuracy"])
-    accs = [statistics.median(v) for v in by_method.values()]
-    return round(TARGET_SHARE * max(accs), 4) if accs else None
+        if r["status"] == "ok" and r["summary"].get(name) is not None:
+            by_method.setdefault(r["label"], []).append(r["summary"][name])
+    values = [statistics.median(v) for v in by_method.values()]
+    if not values:
+        return None
+    return round(TARGET_SHARE * max(values), 4) if figure == "accuracy" else round((1 + LOSS_BAND) * min(values), 4)
 
 
 def crossing(rows: list[dict[str, Any]], key: str, target: float, link: str,
@@ -310,22 +358,79 @@ def crossing(rows: list[dict[str, Any]], key: str, target: float, link: str,
     return None, None
 
 
-def to_target(rows: list[dict[str, Any]], target: float | None, link: str) -> tuple[float | None, float | None]:
-    """(step, modeled seconds at ``link``) at which the test accuracy reaches ``target``
-    (:func:`crossing`)."""
+def to_target(rows: list[dict[str, Any]], target: float | None, link: str,
+              figure: str = "accuracy") -> tuple[float | None, float | None]:
+    """(step, modeled seconds at ``link``) at which the test accuracy rises to ``target``, or
+    the test loss comes down to it (:func:`crossing`)."""
     if target is None:
         return None, None
-    return crossing(rows, "test_accuracy", target, link)
+    return crossing(rows, key_of(figure), target, link, higher=figure == "accuracy")
+
+
+# -- one compute figure for the methods that run the same step ----------------------------------
+def shares_compute(result: dict[str, Any]) -> bool:
+    """Whether a completed run's compute is the task's plain step (its figure the race's shared one)."""
+    from thinwire.algorithms.registry import own_compute
+
+    return result["status"] == "ok" and not own_compute(result["spec"])
+
+
+def shared_compute(results: list[dict[str, Any]]) -> SharedCompute | None:
+    """The race's shared per-step compute (:mod:`thinwire.run.compute`) over the evaluation
+    windows of every run that shares it; None when no run recorded its compute."""
+    from thinwire.run.compute import summarize, window_blocks
+
+    shared = [r for r in results if shares_compute(r)]
+    blocks = [b for r in shared for b in window_blocks(r["rows"])]
+    return summarize(blocks, tuple(dict.fromkeys(r["label"] for r in shared)))
+
+
+def with_compute(results: list[dict[str, Any]], per_step: float | None) -> list[dict[str, Any]]:
+    """``results`` with every sharing run's compute replaced by ``per_step`` seconds a step:
+    its rows' and summary's ``compute_seconds`` and every modeled time move by the difference
+    (the run's own figure kept as ``measured_compute_seconds``). Unchanged when ``per_step``
+    is None."""
+    if per_step is None:
+        return results
+    out = []
+    for r in results:
+        if not shares_compute(r):
+            out.append(r)
+            continue
+        rows = [_recomputed(row, row.get("step"), per_step) for row in r["rows"]]
+        s = r["summary"] or {}
+        steps = s.get("steps_run") or s.get("steps")
+        summary = _recomputed(s, steps, per_step)
+        if "compute_seconds" in s and steps is not None and s.get("modeled_seconds_by_link"):
+            delta = steps * per_step - s["compute_seconds"]
+            summary["modeled_seconds_by_link"] = {k: v + delta for k, v in s["modeled_seconds_by_link"].items()}
+        out.append({**r, "rows": rows, "summary": summary})
+    return out
+
+
+def _recomputed(rec: dict[str, Any], steps: float | None, per_step: float) -> dict[str, Any]:
+    if rec.get("compute_seconds") is None or steps is None:
+        return rec
+    delta = steps * per_step - rec["compute_seconds"]
+    new = {k: (v + delta if (k.startswith("modeled_seconds@") or k == "modeled_seconds") and v is not None else v)
+           for k, v in rec.items()}
+    new["measured_compute_seconds"] = rec["compute_seconds"]
+    new["compute_seconds"] = steps * per_step
+    return new
 
 
 RUN_FIELDS = ["method", "spec", "seed", "status", "error"]
 SUMMARY_FIELDS = ["task", "workers", "steps", "final_accuracy", "final_loss", "final_bpc", "bytes_sent_per_worker",
-                  "fp32_bytes_per_worker", "compression_ratio", "wall_seconds", "compute_seconds", "codec_seconds",
-                  "comm_seconds"]
-CSV_FIELDS = RUN_FIELDS + SUMMARY_FIELDS
+                  "fp32_bytes_per_worker", "compression_ratio", "wall_seconds", "compute_seconds",
+                  "measured_compute_seconds", "codec_seconds", "comm_seconds"]
+# how the race was judged, the same on every row: the figure (test_accuracy or test_loss), its target, and
+# whether compute_seconds is the race's shared figure or the run's own (own_compute methods, no shared figure)
+JUDGE_FIELDS = ["judged_by", "target", "compute_figure"]
+CSV_FIELDS = RUN_FIELDS + SUMMARY_FIELDS + JUDGE_FIELDS
 
 
-def table_rows(results: list[dict[str, Any]], links: tuple[str, ...], target: float | None) -> list[dict[str, Any]]:
+def table_rows(results: list[dict[str, Any]], links: tuple[str, ...], target: float | None,
+               figure: str = "accuracy") -> list[dict[str, Any]]:
     """One flat record per run (the CSV's rows)."""
     out = []
     for r in results:
@@ -334,9 +439,12 @@ def table_rows(results: list[dict[str, Any]], links: tuple[str, ...], target: fl
                                "error": r["error"]}
         for key in SUMMARY_FIELDS:
             rec[key] = s.get(key)
+        rec.update(judged_by=key_of(figure), target=target,
+                   compute_figure=None if r["status"] != "ok" else
+                   "shared" if "measured_compute_seconds" in s else "own")
         for link in links:
             rec[f"modeled_seconds@{link}"] = (s.get("modeled_seconds_by_link") or {}).get(link)
-            step, seconds = to_target(r["rows"], target, link)
+            step, seconds = to_target(r["rows"], target, link, figure)
             rec["step_to_target"] = step
             rec[f"modeled_seconds_to_target@{link}"] = seconds
         out.append(rec)
@@ -356,9 +464,9 @@ def write_csv(path: Path, records: list[dict[str, Any]], links: tuple[str, ...])
 def standings(records: list[dict[str, Any]], links: tuple[str, ...]) -> list[dict[str, Any]]:
     """One entry per method (in race order) over its runs: ``method``, ``status`` (``ok`` when
     any run completed), ``runs`` (the completed runs' records), ``failed`` (the others),
-    ``final_accuracy`` (a list over the completed runs; runs without one left out) and
-    ``to_target`` (per link, the seconds of every completed run, ``inf`` where a run did not
-    reach the target)."""
+    ``final_accuracy`` and ``final_loss`` (lists over the completed runs; runs without one
+    left out) and ``to_target`` (per link, the seconds of every completed run, ``inf`` where a
+    run did not reach the target)."""
     out: dict[str, dict[str, Any]] = {}
     for rec in records:
         m = out.setdefault(rec["method"], {"method": rec["method"], "runs": [], "failed": []})
@@ -366,6 +474,7 @@ def standings(records: list[dict[str, Any]], links: tuple[str, ...]) -> list[dic
     for m in out.values():
         m["status"] = "ok" if m["runs"] else "failed"
         m["final_accuracy"] = [r["final_accuracy"] for r in m["runs"] if r.get("final_accuracy") is not None]
+        m["final_loss"] = [r["final_loss"] for r in m["runs"] if r.get("final_loss") is not None]
         m["to_target"] = {link: [_or_inf(r.get(f"modeled_seconds_to_target@{link}")) for r in m["runs"]]
                           for link in links}
     return list(out.values())
@@ -379,13 +488,15 @@ def _or_inf(x: float | None) -> float:
 class Decision:
     """Who wins at one link: ``best`` (the winner, beyond the noise) or ``tied`` (the leader
     and every method it does not beat beyond the noise), ranked ``by`` ``time`` (to the
-    target) or ``accuracy`` (final; no method reached the target), or ``none`` (no method
-    completed)."""
+    target), ``accuracy`` or ``loss`` (final; no method reached the target), or ``none`` (no
+    method completed). ``compute``: the tie is one because the leader changes within the
+    shared compute's range (:func:`decide_over`)."""
 
     by: str
     best: str | None = None
     tied: tuple[str, ...] = ()
     ranged: bool = False  # the tie compared ranges over seeds (a method with several runs), not single values
+    compute: bool = False
 
     def text(self) -> str:
         """``bf16``, ``tie between torch-ddp and bf16 (...)`` or ``none``."""
@@ -394,22 +505,31 @@ class Decision:
         if not self.tied:
             return "none"
         names = ", ".join(self.tied[:-1]) + f" and {self.tied[-1]}"
-        if self.ranged:
-            why = "overlapping ranges over the seeds of the time to the target" if self.by == "time" else \
-                "overlapping ranges over the seeds of the final accuracy"
+        final = {"accuracy": "final accuracy", "loss": "final test loss"}.get(self.by, "")
+        if self.compute:
+            why = "the leader changes within the measured range of the shared compute figure"
+        elif self.ranged:
+            why = ("overlapping ranges over the seeds of the time to the target" if self.by == "time" else
+                   f"overlapping ranges over the seeds of the {final}")
+        elif self.by == "time":
+            why = f"times to the target within {TIME_TOLERANCE:.0%} of the fastest"
+        elif self.by == "accuracy":
+            why = f"final accuracies within {ACCURACY_NOISE_PTS} pts of the best (no method reached the target)"
         else:
-            why = (f"times to the target within {TIME_TOLERANCE:.0%} of the fastest" if self.by == "time" else
-                   f"final accuracies within {ACCURACY_NOISE_PTS} pts of the best (no method reached the target)")
+            why = f"final test losses within {LOSS_NOISE:.0%} of the best (no method reached the target)"
         return f"tie between {names} ({why})"
 
 
-def _beats(lead: list[float], other: list[float], lower: bool) -> bool:
+def _beats(lead: list[float], other: list[float], lower: bool, by: str = "time") -> bool:
     """Does ``lead`` beat ``other`` beyond the noise? One value each: by more than
-    :data:`TIME_TOLERANCE` (times, ``lower`` better; ``inf``: not reached) or
-    :data:`ACCURACY_NOISE_PTS` (accuracies); several: their ranges do not overlap (a time
-    never reached beats nothing, and is beaten by any median that was reached)."""
+    :data:`TIME_TOLERANCE` (times, ``lower`` better; ``inf``: not reached),
+    :data:`ACCURACY_NOISE_PTS` (accuracies) or :data:`LOSS_NOISE` (losses, ``by`` "loss");
+    several: their ranges do not overlap (a time never reached beats nothing, and is beaten
+    by any median that was reached)."""
     if len(lead) == 1 and len(other) == 1:
         a, b = lead[0], other[0]
+        if by == "loss":
+            return b > a if a <= 0 else round(b / a - 1, 9) > LOSS_NOISE
         if lower:
             if b == math.inf or a == math.inf:
                 return b == math.inf and a < math.inf
@@ -420,12 +540,12 @@ def _beats(lead: list[float], other: list[float], lower: bool) -> bool:
     return min(lead) > max(other)
 
 
-def decide(table: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, Decision]:
+def decide(table: list[dict[str, Any]], links: tuple[str, ...], figure: str = "accuracy") -> dict[str, Decision]:
     """Per link, the winner or the tie (:class:`Decision`) among the :func:`standings`: the
     method with the least (median) time to the target when any median reached it, else the
-    best (median) final accuracy; the winner when it beats every other beyond the noise
-    (:func:`_beats`), else a tie of it and every method it does not beat (equal medians: the
-    race's order)."""
+    best (median) final figure (``figure``: accuracy, or loss); the winner when it beats
+    every other beyond the noise (:func:`_beats`), else a tie of it and every method it does
+    not beat (equal medians: the race's order)."""
     ok = [m for m in table if m["status"] == "ok"]
     out: dict[str, Decision] = {}
     for link in links:
@@ -433,6 +553,10 @@ def decide(table: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, Dec
         if any(statistics.median(t) < math.inf for t in times.values()):
             ranked = sorted(times, key=lambda k: statistics.median(times[k]))
             values, lower, by = times, True, "time"
+        elif figure == "loss":
+            values = {m["method"]: m["final_loss"] for m in ok if m["final_loss"]}
+            ranked = sorted(values, key=lambda k: statistics.median(values[k]))
+            lower, by = True, "loss"
         else:
             values = {m["method"]: m["final_accuracy"] for m in ok if m["final_accuracy"]}
             ranked = sorted(values, key=lambda k: -statistics.median(values[k]))
@@ -441,16 +565,43 @@ def decide(table: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, Dec
             out[link] = Decision("none")
             continue
         lead = ranked[0]
-        tied = tuple(k for k in ranked[1:] if not _beats(values[lead], values[k], lower))
+        tied = tuple(k for k in ranked[1:] if not _beats(values[lead], values[k], lower, by))
         ranged = any(len(values[k]) > 1 for k in (lead, *tied))  # _beats compared ranges, not single values
         out[link] = Decision(by, tied=(lead, *tied), ranged=ranged) if tied else Decision(by, best=lead)
     return out
 
 
-def best_per_link(records: list[dict[str, Any]], links: tuple[str, ...]) -> dict[str, str | None]:
+def decide_over(tables: list[list[dict[str, Any]]], links: tuple[str, ...],
+                figure: str = "accuracy") -> dict[str, Decision]:
+    """:func:`decide` on the race's standings at the shared compute's median (``tables[0]``)
+    and at the ends of its range (the others): a winner must win at every one of them; where
+    the leader changes, a tie of every method that led or tied at any of them (in the median's
+    order), marked ``compute``."""
+    each = [decide(t, links, figure) for t in tables]
+    out: dict[str, Decision] = {}
+    for link in links:
+        first = each[0][link]
+        if all(d[link] == first for d in each[1:]) or first.by == "none":
+            out[link] = first
+            continue
+        members: list[str] = []
+        for d in each:
+            best = d[link].best
+            for name in (best,) if best is not None else d[link].tied:
+                if name not in members:
+                    members.append(name)
+        if len(members) == 1:  # the same winner everywhere, the ties' details aside
+            out[link] = first
+        else:
+            out[link] = Decision(first.by, tied=tuple(members), ranged=first.ranged, compute=True)
+    return out
+
+
+def best_per_link(records: list[dict[str, Any]], links: tuple[str, ...],
+                  figure: str = "accuracy") -> dict[str, str | None]:
     """Per link: the winner beyond the noise (:func:`decide`), None on a tie or when no method
     completed."""
-    return {link: d.best for link, d in decide(standings(records, links), links).items()}
+    return {link: d.best for link, d in decide(standings(records, links), links, figure).items()}
 
 
 def _num(x: Any, fmt: str) -> str:
@@ -467,40 +618,73 @@ def _step(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() or x >= 100 else f"{x:.1f}"
 
 
-def win_rule(seeds: int) -> str:
+def win_rule(seeds: int, figure: str = "accuracy") -> str:
     """The rule that makes a winner, in words (the report and the docs state it)."""
+    final = (f"a final accuracy more than {ACCURACY_NOISE_PTS} pts higher" if figure == "accuracy" else
+             f"a final test loss more than {LOSS_NOISE:.0%} lower")
+    worst = "lowest final accuracy above every other's highest" if figure == "accuracy" else \
+        "highest final test loss below every other's lowest"
+    compute = ("; the verdict must also hold at both ends of the shared compute figure's range, else it is a tie")
     if seeds > 1:
         return ("a method wins at a link (in bold) only when its slowest seed reaches the target before the fastest "
-                "seed of every other method (no method reaching it: its lowest final accuracy above every other's "
-                "highest); otherwise the report says tie and names the methods whose ranges overlap the leader's")
+                f"seed of every other method (no method reaching it: its {worst}); otherwise the report says tie and "
+                "names the methods whose ranges overlap the leader's" + compute)
     return (f"a method wins at a link (in bold) only when its time to the target is more than "
-            f"{TIME_TOLERANCE:.0%} shorter than every other method's (no method reaching it: a final accuracy more "
-            f"than {ACCURACY_NOISE_PTS} pts higher); otherwise the report says tie and names the methods within "
-            f"that of the leader. One seed: the measured compute and codec times in a modeled time move from run to "
-            f"run, and a final accuracy by about half a point from seed to seed; {TIME_TOLERANCE:.0%} is a floor of "
-            f"ours, not a measured spread: --seeds S replaces this rule by the runs' own spread")
+            f"{TIME_TOLERANCE:.0%} shorter than every other method's (no method reaching it: {final}); otherwise "
+            f"the report says tie and names the methods within that of the leader" + compute +
+            f". One seed: the codec times in a modeled time move from run to run, and a final figure from seed to "
+            f"seed; {TIME_TOLERANCE:.0%} is a floor of ours, not a measured spread: --seeds S replaces this rule by "
+            "the runs' own spread")
+
+
+def _target_text(race: Race, target: float | None, records: list[dict[str, Any]]) -> str:
+    if race.figure == "accuracy":
+        note = "" if race.target is not None else f" ({int(TARGET_SHARE * 100)}% of the best final accuracy)"
+        return f"judged by test accuracy (higher is better); target test accuracy: {_num(target, '.4f')}{note}"
+    note = "" if race.target_loss is not None else f" (the best final test loss + {LOSS_BAND:.0%})"
+    bpc = "" if target is None or not any(r.get("final_bpc") is not None for r in records) else \
+        f" = {target / math.log(2):.4f} bits per character"
+    return (f"judged by test loss (lower is better; the task's figure is a loss, so accuracy decides nothing); "
+            f"target test loss: {_num(target, '.4f')} nats{bpc}{note}")
+
+
+def dominant(summary: dict[str, Any], link: str) -> tuple[str, float] | None:
+    """What most of a run's modeled time at ``link`` went to: (``compute`` | ``codec`` |
+    ``communication``, its share), communication being the modeled time less compute and
+    codec (what overlap hid is not counted); None without a modeled time."""
+    modeled = (summary.get("modeled_seconds_by_link") or {}).get(link)
+    if modeled is None or modeled <= 0 or summary.get("compute_seconds") is None:
+        return None
+    compute, codec = summary["compute_seconds"], summary.get("codec_seconds") or 0.0
+    parts = {"compute": compute, "codec": codec, "communication": max(0.0, modeled - compute - codec)}
+    name = max(parts, key=lambda k: parts[k])
+    return name, parts[name] / modeled
 
 
 def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: float | None,
-                 plots: list[str], command: str) -> None:
+                 plots: list[str], command: str, decisions: dict[str, Decision] | None = None,
+                 compute: SharedCompute | None = None, summaries: dict[str, dict[str, Any]] | None = None) -> None:
     links = race.links
     table = standings(records, links)
-    decisions = decide(table, links)
+    decisions = decisions if decisions is not None else decide(table, links, race.figure)
     winners = {d.best for d in decisions.values() if d.best is not None}
     b = race.base
-    target_note = "" if race.target is not None else f" ({int(TARGET_SHARE * 100)}% of the best final accuracy)"
     seeds = (f"seed {b.seed}" if race.seeds == 1 else
              f"seeds {', '.join(str(b.seed + k) for k in range(race.seeds))} (each figure: median [min–max] over "
              "the seeds; ∞: a seed did not reach the target)")
+    shared = ("- compute: none of the runs recorded its compute" if compute is None else
+              f"- compute: one figure shared by {', '.join(compute.methods)}: {compute.text()} (each run's "
+              "evaluation windows; the range is their interquartile range); the other methods keep their own")
     lines = [f"# thinwire compare: {b.task}, {b.workers} workers, {b.steps} steps", "",
              f"- command: `{command}`",
              f"- {seeds}, optimizer {b.optimizer} (lr {b.lr}), batch {b.batch_size} per worker",
-             f"- target test accuracy: {_num(target, '.4f')}" + target_note,
-             "- modeled time = measured compute + codec time + the link's alpha-beta time for the bytes sent; the "
+             f"- {_target_text(race, target, records)}",
+             "- modeled time = compute + codec time + the link's alpha-beta time for the bytes sent; the "
              "time to the target interpolates linearly between the two evaluations that straddle it",
-             f"- winner: {win_rule(race.seeds)}",
+             shared,
+             f"- winner: {win_rule(race.seeds, race.figure)}",
              *[f"- {w}" for w in race.warnings], ""]
-    headers = ["method", "final acc", "final test loss", "MB sent / worker", "compression", "wall s"]
+    headers = ["method", "final acc", "final test loss", "MB sent / worker", "compression", "compute s", "wall s"]
     headers += [f"modeled s @ {link}" for link in links] + [f"to target @ {link}" for link in links]
     lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for m in table:
@@ -509,10 +693,14 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
             continue
         runs = m["runs"]
         bpc = _median(runs, "final_bpc")
-        final_loss = _num(bpc, ".4f") + " bpc" if bpc is not None else _num(_median(runs, "final_loss"), ".4f")
+        final_loss = spread(m["final_loss"], ".4f") if m["final_loss"] else "-"
+        if bpc is not None:
+            final_loss += f" ({bpc:.4f} bpc)"
         sent = _median(runs, "bytes_sent_per_worker")
-        cells = [m["method"], spread(m["final_accuracy"], ".4f"), final_loss, _num((sent or 0) / 1e6, ".2f"),
-                 _num(_median(runs, "compression_ratio"), ".1f") + "x", _num(_median(runs, "wall_seconds"), ".1f")]
+        own = "" if all(r.get("compute_figure") != "own" for r in runs) or compute is None else " (own)"
+        cells = [m["method"], spread(m["final_accuracy"], ".4f") if m["final_accuracy"] else "-", final_loss,
+                 _num((sent or 0) / 1e6, ".2f"), _num(_median(runs, "compression_ratio"), ".1f") + "x",
+                 _num(_median(runs, "compute_seconds"), ".1f") + own, _num(_median(runs, "wall_seconds"), ".1f")]
         cells += [_num(_median(runs, f"modeled_seconds@{link}"), ".1f") for link in links]
         steps = [_or_inf(r.get("step_to_target")) for r in runs]
         for link in links:
@@ -531,6 +719,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
     for link in links:
         d = decisions[link]
         lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text()))
+    lines += _why_lines(race, table, target, links, summaries or {})
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         seed = (lambda r: f" (seed {r['seed']})") if race.seeds > 1 else (lambda r: "")
@@ -540,27 +729,62 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
         shown = "" if race.seeds == 1 else f" (seed {b.seed}'s runs)"
         lines += ["", f"## Plots{shown}", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines += ["", "Per-run metrics and summaries: `runs/*/metrics.jsonl`, `runs/*/summary.json`; every row: "
-              "`results.csv`.", ""]
+              "`results.csv`. Which method family for which link and model: thinwire's docs/choosing.md.", ""]
     path.write_text("\n".join(lines))
+
+
+def _why_lines(race: Race, table: list[dict[str, Any]], target: float | None, links: tuple[str, ...],
+               summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's "why" section: per link what most of each method's modeled time went to,
+    and for a method that never reached the target, its final figure against it."""
+    ok = [m for m in table if m["status"] == "ok"]
+    if not ok:
+        return []
+    lines = ["", "## Why", "", "What most of each method's modeled time went to, per link (communication: what "
+             "the link model adds after any overlap):", "",
+             "| method | " + " | ".join(links) + " |", "|---|" + "---|" * len(links)]
+    for m in ok:
+        s = summaries.get(m["method"]) or {}
+        cells = []
+        for link in links:
+            d = dominant(s, link)
+            cells.append("-" if d is None else f"{d[0]} {d[1]:.0%}")
+        lines.append(f"| {m['method']} | " + " | ".join(cells) + " |")
+    final = "final_accuracy" if race.figure == "accuracy" else "final_loss"
+    name = "test accuracy" if race.figure == "accuracy" else "test loss"
+    lines.append("")
+    for m in ok:
+        if target is None or any(min(t) < math.inf for t in m["to_target"].values()) or not m[final]:
+            continue
+        lines.append(f"- {m['method']} never reached the target: its final {name} {statistics.median(m[final]):.4f} "
+                     f"against {target:.4f}. It lost on quality, not on time: a setting that sends more (a larger "
+                     "rank, ratio or number of bits, a shorter period) trades bytes for quality")
+    return lines
 
 
 def finish(race: Race, results: list[dict[str, Any]], command: str) -> dict[str, Any]:
     """Write results.csv, the plots (of the first seed's runs) and report.md; returns their
-    paths, the winner per link (None on a tie: ``decisions`` holds the tied methods) and the
-    per-link :class:`Decision`."""
+    paths, the winner per link (None on a tie: ``decisions`` holds the tied methods), the
+    per-link :class:`Decision` and the shared compute figure (``compute``)."""
     from thinwire.run.plots import plot_all, plot_names
 
-    target = target_of(results, race.target)
-    records = table_rows(results, race.links, target)
-    outdir.claim(race.out, "results.csv", "report.md", *plot_names(race.links))  # thinwire's own, or refused
+    target_value = race.target if race.figure == "accuracy" else race.target_loss
+    target = target_of(results, target_value, race.figure)
+    compute = shared_compute(results)
+    views = [with_compute(results, c) for c in
+             ((compute.per_step, compute.lo, compute.hi) if compute is not None else (None,))]
+    records = table_rows(views[0], race.links, target, race.figure)
+    decisions = decide_over([standings(table_rows(v, race.links, target, race.figure), race.links) for v in views],
+                            race.links, race.figure)
+    outdir.claim(race.out, "results.csv", "report.md", *plot_names(race.links, race.figure))  # thinwire's own
     write_csv(race.out / "results.csv", records, race.links)
-    first = [r for r in results if r.get("seed", race.base.seed) == race.base.seed]
-    plots = plot_all(race.out, first, race.links, target)
-    write_report(race.out / "report.md", race, records, target, plots, command)
-    decisions = decide(standings(records, race.links), race.links)
+    first = [r for r in views[0] if r.get("seed", race.base.seed) == race.base.seed]
+    plots = plot_all(race.out, first, race.links, target, race.figure)
+    summaries = {r["label"]: r["summary"] for r in first if r["status"] == "ok"}
+    write_report(race.out / "report.md", race, records, target, plots, command, decisions, compute, summaries)
     return {"report": str(race.out / "report.md"), "csv": str(race.out / "results.csv"), "plots": plots,
             "best": {link: d.best for link, d in decisions.items()}, "decisions": decisions, "target": target,
-            "records": records}
+            "records": records, "compute": compute}
 
 
 def command_line(argv: list[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from thinwire.algorithms.registry import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
 
-OPTIMIZERS = ("adam", "adamw", "sgd")  # --optimizer: sgd has momentum 0.9
+OPTIMIZERS = ("adam", "adamw", "sgd", "muon")  # --optimizer: sgd has momentum 0.9; muon: thinwire.optim.muon
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,11 @@ class TrainConfig:
     steps: int | None = None  # None: the task's default budget
     batch_size: int | None = None  # per rank; None: the task's default
     lr: float | None = None  # None: the task's default
-    optimizer: str | None = None  # adam | adamw | sgd; None: the task's default (DeMo: the method's name)
+    optimizer: str | None = None  # adam | adamw | sgd | muon; None: the task's default (DeMo: the method's name)
+    lr_schedule: str = "constant"  # constant | cosine | wsd (thinwire.optim.schedule), of the run's optimizer
+    warmup_steps: int = 0  # linear warm-up to --lr over this many steps
+    min_lr: float = 0.0  # the share of --lr a cosine or wsd schedule decays to
+    muon_lr: float | None = None  # --optimizer muon: Muon's own rate (None: --lr, rescaled to AdamW's RMS)
     seed: int = 0
     data_dir: str | None = None
     links: tuple[str, ...] = ()  # "1gbit,50us": report modeled time at each
@@ -96,6 +100,11 @@ class TrainConfig:
         require(self.checkpoint_every >= 0, f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
         require(self.on_nonfinite in ("raise", "skip"),
                 f"on-nonfinite must be raise or skip, got {self.on_nonfinite!r}")
+        from thinwire.optim import schedule
+
+        schedule.check(self.lr_schedule, self.warmup_steps, self.min_lr, steps)
+        require(self.muon_lr is None or (math.isfinite(self.muon_lr) and self.muon_lr > 0),
+                f"muon-lr must be a finite number > 0, got {self.muon_lr}")
         self._check_outputs(facts)
         method, rules = self._method(facts)
         if per_node is not None and per_node > 1:
@@ -112,6 +121,7 @@ class TrainConfig:
             opt = name
         else:
             require(opt in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt!r}")
+        require(self.muon_lr is None or opt == "muon", f"--muon-lr applies to --optimizer muon, not {opt}")
         return dataclasses.replace(
             self, method=method, policy_rules=rules, label=self.label or self.policy or self.method, steps=steps,
             batch_size=batch, lr=lr, optimizer=opt, eval_every=eval_every, links=links, out=facts.out,
@@ -186,7 +196,9 @@ class TrainConfig:
         assert meta is not None  # the caller's condition
         checkpoint.check_same_run(meta, workers=facts.world, task=self.task, method=method,
                                   task_options=self.task_options, seed=self.seed, batch_size=settings["batch"],
-                                  optimizer=settings["opt"], lr=settings["lr"])
+                                  optimizer=settings["opt"], lr=settings["lr"],
+                                  schedule={"lr_schedule": self.lr_schedule, "warmup_steps": self.warmup_steps,
+                                            "min_lr": self.min_lr})
         if facts.continuing and facts.finished:
             raise RunFinished(f"{facts.own} already finished its {settings['steps']} steps (summary.json): nothing to "
                               "do; raise --steps to train longer")

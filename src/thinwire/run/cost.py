@@ -60,17 +60,59 @@ the verdict names the bandwidths where the method is faster ("below X", "above X
 "between X and Y", "always", "never"). Overlap that DaSGD gets by hiding averages behind
 whole steps is not credited: its prediction is an upper bound.
 
+**The probes.** A probe spawns its ranks as ``thinwire train`` would, with one change: its
+ranks skip the task's evaluation (the task's ``evaluate`` returns no figures, through a module
+the probe imports in every rank: :func:`skip_evaluation`), since a probe times training steps
+and nothing else, and a language model's test set can take longer than its steps. The
+records after the warm-up and at the end are still written. ``--probe-seconds S`` bounds each
+probe's training steps (start-up of the ranks apart): warm-up and timed steps are
+:func:`probe_plan`'s, at most ``S`` seconds of them at the step time known when the probe
+starts: the first probe's from one step timed in this process (:func:`estimate_step_seconds`),
+each later one's from the training seconds per step the probe before it measured. A probe
+whose ``--probe-steps`` fit runs them all; one that does not runs one warm-up step and as
+many timed ones as fit, never fewer than one (one whole period for a periodic method, so its
+sync is in the span, however long that takes). As each probe ends, ``thinwire cost`` prints
+its row; on SIGINT or SIGTERM the probe in flight stops at its next step and the table of the
+methods probed so far is printed.
+
+**One compute figure.** The methods that run the task's plain forward, backward and
+optimizer step (:func:`thinwire.algorithms.registry.own_compute` false: every codec and
+every method but AB-training and DeMo) do the same computation each step, so their probes'
+compute figures differ by this machine's noise alone. They share one figure
+(:func:`shared_compute`): each probe's timed span is a block, and the figure is the median
+of the blocks of every such probe (every repeat's), with the blocks' quartiles as its range
+(:func:`thinwire.run.compute.summarize`; the smallest and largest block for fewer than 4).
+A method's predicted step is then that shared compute plus its own measured codec and wait
+seconds plus its modeled communication, less what its overlap hides (:func:`at_compute`; its
+overlap window and bucket leads, parts of its backward pass, scale with the compute put in
+place of its own measured one). A method with its own compute keeps its measured figure.
+``--compute-ms MS`` (or ``--compute-from RUN_DIR``: ``compute_seconds`` / ``steps`` of the
+run's ``summary.json``) puts the compute of the user's own hardware in place of the shared
+figure (and scales an own-compute method's by MS over the shared figure); the codec and wait
+seconds stay those measured here.
+
+Two methods sharing the compute differ in step time by codec, communication and overlap
+alone, so their verdict barely moves with it; a method with its own compute is compared with
+``bf16``'s shared one, and there the noise counts. The verdict is therefore computed at the
+shared figure and at both ends of its range (:func:`ranged_verdict`): it is stated as is
+where it is the same at both ends, with each bandwidth's range where only the bandwidths
+move (``below 1.78 Gbit/s (1.52 Gbit/s–2.05 Gbit/s within the compute range)``), and as
+``tie with bf16 within the measured compute range`` (with the verdict at each end) where it
+changes within the range. With ``--compute-ms`` or ``--compute-from`` the compute is given,
+and the verdict is the one at it.
+
 **Repeats** (``--repeats R``): the probes run in R rounds, every method once a round, so that
 repeat i of each method ran at about the same time as repeat i of ``bf16``. Every figure shown
-is the median over the repeats with its range (``median [min–max]``); the verdict is computed
-from the median of each per-step figure (:func:`median_cost`), and each of its bandwidths
-comes with its range over the repeats, repeat i of the method against repeat i of ``bf16``
-(:func:`bound_ranges`).
+is the median over the repeats with its range (``median [min–max]``), the shared compute
+apart (one figure over every round's blocks); the verdict is computed from the median of
+each per-step figure (:func:`median_cost`), and each of its bandwidths comes with its range
+over the repeats, repeat i of the method against repeat i of ``bf16`` (:func:`bound_ranges`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -80,6 +122,7 @@ from typing import Any
 
 from thinwire import jsonfile
 from thinwire.comm.link import Link
+from thinwire.run.compute import SharedCompute
 from thinwire.run.config import TrainConfig
 
 DEFAULT_METHODS = "identity,bf16,topk:ratio=0.01,powersgd:rank=2,fft,hylo"
@@ -314,15 +357,37 @@ def probe_steps(spec: str, steps: int) -> int:
     multiple of its period that is at least ``steps``, so the timed window holds whole
     periods: one sync of every fragment per period, its bytes and seconds spread over the
     period's steps (a sync every H steps costs 1/H of itself per step)."""
+    period = _period(spec)
+    if period <= 1:
+        return steps
+    return -(-max(steps, period) // period) * period
+
+
+def _period(spec: str) -> int:
+    """The steps between two syncs of a periodic method (1 for every other spec)."""
     from thinwire.algorithms.registry import kind_of, method_config
 
     if kind_of(spec) != "method":
-        return steps
+        return 1
     _, config = method_config(spec)
     period = getattr(config, "period", None)
-    if not isinstance(period, int) or period <= 1:
-        return steps
-    return -(-max(steps, period) // period) * period
+    return period if isinstance(period, int) and period > 1 else 1
+
+
+def probe_plan(spec: str, steps: int, budget_steps: int | None = None) -> tuple[int, int]:
+    """(warm-up, timed) steps of ``spec``'s probe. Without a budget, or with one of at least
+    twice :func:`probe_steps`: that many of each. Else ``budget_steps`` steps in all: as many
+    timed steps as fit after one warm-up step, a whole number of periods and no more than
+    :func:`probe_steps` (never fewer than one period: one step, or a periodic method's
+    ``period`` steps, whose sync must be in the span), and the rest of the budget, up to
+    :func:`probe_steps`, as warm-up (at least one step: the first step's start-up costs are
+    never timed). A budget under 2 steps gives the least there is: 1 + 1 (1 + ``period``)."""
+    n = probe_steps(spec, steps)
+    if budget_steps is None or budget_steps >= 2 * n:
+        return n, n
+    period = _period(spec)
+    timed = min(n, max(period, (budget_steps - 1) // period * period))
+    return max(1, min(n, budget_steps - timed)), timed
 
 
 def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: Link | None = None) -> StepCost:
@@ -381,55 +446,199 @@ def _steady(spec: str) -> str:
     return resolved.replace("final_sync=true", "final_sync=false")
 
 
-def probe(base: TrainConfig, specs: list[str], steps: int, *, launch: Callable[..., Any] | None = None,
-          say: Callable[[str], None] = print) -> tuple[dict[str, StepCost], dict[str, str]]:
-    """Run ``steps`` warm-up and ``steps`` timed training steps of every method (whole periods
-    for a periodic method: :func:`probe_steps`); per-step costs of the timed steps by spec,
-    and the error of each probe that failed (the others still run)."""
+class ProbeInterrupted(KeyboardInterrupt):
+    """A signal stopped ``thinwire cost``: ``signal`` names it (``SIGINT``, ``SIGTERM``)."""
+
+    def __init__(self, signal: str | None = None) -> None:
+        super().__init__(signal or "SIGINT")
+        self.signal = signal or "SIGINT"
+
+
+FIRST_PROBE_MARGIN = 1.5  # ranks side by side cost more than their share of the cores (memory, collectives)
+
+
+@dataclass
+class Pace:
+    """The probes' budget: ``seconds`` of training steps per probe (None: no bound), and
+    ``step_s``, the seconds a training step is taken to last: :func:`estimate_step_seconds`
+    before the first probe, then what the last probe measured (its rank 0's training seconds
+    per step, its warm-up included)."""
+
+    seconds: float | None = None
+    step_s: float | None = None
+
+    @classmethod
+    def first(cls, base: TrainConfig, seconds: float | None) -> Pace:
+        """The pace of a first probe: ``seconds`` (None or ``inf``: no bound) at the step time
+        :func:`estimate_step_seconds` gives (none where that step fails here: the probe then
+        runs whole, and reports the failure as its own)."""
+        if seconds is None or not math.isfinite(seconds):
+            return cls(None, None)
+        try:
+            return cls(seconds, estimate_step_seconds(base))
+        except Exception:  # noqa: BLE001  (the probe's ranks meet it again and say what it is)
+            return cls(seconds, None)
+
+    def budget_steps(self) -> int | None:
+        """Training steps that fit in the budget (at least 2), or None: no bound."""
+        if self.seconds is None or not math.isfinite(self.seconds) or not self.step_s or self.step_s <= 0:
+            return None
+        return max(2, int(self.seconds / self.step_s))
+
+    def measured(self, rows: list[dict[str, Any]]) -> None:
+        """Take the step time of a probe's metrics rows (its last: cumulative training seconds)."""
+        last = rows[-1] if rows else {}
+        wall, step = last.get("wall_seconds"), last.get("step")
+        if isinstance(wall, (int, float)) and wall > 0 and isinstance(step, int) and step > 0:
+            self.step_s = wall / step
+
+
+def estimate_step_seconds(cfg: TrainConfig) -> float:
+    """About how long a probe's training step lasts on this machine, before any probe ran:
+    one training step (forward, backward, the optimizer) of rank 0's first batch, timed in
+    this process with a rank's torch threads, times ``workers · threads / cores`` where the
+    ranks' threads outnumber the cores, times :data:`FIRST_PROBE_MARGIN`. ``cfg`` resolved
+    (batch size, optimizer and learning rate filled)."""
+    import os
+    import time
+
+    import torch
+
+    from thinwire.run.trainer import build_optimizer
+    from thinwire.tasks import get as get_task
+
+    cores = os.cpu_count() or 1
+    threads = cfg.threads or max(1, cores // cfg.workers)  # as a spawned rank sets them
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+        model = task.build_model()
+        try:  # an optimizer that needs the model's layers (Muon) takes it
+            optimizer = build_optimizer(cfg.optimizer or "sgd", list(model.parameters()), cfg.lr or 0.0, model=model)
+        except TypeError:
+            optimizer = build_optimizer(cfg.optimizer or "sgd", list(model.parameters()), cfg.lr or 0.0)
+        x, y = next(task.train_batches(0, cfg.workers, cfg.batch_size or 1))
+        t0 = time.perf_counter()
+        loss = task.loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    return seconds * max(1.0, cfg.workers * threads / cores) * FIRST_PROBE_MARGIN
+
+
+def skip_evaluation(task: str) -> None:
+    """In a probe's rank (``RANK`` set; nothing elsewhere): ``task``'s ``evaluate`` returns
+    no figures without running the model. A probe times training steps only; the trainer still
+    writes its records (and their collectives) at the evaluation steps. Called by the module
+    :func:`probe` has every rank import."""
+    import os
+
+    if "RANK" not in os.environ:
+        return
+    from thinwire.tasks import get as get_task
+
+    setattr(get_task(task), "evaluate", _no_evaluation)  # noqa: B010  (a class attribute, in this rank only)
+
+
+def _no_evaluation(self: Any, model: Any, max_batches: int | None = None) -> dict[str, Any]:
+    return {"loss": None, "accuracy": None, "bpc": None}
+
+
+def _quiet_module(folder: str, task: str) -> str:
+    """A module file in ``folder`` that calls :func:`skip_evaluation` for ``task``: its path."""
+    path = Path(folder) / "thinwire_cost_probe.py"
+    path.write_text('"""thinwire cost\'s probes time training steps only: their ranks skip the evaluations."""\n'
+                    "from thinwire.run.cost import skip_evaluation\n\n"
+                    f"skip_evaluation({task!r})\n")
+    return str(path)
+
+
+def _span(rows: list[dict[str, Any]], warm: int, total: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The records at the end of the warm-up and at the end (the last two where not found)."""
+    at = {r.get("step"): r for r in rows}
+    if warm in at and total in at:
+        return at[warm], at[total]
+    return rows[-2], rows[-1]
+
+
+Result = Callable[[str, StepCost | str], None]  # (spec, its per-step costs, or the error of its failed probe)
+
+
+def probe(base: TrainConfig, specs: list[str], steps: int, *, seconds: float | None = None,
+          pace: Pace | None = None, launch: Callable[..., Any] | None = None, say: Callable[[str], None] = print,
+          on_result: Result | None = None) -> tuple[dict[str, StepCost], dict[str, str]]:
+    """Run the warm-up and timed training steps of every method's probe (:func:`probe_plan`:
+    ``steps`` of each, whole periods for a periodic method, fewer where ``seconds`` of steps
+    per probe would not hold them, at ``pace``'s step time); per-step costs of the timed steps
+    by spec, and the error of each probe that failed (the others still run). ``on_result``
+    hears each probe's costs (or error) as soon as it ends. A probe that a signal stopped
+    raises :class:`ProbeInterrupted`."""
     from thinwire.run.compare import for_method
 
     if launch is None:
         from thinwire.run.launch import launch as default_launch
 
         launch = default_launch
+    if pace is None:
+        pace = Pace.first(base, seconds)
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
-    for i, spec in enumerate(specs, 1):
-        try:
-            n = probe_steps(spec, steps)
-        except ValueError as e:
-            failed[spec] = str(e).splitlines()[0][:300]
-            continue
-        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {n} + {n} steps on {base.workers} workers")
-        with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-            # the steady state: the DiLoCo family's end-of-run sync (finish()) is no step's cost
-            steady = _steady(spec)
-            cfg = for_method(base, steady, steps=2 * n, eval_every=n, out=tmp, overwrite=True, tensorboard=False)
+    intra = Link.parse(base.intra_link) if base.intra_link else None
+    with tempfile.TemporaryDirectory(prefix="thinwire-probes-") as setup:
+        quiet = _quiet_module(setup, base.task)
+        for i, spec in enumerate(specs, 1):
+            result: StepCost | str
             try:
-                summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
-                if summary is not None and summary.get("stopped_at") is not None:
-                    raise KeyboardInterrupt  # a signal stopped the probe: so does thinwire cost
-                rows = _rows(Path(tmp) / "metrics.jsonl")
-                intra = Link.parse(base.intra_link) if base.intra_link else None
-                out[spec] = (from_rows(spec, rows[-2], rows[-1], intra) if len(rows) >= 2
-                             else from_summary(spec, summary, intra))
-            except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
-                failed[spec] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                budget = pace.budget_steps()
+                warm, timed = probe_plan(spec, steps, budget)
+            except ValueError as e:
+                failed[spec] = result = str(e).splitlines()[0][:300]
+                if on_result is not None:
+                    on_result(spec, result)
+                continue
+            bound = (f" ({pace.seconds:g} s of steps at about {pace.step_s:.3g} s a step)"
+                     if (warm, timed) != probe_plan(spec, steps) else "")
+            say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {warm} + {timed} steps on {base.workers} "
+                f"workers{bound}")
+            with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
+                # the steady state: the DiLoCo family's end-of-run sync (finish()) is no step's cost
+                cfg = for_method(base, _steady(spec), steps=warm + timed, eval_every=math.gcd(warm, timed), out=tmp,
+                                 overwrite=True, tensorboard=False, imports=(*base.imports, quiet))
+                try:
+                    summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
+                    if summary is not None and summary.get("stopped_at") is not None:
+                        raise ProbeInterrupted(summary.get("signal"))  # a signal stopped the probe: so does cost
+                    rows = _rows(Path(tmp) / "metrics.jsonl")
+                    pace.measured(rows)
+                    result = (from_rows(spec, *_span(rows, warm, warm + timed), intra) if len(rows) >= 2
+                              else from_summary(spec, summary, intra))
+                    out[spec] = result
+                except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
+                    failed[spec] = result = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if on_result is not None:
+                on_result(spec, result)
     return out, failed
 
 
-def probe_repeats(base: TrainConfig, specs: list[str], steps: int, repeats: int, *,
-                  launch: Callable[..., Any] | None = None,
-                  say: Callable[[str], None] = print) -> tuple[dict[str, list[StepCost]], dict[str, str]]:
+def probe_repeats(base: TrainConfig, specs: list[str], steps: int, repeats: int, *, seconds: float | None = None,
+                  pace: Pace | None = None, launch: Callable[..., Any] | None = None,
+                  say: Callable[[str], None] = print,
+                  on_result: Result | None = None) -> tuple[dict[str, list[StepCost]], dict[str, str]]:
     """:func:`probe` ``repeats`` times, in rounds (every method once a round, in order): per spec
     its per-step costs, one per repeat, and the error of each spec whose probe failed in any
-    repeat (it is not probed again, and has no costs)."""
+    repeat (it is not probed again, and has no costs). One ``pace`` for every round."""
+    if pace is None:
+        pace = Pace.first(base, seconds)
     out: dict[str, list[StepCost]] = {spec: [] for spec in specs}
     failed: dict[str, str] = {}
     for r in range(1, repeats + 1):
         left = [spec for spec in specs if spec not in failed]
         tell = say if repeats == 1 else (lambda line, r=r: say(f"{line} (repeat {r}/{repeats})"))
-        costs, errors = probe(base, left, steps, launch=launch, say=tell)
+        costs, errors = probe(base, left, steps, pace=pace, launch=launch, say=tell, on_result=on_result)
         failed.update(errors)
         for spec, c in costs.items():
             out[spec].append(c)
@@ -501,6 +710,113 @@ def bounds_text(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> s
         shapes = {verdict(m, ref, latency_s) for m, ref in zip(ms, refs, strict=True)}
         return "-" if len(shapes) == 1 else "repeats: " + "; ".join(sorted(shapes))
     return "; ".join(f"{_rate(lo)}–{_rate(hi)}" for lo, hi in ranges)
+
+
+# -- one compute figure ------------------------------------------------------------------------
+def shares_compute(spec: str) -> bool:
+    """Whether ``spec``'s steps run the task's plain forward, backward and optimizer step, and
+    so share the one compute figure (not :func:`thinwire.algorithms.registry.own_compute`)."""
+    from thinwire.algorithms.registry import own_compute
+
+    return not own_compute(spec)
+
+
+def shared_compute(runs: dict[str, list[StepCost]],
+                   shares: Callable[[str], bool] = shares_compute) -> SharedCompute | None:
+    """The compute figure of the methods of ``runs`` that share it (``shares(spec)``): every
+    probe's per-step compute over its timed span is a block, every repeat's too, and
+    :func:`thinwire.run.compute.summarize` gives their median and range; None where no such
+    method was probed."""
+    from thinwire.run.compute import summarize
+
+    sharing = [spec for spec in runs if shares(spec)]
+    return summarize([c.compute_s for spec in sharing for c in runs[spec]], tuple(sharing))
+
+
+def with_compute(c: StepCost, compute_s: float) -> StepCost:
+    """``c`` with ``compute_s`` seconds of compute a step in place of its own, its overlap
+    window and its buckets' leads (parts of its backward pass) scaled by the same factor."""
+    import dataclasses
+
+    scale = compute_s / c.compute_s if c.compute_s > 0 else 1.0
+    return dataclasses.replace(c, compute_s=compute_s, window_s=c.window_s * scale,
+                               leads=tuple((lead * scale, share) for lead, share in c.leads))
+
+
+def at_compute(c: StepCost, shares: bool, shared: SharedCompute | None, given_s: float | None = None) -> StepCost:
+    """``c`` as the prediction takes it: a method that shares the compute with the shared
+    figure in place of its own, or with ``given_s`` (``--compute-ms``) where given; a method
+    with its own compute with its own, scaled by ``given_s`` over the shared figure where a
+    compute is given (:func:`with_compute` either way)."""
+    if shares:
+        figure = given_s if given_s is not None else (shared.per_step if shared is not None else None)
+        return c if figure is None else with_compute(c, figure)
+    if given_s is not None and shared is not None and shared.per_step > 0:
+        return with_compute(c, c.compute_s * given_s / shared.per_step)
+    return c
+
+
+_BANDWIDTH = re.compile(r"[\d.]+ [GM]bit/s")
+
+
+def ranged_verdict(m: StepCost, ref: StepCost, latency_s: float, shared: SharedCompute | None, *,
+                   m_shares: bool = True, ref_shares: bool = True) -> str:
+    """:func:`verdict` of ``m`` against ``ref`` (both as measured) at the shared compute figure,
+    checked at both ends of its range, the figure put in place of the compute of each of them
+    that shares it (``m_shares``, ``ref_shares``; :func:`with_compute`). The same verdict at
+    both ends: that verdict (with each bandwidth's range over the compute range, where a
+    bandwidth moves: ``below 1.78 Gbit/s (1.52 Gbit/s–2.05 Gbit/s within the compute
+    range)``); another verdict at either end: ``tie with bf16 within the measured compute range
+    (at 46.0 ms: below 1.2 Gbit/s; at 51.2 ms: never)``. No shared figure: the verdict as
+    measured."""
+    if m.method == ref.method:
+        return "(the reference)"
+    if shared is None:
+        return verdict(m, ref, latency_s)
+
+    def pair(x: float) -> tuple[StepCost, StepCost]:
+        return with_compute(m, x) if m_shares else m, with_compute(ref, x) if ref_shares else ref
+
+    at = {x: pair(x) for x in (shared.lo, shared.per_step, shared.hi)}
+    words = {x: verdict(*costs, latency_s) for x, costs in at.items()}
+    mid = words[shared.per_step]
+    if len({_BANDWIDTH.sub("X", w) for w in words.values()}) > 1:
+        return (f"tie with {REFERENCE} within the measured compute range (at {1e3 * shared.lo:.1f} ms: "
+                f"{words[shared.lo]}; at {1e3 * shared.hi:.1f} ms: {words[shared.hi]})")
+    roots = [crossings_Bps(*costs, latency_s) for costs in at.values()]
+    if len({len(r) for r in roots}) > 1:  # a crossing where the two only touch, at one end: the same words
+        return mid
+    moved = [(min(r[k] for r in roots), max(r[k] for r in roots)) for k in range(len(roots[0]))]
+    if all(_rate(lo) == _rate(hi) for lo, hi in moved):
+        return mid
+    return f"{mid} ({' and '.join(f'{_rate(lo)}–{_rate(hi)}' for lo, hi in moved)} within the compute range)"
+
+
+def compute_from_run(path: str) -> tuple[float, dict[str, Any]]:
+    """Seconds of compute per step of a finished run (its folder or its ``summary.json``):
+    ``compute_seconds`` / ``steps`` (a resumed run's ``compute_seconds`` holds every part of
+    it, so ``steps``, not ``steps_run``), and the summary. Raises ValueError, in one line,
+    for a missing or unreadable file or one without those figures."""
+    import json
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "summary.json"
+    if not file.is_file():
+        raise ValueError(f"--compute-from {path}: no {file.name if file.suffix else 'summary.json'} there "
+                         "(thinwire train writes one at the end of a run)")
+    try:
+        summary = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--compute-from {file}: not a readable summary: {str(e).splitlines()[0]}") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"--compute-from {file}: not a run summary (a JSON object)")
+    seconds, steps = summary.get("compute_seconds"), summary.get("steps")
+    if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds)
+            or seconds <= 0 or not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"--compute-from {file}: no compute_seconds > 0 and steps >= 1 in it "
+                         f"(got {seconds!r} and {steps!r})")
+    return seconds / steps, summary
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -1,13 +1,15 @@
 """PNG plots of a comparison (matplotlib, no display needed).
 
-- ``accuracy_vs_step.png``: test accuracy at each evaluation.
+- ``accuracy_vs_step.png``: test accuracy at each evaluation (``loss_vs_*`` instead, test
+  loss, for a race judged by the loss: a language model).
 - ``accuracy_vs_bytes.png``: against the megabytes rank 0 had sent (log scale).
 - ``accuracy_vs_time_<link>.png``: against the modeled seconds at that link.
-- ``time_breakdown.png``: per method, stacked compute / codec / communication seconds
-  (communication modeled at the first link; measured when there is none).
+- ``time_breakdown_<link>.png``, one per link: per method, stacked compute / codec /
+  communication seconds (communication modeled at that link, what overlap hid left out;
+  ``time_breakdown.png`` with measured communication when there is no link).
 
-A dashed line marks the target accuracy. Failed runs are left out of the plots (the
-report lists them).
+A dashed line marks the target. Failed runs are left out of the plots (the report lists
+them).
 """
 
 from __future__ import annotations
@@ -35,36 +37,43 @@ def link_slug(link: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", link).strip("_")
 
 
-def plot_names(links: tuple[str, ...]) -> list[str]:
-    """The files :func:`plot_all` writes for ``links``, in its order."""
-    return (["accuracy_vs_step.png", "accuracy_vs_bytes.png"]
-            + [f"accuracy_vs_time_{link_slug(link)}.png" for link in links] + ["time_breakdown.png"])
+def plot_names(links: tuple[str, ...], figure: str = "accuracy") -> list[str]:
+    """The files :func:`plot_all` writes for ``links``, in its order (``figure``: ``accuracy``
+    or ``loss``, what the race is judged by)."""
+    breakdowns = [f"time_breakdown_{link_slug(link)}.png" for link in links] or ["time_breakdown.png"]
+    return ([f"{figure}_vs_step.png", f"{figure}_vs_bytes.png"]
+            + [f"{figure}_vs_time_{link_slug(link)}.png" for link in links] + breakdowns)
 
 
-def plot_all(out: Path, results: list[dict[str, Any]], links: tuple[str, ...], target: float | None) -> list[str]:
+def plot_all(out: Path, results: list[dict[str, Any]], links: tuple[str, ...], target: float | None,
+             figure: str = "accuracy") -> list[str]:
     """Write every plot into ``out``; returns their paths."""
     ok = [r for r in results if r["status"] == "ok" and r["rows"]]
+    name = "test accuracy" if figure == "accuracy" else "test loss"
     paths = [
-        _curves(out / "accuracy_vs_step.png", ok, lambda row: row["step"], "step", "test accuracy vs step", target),
-        _curves(out / "accuracy_vs_bytes.png", ok, lambda row: row["bytes_sent"] / 1e6, "MB sent by rank 0 (log)",
-                "test accuracy vs bytes sent", target, log=True),
+        _curves(out / f"{figure}_vs_step.png", ok, lambda row: row["step"], "step", f"{name} vs step", target, figure),
+        _curves(out / f"{figure}_vs_bytes.png", ok, lambda row: row["bytes_sent"] / 1e6, "MB sent by rank 0 (log)",
+                f"{name} vs bytes sent", target, figure, log=True),
     ]
     for link in links:
         key = f"modeled_seconds@{link}"
-        paths.append(_curves(out / f"accuracy_vs_time_{link_slug(link)}.png", ok, lambda row, k=key: row.get(k),
-                             f"modeled seconds at {link}", f"test accuracy vs modeled time at {link}", target))
-    paths.append(_breakdown(out / "time_breakdown.png", ok, links[0] if links else None))
+        paths.append(_curves(out / f"{figure}_vs_time_{link_slug(link)}.png", ok, lambda row, k=key: row.get(k),
+                             f"modeled seconds at {link}", f"{name} vs modeled time at {link}", target, figure))
+    for link in links:
+        paths.append(_breakdown(out / f"time_breakdown_{link_slug(link)}.png", ok, link))
+    if not links:
+        paths.append(_breakdown(out / "time_breakdown.png", ok, None))
     return [str(p) for p in paths]
 
 
 def _curves(path: Path, runs: list[dict[str, Any]], x_of: Callable[..., Any], xlabel: str, title: str,
-            target: float | None, log: bool = False) -> Path:
+            target: float | None, figure: str = "accuracy", log: bool = False) -> Path:
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for i, r in enumerate(runs):
-        points = [(x_of(row), row.get("test_accuracy")) for row in r["rows"]]
+        points = [(x_of(row), row.get(f"test_{figure}")) for row in r["rows"]]
         points = [(x, y) for x, y in points if x is not None and y is not None and (not log or x > 0)]
         if points:
             xs, ys = zip(*points, strict=True)
@@ -79,10 +88,11 @@ def _curves(path: Path, runs: list[dict[str, Any]], x_of: Callable[..., Any], xl
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(f"test {figure}")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # runs without this figure draw nothing
+        ax.legend(fontsize=8, loc="lower right" if figure == "accuracy" else "upper right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -102,14 +112,14 @@ def _breakdown(path: Path, runs: list[dict[str, Any]], link: str | None) -> Path
                     else s["comm_seconds"])
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 2.2), dpi=110, layout="constrained")
     ys = range(len(labels))
-    ax.barh(ys, compute, label="compute (measured)")
+    ax.barh(ys, compute, label="compute")
     ax.barh(ys, codec, left=compute, label="codec (measured)")
     ax.barh(ys, comm, left=[a + b for a, b in zip(compute, codec, strict=True)],
             label=f"communication ({'modeled at ' + link if link else 'measured'})")
     ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per worker, whole run")
-    ax.set_title("where the time goes")
+    ax.set_title("where the time goes" + (f" at {link}" if link else ""))
     ax.grid(True, axis="x", alpha=0.3)
     fig.legend(fontsize=8, loc="outside lower center", ncol=3, frameon=False)
     fig.savefig(path)

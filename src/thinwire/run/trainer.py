@@ -25,6 +25,7 @@ from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import LINKS, sent_bytes
+from thinwire.optim import schedule
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter, finite
@@ -53,8 +54,16 @@ class Clock:
 SKIPPED_SHARE_DEAD = 0.5  # a run that skipped more than this share of its steps did not train: it ends non-zero
 
 
-def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """``adam``, ``adamw`` (decoupled weight decay) or ``sgd`` (momentum 0.9)."""
+def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0, *, model: torch.nn.Module | None = None,
+                    muon_lr: float | None = None) -> torch.optim.Optimizer:
+    """``adam``, ``adamw`` (decoupled weight decay), ``sgd`` (momentum 0.9) or ``muon`` (Muon for
+    ``model``'s hidden matrices, AdamW for the rest: :mod:`thinwire.optim.muon`)."""
+    if name == "muon":
+        from thinwire.optim.muon import muon_adamw
+
+        if model is None:
+            raise ValueError("--optimizer muon needs the model (its layers decide which weights Muon trains)")
+        return muon_adamw(model, lr, weight_decay=weight_decay, muon_lr=muon_lr)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
@@ -63,10 +72,11 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
 
 
 def optimizer_for(spec: Any, name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
-                  comm: Communicator) -> torch.optim.Optimizer:
+                  comm: Communicator, *, model: torch.nn.Module | None = None,
+                  muon_lr: float | None = None) -> torch.optim.Optimizer:
     """The run's optimizer: the method's own where the method is one (DeMo), else ``name``."""
     own = method_optimizer(spec, params, lr, weight_decay=weight_decay, comm=comm)
-    return own if own is not None else build_optimizer(name, params, lr, weight_decay)
+    return own if own is not None else build_optimizer(name, params, lr, weight_decay, model=model, muon_lr=muon_lr)
 
 
 @dataclass
@@ -193,7 +203,7 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
     optimizer = optimizer_for(cfg.method_spec(), cfg.optimizer, list(model.parameters()), cfg.lr,
-                              task.defaults.weight_decay, comm)
+                              task.defaults.weight_decay, comm, model=model, muon_lr=cfg.muon_lr)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
     model_bytes = _tensor_bytes(model.state_dict())
     # gradients are averaged while backward goes on, except where a step must be agreed on
@@ -248,6 +258,9 @@ def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torc
             verdict.agree()  # after the method's collectives, which may still be in flight until after_backward
         t2 = time.perf_counter()
         spent = _spent(method)
+        if cfg.lr_schedule != "constant" or cfg.warmup_steps:  # a pure function of the step: resumes exactly
+            schedule.apply(run.optimizer, schedule.factor(step - 1, run.steps, cfg.lr_schedule, cfg.warmup_steps,
+                                                          cfg.min_lr))
         run.optimizer.step()
         t3 = time.perf_counter()
         # a method that is the optimizer (DeMo) encodes and communicates inside its step
@@ -312,6 +325,7 @@ def _record(run: _Run, loss: torch.Tensor, step: int, last: bool) -> None:
         run.last_eval = _evaluate(run.task, run.model, run.comm, loss, step, cfg, run.clock, run.method,
                                   run.fp32_per_step, run.t_start, window=(run.loss_sum, run.loss_steps))
         run.loss_sum, run.loss_steps = 0.0, 0
+        run.last_eval["lr"] = run.optimizer.param_groups[0]["lr"]  # the rate of this step (a schedule moves it)
         if run.writer:
             run.writer.write(run.last_eval)
         if run.report is not None and run.comm.rank == 0:
@@ -324,7 +338,7 @@ def _finish(run: _Run) -> dict[str, Any] | None:
 
     cfg = run.cfg
     summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
-                       run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps)
+                       run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps, task=run.task)
     summary.update(warnings=list(getattr(run.method, "warned", [])), resumed_from=run.start or None,
                    stopped_at=run.stopped_at, started_at=run.started_at, ended_at=utc_now())
     if run.stopped_at is not None:  # not over: no verdict on a run that may yet train
@@ -533,6 +547,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
             record.update({f"test_{k}": v for k, v in ev.items()})
         comm.barrier()  # evaluation skew is not charged to the next timed collective
     record.update(method.stats())  # e.g. the theta FFT used at this step
+    record.update(task.progress(step, comm.world_size, cfg.batch_size))  # e.g. the epoch (text)
     t = _timing(method, clock)
     record.update(
         bytes_sent=comm.meter.bytes_sent,
@@ -572,7 +587,7 @@ def _decentralized_eval(task, model, comm) -> dict[str, Any]:
     mean = own.clone()
     comm.all_reduce(mean)
     mean /= comm.world_size
-    figures = torch.tensor([(own - mean).square().sum().item(), local["accuracy"] or 0.0], dtype=torch.float64)
+    figures = torch.tensor([(own - mean).square().sum().item(), local.get("accuracy") or 0.0], dtype=torch.float64)
     comm.all_reduce(figures)
     saved = [t.detach().clone() for t in state]
     off = 0
@@ -643,7 +658,7 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None,
-             done: int | None = None) -> dict[str, Any]:
+             done: int | None = None, task=None) -> dict[str, Any]:
     """Rank 0's summary of a run that ended after step ``done`` (default: ``cfg.steps``)."""
     done = cfg.steps if done is None else done
     with comm.meter.paused():
@@ -664,6 +679,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "method": cfg.method,
         "workers": comm.world_size,
         "steps": cfg.steps,
+        "data": task.data_facts() if task is not None else None,  # e.g. the text corpus's size and SHA-256
         "final_loss": last_eval.get("test_loss"),
         "final_accuracy": last_eval.get("test_accuracy"),
         "final_bpc": last_eval.get("test_bpc"),

@@ -14,6 +14,7 @@ from thinwire.tasks.charlm import CharLM
 from thinwire.tasks.cifar10 import CIFAR10
 from thinwire.tasks.mnist1d import MNIST1D
 from thinwire.tasks.synthetic import Synthetic
+from thinwire.tasks.text import Text
 
 __all__ = ["TASKS", "Task", "TaskDefaults", "TaskError", "available", "get", "register"]
 
@@ -55,7 +56,7 @@ def check_task_class(cls: Any) -> None:
         raise TaskError(f"task {name} does not define {missing}")
 
 
-for _cls in (MNIST1D, CharLM, CIFAR10, Synthetic):
+for _cls in (MNIST1D, CharLM, Text, CIFAR10, Synthetic):
     register(_cls)
 
 

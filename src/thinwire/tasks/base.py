@@ -109,6 +109,20 @@ class Task:
         """One line for logs: data sizes and options."""
         return f"{self.name} seed={self.seed} {dataclasses.asdict(self.options)}"
 
+    def data_facts(self) -> dict | None:
+        """What the run trained on, for summary.json's ``data`` (e.g. the corpus's size and
+        SHA-256); None: nothing to record."""
+        return None
+
+    def progress(self, step: int, world_size: int, batch_size: int) -> dict:
+        """Figures for the metrics row written after ``step`` steps of ``batch_size`` examples
+        per rank on ``world_size`` ranks (e.g. the epoch); {}: none."""
+        return {}
+
+    def check_world(self, world_size: int, batch_size: int) -> None:
+        """Raise :class:`TaskError` (one line naming the sizes) when the data cannot be dealt
+        to ``world_size`` ranks of ``batch_size``; called before any rank starts. Default: no check."""
+
     # -- shared -----------------------------------------------------------------------
     def loss(self, output: Tensor, target: Tensor) -> Tensor:
         """Mean cross-entropy; ``output`` is (..., classes) logits, ``target`` (...) class ids."""
