@@ -176,8 +176,8 @@ def test_the_first_probe_is_sized_from_the_estimate_and_the_next_from_the_step_i
     c = costs["bf16"]  # between the records after step 1 and step 10: the first step's cost left out
     assert (c.compute_s, c.codec_s, c.wait_s, c.bytes, c.messages, c.probe_steps) == pytest.approx(
         (0.01, 0.001, 0.002, 1e5, 4, 9), rel=1e-12)
-    # every rank imports the module that skips the evaluations (the probe's own, removed after)
-    assert all(cfg.imports[-1].endswith("thinwire_cost_probe.py") for cfg in seen)
+    # the probes' ranks skip the evaluations
+    assert all(cfg.evaluate is False for cfg in seen)
 
 
 def test_without_a_budget_the_probe_runs_its_steps_whole():
@@ -186,18 +186,15 @@ def test_without_a_budget_the_probe_runs_its_steps_whole():
     assert [(cfg.steps, cfg.eval_every) for cfg in seen] == [(12, 6)]
 
 
-def test_evaluation_is_skipped_in_a_probe_s_rank_only(monkeypatch):
-    from thinwire.tasks import get
+def test_a_run_without_evaluation_writes_its_records_without_test_figures(tmp_path):
+    from thinwire.run.launch import launch
 
-    task = get("synthetic")
-    monkeypatch.setattr(task, "evaluate", task.evaluate)  # undone after the test
-    monkeypatch.delenv("RANK", raising=False)
-    cost.skip_evaluation("synthetic")
-    assert get("synthetic").evaluate is not cost._no_evaluation  # not a rank: nothing changes
-    monkeypatch.setenv("RANK", "0")
-    cost.skip_evaluation("synthetic")
-    t = get("synthetic")(seed=0, dim=8, hidden=8, classes=2, samples=64, test_samples=16)
-    assert t.evaluate(t.build_model()) == {"loss": None, "accuracy": None, "bpc": None}
+    cfg = TrainConfig(task="synthetic", workers=2, steps=4, eval_every=2, evaluate=False, out=str(tmp_path / "r"),
+                      task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64, "test_samples": 16})
+    summary = launch(cfg.resolve(), show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and all("test_loss" not in r for r in rows)
+    assert all(r["compute_seconds"] > 0 for r in rows) and summary["final_loss"] is None
 
 
 # -- the user's own compute ---------------------------------------------------------------------

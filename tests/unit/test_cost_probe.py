@@ -40,7 +40,7 @@ def test_a_budget_bounds_a_real_probe_and_a_periodic_one_keeps_its_sync():
     costs, failed = cost.probe(_base(), ["bf16"], 50, pace=cost.Pace(0.5, 0.1), launch=keep, say=lambda line: None)
     assert not failed and costs["bf16"].probe_steps == 4
     assert [r["step"] for r in records[0]] == [1, 2, 3, 4, 5]  # a record at every step: both ends of the span
-    assert all(r["test_loss"] is None and r["test_accuracy"] is None for r in records[0])  # evaluation skipped
+    assert all("test_loss" not in r and "test_accuracy" not in r for r in records[0])  # evaluation skipped
     # DiLoCo every 6 steps with room for 2 steps: 1 + 6, so the one sync is in the timed span
     costs, failed = cost.probe(_base(), ["diloco:period=6"], 4, pace=cost.Pace(0.2, 0.1), launch=keep,
                                say=lambda line: None)

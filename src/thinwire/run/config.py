@@ -59,6 +59,9 @@ class TrainConfig:
     intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.nodes.INTRA_DTYPES)
     # TensorBoard event files beside metrics.jsonl: None when the tensorboard package is installed, True needs it
     tensorboard: bool | None = None
+    # False: the evaluation steps write their records without test figures (thinwire cost's probes time
+    # training steps only; a test set's evaluation of a large model would take longer than the probe)
+    evaluate: bool = True
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -389,7 +392,7 @@ class ImportFailed(ValueError):
 
 # -- resuming with the run's own settings -------------------------------------------------------
 # never taken from the checkpoint
-OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard"})
+OWN_TO_EACH_COMMAND = frozenset({"out", "overwrite", "resume", "max_workers", "tensorboard", "evaluate"})
 METHOD_FIELDS = ("method", "policy", "policy_rules", "label")  # given --method or --policy replaces all four
 SEQUENCES = ("links", "policy_rules", "imports")  # lists in JSON, tuples here
 

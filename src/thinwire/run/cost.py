@@ -61,8 +61,8 @@ the verdict names the bandwidths where the method is faster ("below X", "above X
 whole steps is not credited: its prediction is an upper bound.
 
 **The probes.** A probe spawns its ranks as ``thinwire train`` would, with one change: its
-ranks skip the task's evaluation (the task's ``evaluate`` returns no figures, through a module
-the probe imports in every rank: :func:`skip_evaluation`), since a probe times training steps
+ranks skip the task's evaluation (``TrainConfig.evaluate`` False: the records carry no test
+figures), since a probe times training steps
 and nothing else, and a language model's test set can take longer than its steps. The
 records after the warm-up and at the end are still written. ``--probe-seconds S`` bounds each
 probe's training steps (start-up of the ranks apart): warm-up and timed steps are
@@ -530,33 +530,6 @@ def estimate_step_seconds(cfg: TrainConfig) -> float:
     return seconds * max(1.0, cfg.workers * threads / cores) * FIRST_PROBE_MARGIN
 
 
-def skip_evaluation(task: str) -> None:
-    """In a probe's rank (``RANK`` set; nothing elsewhere): ``task``'s ``evaluate`` returns
-    no figures without running the model. A probe times training steps only; the trainer still
-    writes its records (and their collectives) at the evaluation steps. Called by the module
-    :func:`probe` has every rank import."""
-    import os
-
-    if "RANK" not in os.environ:
-        return
-    from thinwire.tasks import get as get_task
-
-    setattr(get_task(task), "evaluate", _no_evaluation)  # noqa: B010  (a class attribute, in this rank only)
-
-
-def _no_evaluation(self: Any, model: Any, max_batches: int | None = None) -> dict[str, Any]:
-    return {"loss": None, "accuracy": None, "bpc": None}
-
-
-def _quiet_module(folder: str, task: str) -> str:
-    """A module file in ``folder`` that calls :func:`skip_evaluation` for ``task``: its path."""
-    path = Path(folder) / "thinwire_cost_probe.py"
-    path.write_text('"""thinwire cost\'s probes time training steps only: their ranks skip the evaluations."""\n'
-                    "from thinwire.run.cost import skip_evaluation\n\n"
-                    f"skip_evaluation({task!r})\n")
-    return str(path)
-
-
 def _span(rows: list[dict[str, Any]], warm: int, total: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The records at the end of the warm-up and at the end (the last two where not found)."""
     at = {r.get("step"): r for r in rows}
@@ -588,39 +561,37 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, seconds: float | N
     out: dict[str, StepCost] = {}
     failed: dict[str, str] = {}
     intra = Link.parse(base.intra_link) if base.intra_link else None
-    with tempfile.TemporaryDirectory(prefix="thinwire-probes-") as setup:
-        quiet = _quiet_module(setup, base.task)
-        for i, spec in enumerate(specs, 1):
-            result: StepCost | str
-            try:
-                budget = pace.budget_steps()
-                warm, timed = probe_plan(spec, steps, budget)
-            except ValueError as e:
-                failed[spec] = result = str(e).splitlines()[0][:300]
-                if on_result is not None:
-                    on_result(spec, result)
-                continue
-            bound = (f" ({pace.seconds:g} s of steps at about {pace.step_s:.3g} s a step)"
-                     if (warm, timed) != probe_plan(spec, steps) else "")
-            say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {warm} + {timed} steps on {base.workers} "
-                f"workers{bound}")
-            with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
-                # the steady state: the DiLoCo family's end-of-run sync (finish()) is no step's cost
-                cfg = for_method(base, _steady(spec), steps=warm + timed, eval_every=math.gcd(warm, timed), out=tmp,
-                                 overwrite=True, tensorboard=False, imports=(*base.imports, quiet))
-                try:
-                    summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
-                    if summary is not None and summary.get("stopped_at") is not None:
-                        raise ProbeInterrupted(summary.get("signal"))  # a signal stopped the probe: so does cost
-                    rows = _rows(Path(tmp) / "metrics.jsonl")
-                    pace.measured(rows)
-                    result = (from_rows(spec, *_span(rows, warm, warm + timed), intra) if len(rows) >= 2
-                              else from_summary(spec, summary, intra))
-                    out[spec] = result
-                except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
-                    failed[spec] = result = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    for i, spec in enumerate(specs, 1):
+        result: StepCost | str
+        try:
+            budget = pace.budget_steps()
+            warm, timed = probe_plan(spec, steps, budget)
+        except ValueError as e:
+            failed[spec] = result = str(e).splitlines()[0][:300]
             if on_result is not None:
                 on_result(spec, result)
+            continue
+        bound = (f" ({pace.seconds:g} s of steps at about {pace.step_s:.3g} s a step)"
+                 if (warm, timed) != probe_plan(spec, steps) else "")
+        say(f"[{i}/{len(specs)}] probing {spec.split(':')[0]}: {warm} + {timed} steps on {base.workers} "
+            f"workers{bound}")
+        with tempfile.TemporaryDirectory(prefix="thinwire-probe-") as tmp:
+            # the steady state: the DiLoCo family's end-of-run sync (finish()) is no step's cost
+            cfg = for_method(base, _steady(spec), steps=warm + timed, eval_every=math.gcd(warm, timed), out=tmp,
+                             overwrite=True, tensorboard=False, evaluate=False)
+            try:
+                summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
+                if summary is not None and summary.get("stopped_at") is not None:
+                    raise ProbeInterrupted(summary.get("signal"))  # a signal stopped the probe: so does cost
+                rows = _rows(Path(tmp) / "metrics.jsonl")
+                pace.measured(rows)
+                result = (from_rows(spec, *_span(rows, warm, warm + timed), intra) if len(rows) >= 2
+                          else from_summary(spec, summary, intra))
+                out[spec] = result
+            except Exception as e:  # noqa: BLE001  (a failed probe is reported; the others go on)
+                failed[spec] = result = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if on_result is not None:
+            on_result(spec, result)
     return out, failed
 
 

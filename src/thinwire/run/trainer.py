@@ -540,7 +540,9 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         now, total, count = agreed.tolist()
         record: dict[str, Any] = {"step": step, "train_loss": now / comm.world_size,
                                   "train_loss_mean": total / count if count else None}
-        if method.decentralized:
+        if not cfg.evaluate:
+            pass  # a timing probe (thinwire cost): the record without test figures
+        elif method.decentralized:
             record.update(_decentralized_eval(task, model, comm))
         else:
             ev = task.evaluate(model)

@@ -31,7 +31,7 @@ or ``python X.Y.Z stdlib``), ``path``, ``files``, ``test_files`` (held out by fi
 split by position), ``bytes`` (the corpus's size on disk), ``vocab``, ``train_tokens``,
 ``test_tokens``, ``sha256`` (of every file's bytes in path order: for a folder, the SHA-256 of
 its files concatenated in that order; empty and skipped files add nothing), ``context``,
-``train_windows`` and ``eval_windows``.
+``train_windows``, ``eval_windows`` and ``eval_split``.
 
 The training text of a corpus (a directory's training files concatenated in path order, so
 a window may span two files) is cut into windows of ``context + 1`` tokens at stride
@@ -40,7 +40,10 @@ a window may span two files) is cut into windows of ``context + 1`` tokens at st
 are dealt with :func:`thinwire.tasks.base.index_batches`: each epoch one shuffle seeded from
 ``(text, seed, epoch)`` shared by the ranks, each rank its own contiguous slice (disjoint),
 batches running on into the next epoch; ``start=k`` gives batch ``k`` without building the
-ones before. The test set is the first ``eval_windows`` windows of the test split, in order.
+ones before. The test set is the first ``eval_windows`` windows of the test split, in order;
+``eval_split=valid`` evaluates on the validation set instead, the next ``eval_windows``
+windows (disjoint from the test set, fixed; refused when the held-out split has fewer than
+``2 * eval_windows`` windows), for tuning that never reads the test windows.
 
 ``evaluate`` reports ``bpc`` = test loss / ln 2: bits per byte for text, bits per token for a
 token file; ``accuracy`` is next-byte (next-token) accuracy. ``progress`` gives every
@@ -73,6 +76,7 @@ CONTEXT = 128  # tokens per window unless `context` says otherwise (charlm's pre
 BYTE_VOCAB = 256
 TOKEN_VOCAB = 50304  # nanoGPT's GPT-2 vocabulary (50257) rounded up to a multiple of 64
 CHUNK = 1 << 24  # elements per pass when validating, hashing or scanning a large file
+EVAL_SPLITS = ("test", "valid")  # option eval_split: which eval_windows windows of the held-out split evaluate
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
@@ -83,6 +87,7 @@ class TextOptions(CharLMOptions):
 
     vocab: int | None = None  # token files only: ids must be < vocab (default 50304); text is bytes (256)
     eval_windows: int = 256  # test windows per evaluation (the first ones of the test split, in order)
+    eval_split: str = "test"  # test: the held-out split's first eval_windows windows; valid: the next eval_windows
     test_share: float = 0.05  # held out: this share of a directory's files (by path hash) or of a file's end
 
     def __post_init__(self) -> None:
@@ -95,6 +100,8 @@ class TextOptions(CharLMOptions):
             raise ValueError(f"eval_windows must be >= 1, got {self.eval_windows}")
         if not 0 < self.test_share <= 0.5:
             raise ValueError(f"test_share must be in (0, 0.5], got {self.test_share}")
+        if self.eval_split not in EVAL_SPLITS:
+            raise ValueError(f"eval_split must be one of {', '.join(EVAL_SPLITS)}, got {self.eval_split!r}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,10 @@ class Text(Task):
         if self.n_test < 1:
             raise TaskError(f"text: the test split of {where} has {len(corpus.test)} tokens, fewer than one window "
                             f"of context + 1 = {t + 1}; raise test_share, add text or shorten context")
+        if o.eval_split == "valid" and self.n_test < 2 * o.eval_windows:
+            raise TaskError(f"text: eval_split=valid needs 2 x eval_windows = {2 * o.eval_windows} held-out windows "
+                            f"(the first {o.eval_windows} are the test set), {where} has {self.n_test}; lower "
+                            "eval_windows, raise test_share or add text")
 
     def describe(self) -> str:
         f, o = self.corpus.facts, self.options
@@ -148,7 +159,8 @@ class Text(Task):
         files = f"{f['files']} files ({f['test_files']} held out), " if f["files"] > 1 else ""
         return (f"text ({o.model}): {f['source']}: {files}{f['train_tokens']} train / {f['test_tokens']} test "
                 f"{'tokens' if self.tokens else 'bytes'}, vocab {self.vocab}, context {o.context}, "
-                f"{self.n_train} training windows, {min(o.eval_windows, self.n_test)} test windows; bpc is {unit}")
+                f"{self.n_train} training windows, {min(o.eval_windows, self.n_test)} "
+                f"{'validation' if o.eval_split == 'valid' else 'test'} windows; bpc is {unit}")
 
     def build_model(self) -> nn.Module:
         o = self.options
@@ -169,16 +181,23 @@ class Text(Task):
             w = self.windows(self.corpus.train, idx.numpy())  # (B, T+1)
             yield w[:, :-1], w[:, 1:]  # (B, T) inputs, (B, T) next tokens
 
-    def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def eval_range(self) -> tuple[int, int]:
+        """The held-out windows ``[first, end)`` that evaluate: the test set (the first
+        ``eval_windows``) or, with ``eval_split=valid``, the validation set (the next
+        ``eval_windows``, never a test window)."""
         n = min(self.options.eval_windows, self.n_test)
-        for first in range(0, n, EVAL_BATCH):
-            w = self.windows(self.corpus.test, np.arange(first, min(first + EVAL_BATCH, n)))
+        return (n, 2 * n) if self.options.eval_split == "valid" else (0, n)
+
+    def test_batches(self) -> Iterator[tuple[Tensor, Tensor]]:
+        start, end = self.eval_range()
+        for first in range(start, end, EVAL_BATCH):
+            w = self.windows(self.corpus.test, np.arange(first, min(first + EVAL_BATCH, end)))
             yield w[:, :-1], w[:, 1:]
 
     # -- what the run records ---------------------------------------------------------------
     def data_facts(self) -> dict[str, Any]:
         return dict(self.corpus.facts, context=self.context, train_windows=self.n_train,
-                    eval_windows=min(self.options.eval_windows, self.n_test))
+                    eval_windows=min(self.options.eval_windows, self.n_test), eval_split=self.options.eval_split)
 
     def progress(self, step: int, world_size: int, batch_size: int) -> dict[str, Any]:
         """After ``step`` steps each rank has read ``step * batch_size`` windows of its epoch
