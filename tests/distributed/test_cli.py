@@ -1,5 +1,7 @@
 """`thinwire train` end to end (spawned gloo ranks), bad input, and a killed rank."""
 
+import csv
+import hashlib
 import json
 import os
 import signal
@@ -593,3 +595,28 @@ def test_every_command_refuses_bad_input_with_one_line_and_exit_2(args, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("thinwire: error:") and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_race_on_the_users_own_text_is_judged_by_its_test_loss(tmp_path):
+    """``compare --task text --data FILE``: a language model of the user's text, raced by loss."""
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * i % 97}\n"
+                              for i in range(3000)))
+    out = tmp_path / "race"
+    r = _cli("compare", "--task", "text", "--data", str(corpus), "--methods", "identity,diloco:period=4",
+             "--workers", "2", "--steps", "12", "--eval-every", "4", "--batch-size", "4", "--option", "context=32",
+             "--option", "layers=1", "--option", "d_model=32", "--option", "heads=2", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    with open(out / "results.csv") as f:
+        rows = {row["method"]: row for row in csv.DictReader(f)}
+    assert {row["judged_by"] for row in rows.values()} == {"test_loss"}
+    best = min(float(row["final_loss"]) for row in rows.values())
+    assert float(rows["identity"]["target"]) == pytest.approx(round(1.02 * best, 4))
+    report = (out / "report.md").read_text()
+    assert "judged by test loss (lower is better" in report and (out / "loss_vs_step.png").stat().st_size > 0
+    summary = json.loads((out / "runs" / "01-identity" / "summary.json").read_text())
+    assert summary["data"]["path"] == str(corpus) and summary["data"]["sha256"] == hashlib.sha256(
+        corpus.read_bytes()).hexdigest()
+    rows_of_run = [json.loads(x) for x in (out / "runs" / "01-identity" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["tokens_seen_per_worker"] for x in rows_of_run] == [4 * 4 * 32, 8 * 4 * 32, 12 * 4 * 32]
