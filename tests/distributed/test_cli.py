@@ -222,7 +222,7 @@ def test_help_shows_every_tasks_defaults_and_options(command, capsys):
     assert ("task option, e.g. model=vgg (repeatable; on --resume, added to the run's own); " if command == "train"
             else "task option, e.g. model=vgg (repeatable); ") + (
         "keys: mnist1d: size; charlm: model, context, layers, d_model, heads, dropout; text: model, context, "
-        "layers, d_model, heads, dropout, vocab, eval_windows, test_share; cifar10: model, augment; "
+        "layers, d_model, heads, dropout, vocab, eval_windows, test_share, eval_split; cifar10: model, augment; "
         "synthetic: dim, hidden, depth, classes, samples, test_samples, data_seed") in text
     assert "--task TASK mnist1d | charlm | text | cifar10 | synthetic (default: mnist1d)" in text
     if command != "cost":

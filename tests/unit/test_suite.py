@@ -293,15 +293,84 @@ def test_targets_read_pass_or_miss_against_hand_computed_runs(tmp_path):
 def test_the_lowbandwidth_suite_validates_on_its_tasks_and_every_peer_it_names_runs(task, tmp_path):
     base = TrainConfig(task=task, workers=suite.SUITE_WORKERS, steps=100)
     races = suite.prepare(base, str(tmp_path), groups=suite.LOWBANDWIDTH)
-    assert [r.specs[0].split(":")[0] for r in races] == ["diloco", "diloco", "diloco", "streaming-diloco"]
-    for group in suite.LOWBANDWIDTH:
+    assert [r.specs[0].split(":")[0] for r in races] == ["diloco", "diloco", "streaming-diloco", "sparseloco",
+                                                         "diloco", "demo"]
+    by_key = {g.key: g for g in suite.LOWBANDWIDTH}
+    for group, race in zip(suite.LOWBANDWIDTH, races):
+        assert race.base.optimizer == (group.optimizer or "adamw")  # MuLoCo: Muon; the rest AdamW
         for claim in group.claims:
             if claim.peer is None:
                 continue
+            peers = by_key[claim.race].specs if claim.race else group.peers
             keys = claim.peer[len("best:"):].split("|") if claim.peer.startswith("best:") else [claim.peer]
-            assert all(k in group.peers for k in keys), (group.key, claim.text)
+            assert all(k in peers for k in keys), (group.key, claim.text)
+            assert claim.among is None or all(k in group.specs for k in claim.among.split("|")), claim.text
         if group.target_loss is not None:
             assert group.target_loss[0] in group.peers
+
+
+def test_the_lowbandwidth_suite_fills_its_settings_where_the_command_leaves_them_out(tmp_path):
+    races = suite.prepare(TrainConfig(task="text", workers=suite.SUITE_WORKERS), str(tmp_path / "a"),
+                          groups=suite.LOWBANDWIDTH)
+    b = races[0].base
+    assert (b.steps, b.batch_size, b.eval_every, b.optimizer) == (3000, 4, 150, "adamw")
+    assert (b.lr_schedule, b.warmup_steps, b.min_lr) == ("cosine", 150, 0.1)
+    assert b.task_options == {"context": 64, "eval_windows": 512}
+    assert b.steps // suite.H >= 100  # at least 100 outer steps
+    assert b.steps * b.batch_size * b.workers * 64 < 11_000_000  # less than one epoch of the stdlib's text
+    mine = TrainConfig(task="text", workers=suite.SUITE_WORKERS, steps=600, batch_size=2, lr_schedule="wsd",
+                       warmup_steps=10, task_options={"context": 32})
+    b = suite.prepare(mine, str(tmp_path / "b"), groups=suite.LOWBANDWIDTH)[0].base
+    assert (b.steps, b.batch_size, b.lr_schedule, b.warmup_steps, b.min_lr) == (600, 2, "wsd", 10, 0.0)
+    assert b.task_options == {"context": 32, "eval_windows": 512}
+    # another suite's races keep the command's settings as they are
+    b = suite.prepare(mine, str(tmp_path / "c"), groups=TARGET_GROUPS)[0].base
+    assert (b.lr_schedule, b.task_options) == ("wsd", {"context": 32})
+    # the outer lrs the sweep chose: in every spec that takes DiLoCo's or SparseLoCo's
+    groups = suite.lowbandwidth(1.0, 1.3)
+    assert "outer_lr=1," in groups[0].seed + "," and groups[3].seed == "sparseloco:period=30,outer_lr=1.3"
+    assert [g.key for g in groups] == [g.key for g in suite.LOWBANDWIDTH]
+
+
+# a race of its own optimizer (MuLoCo's), a claim against a run of another race, the best of several
+OPT_GROUPS = (
+    Group("x", "DiLoCo", "D et al.", "diloco:period=2", ("identity", "localsgd:period=2", "dasgd:period=2"),
+          (Claim("best 2x to target", "best-to-target", "identity", 2.0, target=True),
+           Claim("best of two 3x to target", "best-to-target", "identity", 3.0, target=True,
+                 among="localsgd:period=2|dasgd:period=2")),
+          target_loss=("identity", 0.02)),
+    Group("m", "MuLoCo", "M et al.", "diloco:period=2", (),
+          (Claim("no higher than DiLoCo's", "loss", "diloco:period=2", 0.0, "rel", target=True, race="x"),),
+          optimizer="adam"),
+)
+
+
+def test_a_race_of_its_own_optimizer_reruns_a_shared_spec_and_reads_another_races_run(tmp_path):
+    calls: list[str] = []
+    inner = _loss_launcher(calls)
+    seen: list[tuple[str, str | None]] = []
+
+    def launch(cfg, show_progress=True):
+        seen.append((cfg.method.split(":")[0], cfg.optimizer))
+        summary = inner(cfg, show_progress)
+        if cfg.optimizer == "adam":
+            summary["final_loss"] = 1.0
+        return summary
+
+    races = suite.prepare(BASE, str(tmp_path / "suite"), groups=OPT_GROUPS)
+    assert [r.base.optimizer for r in races] == ["sgd", "adam"]  # synthetic's own, then the group's
+    results = suite.run(races, OPT_GROUPS, launch=launch, show_progress=False, say=lambda s: None)
+    rows = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", OPT_GROUPS)["rows"]
+    assert seen.count(("diloco", "sgd")) == 1 and seen.count(("diloco", "adam")) == 1  # not a copy
+    r = _row(rows, "m", "no higher")
+    assert r["measured"] == pytest.approx(1.0 / 1.015 - 1) and r["reading"] == "PASS"
+    # target 1.02: identity there at 7.2 s / 36 s; the best of the rest is diloco (1 s / 2 s), of local SGD
+    # (never) and DaSGD (2.5 s / 3.5 s) DaSGD
+    r = _row(rows, "x", "best 2x", LINKS[0])
+    assert r["measured"] == pytest.approx(7.2) and r["reading"] == "PASS" and "diloco" in r["detail"]
+    assert _row(rows, "x", "best 2x", LINKS[1])["measured"] == pytest.approx(18.0)
+    r = _row(rows, "x", "best of two", LINKS[0])
+    assert r["measured"] == pytest.approx(7.2 / 2.5) and r["reading"] == "MISS" and "dasgd" in r["detail"]
 
 
 # -- the transform suite's pieces: a peer that cannot run, a claim for one link, the step kind ------

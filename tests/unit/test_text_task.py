@@ -73,7 +73,7 @@ def test_a_text_file_holds_out_its_end_and_windows_follow_the_documented_rule(tm
     assert task.data_facts() == {
         "format": "text", "source": path, "path": path, "files": 1, "test_files": 0, "bytes": len(raw),
         "vocab": 256, "train_tokens": cut, "test_tokens": len(raw) - cut, "sha256": hashlib.sha256(raw).hexdigest(),
-        "context": T, "train_windows": task.n_train, "eval_windows": task.n_test}
+        "context": T, "train_windows": task.n_train, "eval_windows": task.n_test, "eval_split": "test"}
     x, y = next(task.train_batches(1, 2, 5, start=3))
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (5, T)
     idx = next(index_batches("text", 0, task.n_train, 1, 2, 5, start=3)).tolist()
@@ -91,6 +91,33 @@ def test_the_test_set_is_the_first_eval_windows_of_the_test_split_in_order(tmp_p
     everything = make(tmp_path / "a.txt", eval_windows=10**6)
     assert sum(len(x) for x, _ in everything.test_batches()) == everything.n_test == (len(test) - 1) // T
     assert task.data_facts()["eval_windows"] == 70
+
+
+def test_the_validation_set_is_the_next_eval_windows_disjoint_from_the_test_set_and_fixed(tmp_path):
+    path, ids = unique_tokens(tmp_path, 20000)  # every window's content names it
+    test = make(path, eval_windows=50)
+    valid = make(path, eval_windows=50, eval_split="valid")
+    held = np.asarray(test.corpus.test)
+    test_set = [w for x, y in test.test_batches() for w in rows(x, y)]
+    valid_set = [w for x, y in valid.test_batches() for w in rows(x, y)]
+    assert test_set == [window(held, i) for i in range(50)]
+    assert valid_set == [window(held, i) for i in range(50, 100)]
+    assert not {t for w in test_set for t in w[:-1]} & {t for w in valid_set for t in w[:-1]}  # no shared token
+    again = make(path, eval_windows=50, eval_split="valid")
+    assert [w for x, y in again.test_batches() for w in rows(x, y)] == valid_set  # the same every time
+    assert valid.data_facts()["eval_split"] == "valid" and "50 validation windows" in valid.describe()
+    assert test.data_facts()["eval_split"] == "test"
+
+
+def test_a_validation_set_is_refused_when_the_held_out_split_is_too_short(tmp_path):
+    path, _ = unique_tokens(tmp_path, 20000)
+    n = make(path).n_test  # 1000 held-out tokens: 124 windows of 8 + 1
+    make(path, eval_windows=n // 2, eval_split="valid")  # exactly two sets fit
+    with pytest.raises(TaskError, match=r"eval_split=valid needs 2 x eval_windows") as e:
+        make(path, eval_windows=n // 2 + 1, eval_split="valid")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="eval_split must be one of test, valid"):
+        make(path, eval_split="train")
 
 
 # -- windows: disjoint, each once an epoch, resumable ----------------------------------------------

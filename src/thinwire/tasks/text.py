@@ -87,8 +87,8 @@ class TextOptions(CharLMOptions):
 
     vocab: int | None = None  # token files only: ids must be < vocab (default 50304); text is bytes (256)
     eval_windows: int = 256  # test windows per evaluation (the first ones of the test split, in order)
-    eval_split: str = "test"  # test: the held-out split's first eval_windows windows; valid: the next eval_windows
     test_share: float = 0.05  # held out: this share of a directory's files (by path hash) or of a file's end
+    eval_split: str = "test"  # test: the held-out split's first eval_windows windows; valid: the next eval_windows
 
     def __post_init__(self) -> None:
         if self.context is None and self.model in PRESETS:

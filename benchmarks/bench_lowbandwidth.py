@@ -1,0 +1,222 @@
+"""Slow-link training against the literature: the lowbandwidth suite on the text task.
+
+1. The outer-learning-rate sweep, judged on the VALIDATION split of the text task
+   (``--option eval_split=valid``: the held-out windows after the test set's, never a test
+   window): DiLoCo's outer SGD lr over ``--diloco-lrs`` (default 0.4, 0.7, 1.0: the paper's
+   0.7 and one step either side) and SparseLoCo's over ``--sparseloco-lrs`` (default 0.7, 1.0,
+   1.3: the authors' 1.0 and one step either side), each run at the suite's settings. The
+   value with the lowest final validation loss is chosen (ties: the paper's).
+2. ``thinwire compare --suite lowbandwidth --task text`` with the chosen values
+   (:func:`thinwire.run.suite.lowbandwidth`): 4 workers, tiny transformer over bytes, 4
+   windows of 64 bytes per worker and step, 3,000 steps (H = 30: 100 outer steps; 0.26
+   epochs of the training text), AdamW lr 1e-3 with 150 warm-up steps and cosine to 0.1 x,
+   evaluations every 150 steps on the test set (512 windows), modeled at 1 Gbit/s, 100 Mbit/s
+   and 10 Mbit/s. Every target of the suite is a figure here (PASS/MISS):
+
+   * DiLoCo fp32: final test loss within 2% of synchronous AdamW; below local SGD's;
+   * 4-bit pseudo-gradients: within 1% of fp32 DiLoCo; >= 7x fewer bytes;
+   * Streaming DiLoCo: within 1% of DiLoCo; peak per step <= 0.3x; >= 90% hidden;
+   * SparseLoCo: final loss <= 1.01x DiLoCo fp32's; >= 50x fewer bytes than DiLoCo fp32;
+   * MuLoCo (DiLoCo, Muon inside): final loss <= DiLoCo's with AdamW inside;
+   * DeMo: within 5% of synchronous AdamW;
+   * time to the target loss (synchronous AdamW's final + 3%) at 10 Mbit/s: the best
+     slow-link method >= 10x shorter than synchronous AdamW.
+
+``--budget-minutes M``: a run that would start after M minutes is not run (reported as
+such; the sweep first, then the races). ``--skip-sweep``: the suite's built-in outer lrs.
+``--keep DIR``: the sweep in DIR/sweep, the suite in DIR/suite. ``--quick``: 300 steps
+(H = 30: 10 outer steps), no sweep: only shows the harness works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import Figure, Report, load_note, parser, table
+from thinwire.run import compare, suite
+from thinwire.run.config import TrainConfig
+
+LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
+OPS = {"loss": "<=", "peak": "<=", "step": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">=",
+       "best-to-target": ">="}
+
+
+class OutOfTime(Exception):
+    pass
+
+
+def _launcher(deadline: float, minutes: dict[str, float]):
+    from thinwire.run.launch import launch
+
+    def run(cfg: TrainConfig, show_progress: bool = True) -> Any:
+        if time.perf_counter() > deadline:
+            raise OutOfTime("not run: the benchmark's --budget-minutes was spent")
+        t0 = time.perf_counter()
+        summary = launch(cfg, show_progress=show_progress)
+        minutes[f"{cfg.method}|{cfg.optimizer}"] = (time.perf_counter() - t0) / 60
+        return summary
+
+    return run
+
+
+def base_config(steps: int | None) -> TrainConfig:
+    return suite.lowbandwidth_settings(TrainConfig(task="text", workers=suite.SUITE_WORKERS, links=LINKS,
+                                                   steps=steps))
+
+
+def settings_lines(b: TrainConfig) -> str:
+    o = b.task_options
+    lr = compare.for_method(b, "identity").resolve().lr  # the task's when the command gives none
+    return (f"Settings (the suite's, `thinwire.run.suite.LOWBANDWIDTH_SETTINGS`): task text (Python's stdlib "
+            f"source, bytes), model tiny (2 layers, d_model 128, 431k parameters), context {o.get('context')}, "
+            f"{b.batch_size} windows per worker and step, {b.workers} workers, {b.steps} steps, H = {suite.H} "
+            f"({b.steps // suite.H} outer steps), {b.optimizer} lr {lr:g} with {b.warmup_steps} warm-up steps and "
+            f"{b.lr_schedule} decay to {b.min_lr} x lr (warm-up share and floor ours: the papers' runs differ), "
+            f"evaluation every {b.eval_every} steps on {o.get('eval_windows')} held-out windows, seed {b.seed}")
+
+
+# -- 1. the sweep ------------------------------------------------------------------------------------
+def sweep(report: Report, out: Path, base: TrainConfig, diloco_lrs: list[float], sparse_lrs: list[float],
+          launch: Any, minutes: dict[str, float]) -> tuple[float, float]:
+    specs = [suite.diloco_spec(x) for x in diloco_lrs] + [suite.sparseloco_spec(x) for x in sparse_lrs]
+    valid = dataclasses.replace(base, task_options={**base.task_options, "eval_split": "valid"})
+    race = compare.prepare(valid, specs, str(out), overwrite=True)
+    t0 = time.perf_counter()
+    results = compare.run(race, launch=launch, show_progress=False, say=lambda s: print(s, flush=True))
+    compare.finish(race, results, "python benchmarks/bench_lowbandwidth.py (sweep)")
+    loss: dict[str, float | None] = {}
+    rows = []
+    for spec, r in zip(specs, results, strict=True):
+        ok = r["status"] == "ok"
+        value = r["summary"]["final_loss"] if ok else None
+        loss[spec] = value
+        epoch = r["rows"][-1].get("epoch") if ok and r["rows"] else None
+        rows.append([spec, "-" if value is None else f"{value:.4f}",
+                     "-" if epoch is None else f"{epoch:.3f}",
+                     f"{r['seconds'] / 60:.1f}" if ok else r["error"]])
+
+    def pick(values: list[float], make: Any, default: float) -> float:
+        done = [(loss[make(x)], x) for x in values if loss[make(x)] is not None]
+        if not done:
+            return default
+        best = min(v for v, _ in done)
+        tied = [x for v, x in done if v == best]
+        return default if default in tied else tied[0]
+
+    d = pick(diloco_lrs, suite.diloco_spec, suite.DILOCO_OUTER_LR)
+    s = pick(sparse_lrs, suite.sparseloco_spec, suite.SPARSELOCO_OUTER_LR)
+    missing = [spec for spec in specs if loss[spec] is None]
+    report.add("### 1. The outer-lr sweep, judged on the validation split (never the test windows)\n\n"
+               f"`--option eval_split=valid`: held-out windows {base.task_options.get('eval_windows')} to "
+               f"{2 * base.task_options.get('eval_windows', 0) - 1} (the test set is windows 0 to "
+               f"{base.task_options.get('eval_windows', 0) - 1}); the suite's settings otherwise "
+               f"({(time.perf_counter() - t0) / 60:.1f} min)\n\n"
+               + table(["method", "final validation loss", "epoch at the end", "minutes"], rows)
+               + f"\n\nChosen: DiLoCo outer lr **{d:g}**, SparseLoCo outer lr **{s:g}**"
+               + (f" (not run, out of the time budget: {', '.join(missing)}; a value not run cannot be chosen)"
+                  if missing else ""))
+    return d, s
+
+
+# -- 2. the suite ------------------------------------------------------------------------------------
+def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, launch: Any,
+          minutes: dict[str, float]) -> None:
+    groups = suite.lowbandwidth(d, s)
+    prepared = suite.prepare(base, str(out), True, groups)
+    t0 = time.perf_counter()
+    results = suite.run(prepared, groups, launch=launch, show_progress=False, say=lambda x: print(x, flush=True))
+    command = (f"thinwire compare --suite lowbandwidth --task text --link {' --link '.join(LINKS)} --out DIR"
+               + (f" --steps {base.steps}" if base.steps != suite.LOWBANDWIDTH_SETTINGS["steps"] else "")
+               + (f"  (outer lrs {d:g} / {s:g} from the sweep: thinwire.run.suite.lowbandwidth({d:g}, {s:g}))"))
+    done = suite.finish(str(out), prepared, results, command, groups)
+    total = (time.perf_counter() - t0) / 60
+    rows = []
+    seen = set()
+    for g, res in zip(groups, results, strict=True):
+        for r in res:
+            key = (r["spec"], g.optimizer)
+            if key in seen:
+                continue
+            seen.add(key)
+            sm = r["summary"] if r["status"] == "ok" else None
+            opt = g.optimizer or base.optimizer
+            name = ("demo" if r["spec"].startswith("demo") else opt)
+            mins = minutes.get(f"{r['spec']}|{(r['spec'].split(':')[0] if r['spec'].startswith('demo') else opt)}")
+            if sm is None:
+                rows.append([_short(r["spec"]), name, "-", "-", "-", "-", *["-"] * len(LINKS), "-", r["error"][:80]])
+                continue
+            peak = (sm.get("method_report") or {}).get("peak_bytes_per_sync")
+            epoch = r["rows"][-1].get("epoch") if r["rows"] else None
+            rows.append([_short(r["spec"]), name, f"{sm['final_loss']:.4f}", f"{sm.get('final_bpc') or 0:.4f}",
+                         f"{sm['bytes_sent_per_worker'] / 1e6:.2f}", "-" if peak is None else f"{peak / 1e6:.3f}",
+                         *[f"{sm['modeled_seconds_by_link'][x]:.0f}" for x in LINKS],
+                         "-" if epoch is None else f"{epoch:.3f}", "-" if mins is None else f"{mins:.1f}"])
+    claims = done["rows"]
+    report.add(f"### 2. The suite's races (outer lrs: DiLoCo {d:g}, SparseLoCo {s:g})\n\n`{command}` "
+               f"({total:.1f} min; each race's report in DIR/<race>/report.md)\n\n"
+               + table(["method", "inner optimizer", "final test loss", "bpc", "MB sent / worker",
+                        "peak MB in one step", *[f"modeled s @ {x}" for x in LINKS], "epoch at the end", "minutes"],
+                       rows)
+               + "\n\n"
+               + table(["race", "claim", "link", "target", "measured", "reading", "from"],
+                       [[c["group"], c["claim"], c["link"] or "any",
+                         "-" if c["paper"] is None else suite.format_value(c["paper"], c["unit"]),
+                         suite.format_value(c["measured"], c["unit"]), c["reading"], c["detail"]] for c in claims]))
+    for c in claims:
+        if c["reading"] not in ("PASS", "MISS", "not measured") or c["paper"] is None:
+            continue
+        value = c["measured"] if c["measured"] is not None else float("nan")
+        at = f" @ {c['link']}" if c["link"] else ""
+        scale, unit = (100.0, "%") if c["unit"] == "rel" else (1.0, "x" if c["unit"] == "x" else "")
+        report.figures.append(Figure(f"text {c['group']}: {c['claim']}{at}", scale * value, OPS[c["kind"]],
+                                     scale * c["paper"], unit, c["detail"]))
+
+
+def _short(spec: str) -> str:
+    name, _, knobs = spec.partition(":")
+    keep = [k for k in knobs.split(",") if k.split("=")[0] in ("period", "outer_lr", "fragments", "delay")
+            or k.startswith("codec=") and not k.startswith("codec=identity")]
+    return name + (":" + ",".join(keep) if keep else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--diloco-lrs", default="0.4,0.7,1.0", help="DiLoCo outer lrs to sweep (default: 0.4,0.7,1.0)")
+    p.add_argument("--sparseloco-lrs", default="0.7,1.0,1.3",
+                   help="SparseLoCo outer lrs to sweep (default: 0.7,1.0,1.3)")
+    p.add_argument("--skip-sweep", action="store_true", help="the suite's built-in outer lrs, no sweep")
+    p.add_argument("--budget-minutes", type=float, default=75.0,
+                   help="no run starts after this many minutes (default: 75)")
+    p.add_argument("--keep", metavar="DIR", help="write the sweep and the suite into DIR/sweep and DIR/suite")
+    args = p.parse_args(argv)
+    given = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--json" in given:
+        i = given.index("--json")
+        del given[i : i + 2]
+    report = Report("Slow-link training against the literature: the lowbandwidth suite on the text task",
+                    " ".join(["python benchmarks/bench_lowbandwidth.py", *given]))
+    deadline = time.perf_counter() + 60 * args.budget_minutes
+    minutes: dict[str, float] = {}
+    launch = _launcher(deadline, minutes)
+    base = base_config(300 if args.quick else None)
+    report.add(f"{load_note()}\n\n{settings_lines(base)}")
+    with tempfile.TemporaryDirectory(prefix="bench-lowbw-") as tmp:
+        root = Path(args.keep or tmp)
+        d, s = suite.DILOCO_OUTER_LR, suite.SPARSELOCO_OUTER_LR
+        if args.skip_sweep or args.quick:
+            report.add("### 1. The outer-lr sweep: not run (--skip-sweep or --quick)\n\nThe suite's built-in outer "
+                       f"lrs: DiLoCo {d:g} (the paper's), SparseLoCo {s:g} (the authors' code's)")
+        else:
+            d, s = sweep(report, root / "sweep", base, [float(x) for x in args.diloco_lrs.split(",")],
+                         [float(x) for x in args.sparseloco_lrs.split(",")], launch, minutes)
+        races(report, root / "suite", base, d, s, launch, minutes)
+    return report.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
