@@ -130,7 +130,7 @@ SEEDS: tuple[Group, ...] = (
 
 # the slow-link methods on the text task (a corpus read less than once: no repeated data), every method with
 # AdamW (MuLoCo: Muon) and warm-up + cosine, H = 30 for every periodic method (the same syncs for all, 100 of
-# them in the suite's 3,000 steps); the issue's targets, ours, read PASS/MISS. The outer learning rates are
+# them in the suite's 3,000 steps); targets of ours, read PASS/MISS. The outer learning rates are
 # the ones benchmarks/bench_lowbandwidth.py chose on the validation split (benchmarks/results/lowbandwidth.md)
 H = 30
 DILOCO_OUTER_LR = 0.7  # Douillard et al.'s (outer SGD, Nesterov 0.9); the sweep's choice of {0.7, 1.0}
