@@ -421,3 +421,33 @@ def test_the_transform_suite_leaves_out_detonation_on_convolutions_and_validates
                 assert claim.peer is None or claim.peer in group.peers or any(
                     p.split(":")[0] == claim.peer for p in group.peers), (group.key, claim.text)
             assert len(race.specs) + len(race.skipped) == len(group.specs)
+
+
+def test_a_claim_reads_the_races_shared_compute_not_one_runs_noisy_figure(tmp_path):
+    """top-k and identity send alike here (1 s a run at every link) and run the same step; identity's run
+    measured 0.6 s of compute a step, top-k's 0.3 s (a busy machine during one run). On their own figures
+    top-k would be 1.55x faster; on the race's shared figure (0.45 s) the speedup is exactly 1."""
+    groups = (Group("a", "Seed A", "A et al.", "topk:ratio=0.1", ("identity",),
+                    (Claim("faster than no compression", "speedup", "identity", None),)),)
+    per_step = {"topk": 0.3, "identity": 0.6}
+
+    def launch(cfg, show_progress=True):
+        name, out = cfg.method.split(":")[0], Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        c = per_step[name]
+        rows = [{"step": s, "test_accuracy": 0.2 * s, "bytes_sent": 100.0 * s, "compute_seconds": c * s,
+                 **{f"modeled_seconds@{link}": c * s + 0.25 * s for link in cfg.links}} for s in (2, 4)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = {"task": cfg.task, "method": cfg.method, "workers": cfg.workers, "steps": 4, "steps_run": 4,
+                   "final_accuracy": 0.8, "final_loss": 0.5, "final_bpc": None, "bytes_sent_per_worker": 400.0,
+                   "fp32_bytes_per_worker": 400.0, "compression_ratio": 1.0, "wall_seconds": 2.0,
+                   "compute_seconds": 4 * c, "codec_seconds": 0.0, "comm_seconds": 0.5,
+                   "modeled_seconds_by_link": {link: 4 * c + 1.0 for link in cfg.links}}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    races = suite.prepare(BASE, str(tmp_path / "suite"), groups=groups)
+    results = suite.run(races, groups, launch=launch, show_progress=False, say=lambda s: None)
+    rows = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", groups)["rows"]
+    speedups = [r for r in rows if r["claim"].startswith("faster than no compression")]
+    assert speedups and all(float(r["measured"]) == pytest.approx(1.0, rel=1e-12) for r in speedups), speedups
