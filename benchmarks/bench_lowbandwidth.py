@@ -1,15 +1,18 @@
 """Slow-link training against the literature: the lowbandwidth suite on the text task.
 
-1. The outer-learning-rate sweep, judged on the VALIDATION split of the text task
+1. The learning-rate sweep, judged on the VALIDATION split of the text task
    (``--option eval_split=valid``: the held-out windows after the test set's, never a test
-   window): DiLoCo's outer SGD lr over ``--diloco-lrs`` (default 0.4, 0.7, 1.0: the paper's
-   0.7 and one step either side) and SparseLoCo's over ``--sparseloco-lrs`` (default 0.7, 1.0,
-   1.3: the authors' 1.0 and one step either side), each run at the suite's settings. The
-   value with the lowest final validation loss is chosen (ties: the paper's).
+   window). First the inner lr on synchronous AdamW, the reference, over ``--inner-lrs``
+   (default 1e-3, the text task's, 2e-3 and 4e-3); the chosen value is every method's inner
+   lr, as the DiLoCo paper gives its inner optimizer the baseline's. Then, at that lr,
+   DiLoCo's outer SGD lr over ``--diloco-lrs`` (default 0.4, 0.7, 1.0: the paper's 0.7 and one
+   step either side) and SparseLoCo's over ``--sparseloco-lrs`` (default 1.0, 1.3, 1.6: the
+   authors' 1.0 and two steps above it, since 1.3 beat 1.0 in an earlier sweep). The value
+   with the lowest final validation loss is chosen (ties: the paper's).
 2. ``thinwire compare --suite lowbandwidth --task text`` with the chosen values
    (:func:`thinwire.run.suite.lowbandwidth`): 4 workers, tiny transformer over bytes, 4
    windows of 64 bytes per worker and step, 3,000 steps (H = 30: 100 outer steps; 0.26
-   epochs of the training text), AdamW lr 1e-3 with 150 warm-up steps and cosine to 0.1 x,
+   epochs of the training text), AdamW at the chosen lr with 150 warm-up steps and cosine to 0.1 x,
    evaluations every 150 steps on the test set (512 windows), modeled at 1 Gbit/s, 100 Mbit/s
    and 10 Mbit/s. Every target of the suite is a figure here (PASS/MISS):
 
@@ -23,14 +26,17 @@
      slow-link method >= 10x shorter than synchronous AdamW.
 
 ``--budget-minutes M``: a run that would start after M minutes is not run (reported as
-such; the sweep first, then the races). ``--skip-sweep``: the suite's built-in outer lrs.
-``--keep DIR``: the sweep in DIR/sweep, the suite in DIR/suite. ``--quick``: 300 steps
-(H = 30: 10 outer steps), no sweep: only shows the harness works.
+such; the sweep first, then the races). ``--skip-sweep``: the suite's built-in lrs.
+``--keep DIR``: the sweep in DIR/sweep, the suite in DIR/suite. ``--sweep-only`` (with
+``--keep DIR``) stops after the sweep and keeps its choice in DIR/sweep/chosen.json;
+``--sweep-from DIR`` runs the suite with that choice and reports the sweep beside it.
+``--quick``: 300 steps (H = 30: 10 outer steps), no sweep: only shows the harness works.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -81,46 +87,75 @@ def settings_lines(b: TrainConfig) -> str:
 
 
 # -- 1. the sweep ------------------------------------------------------------------------------------
-def sweep(report: Report, out: Path, base: TrainConfig, diloco_lrs: list[float], sparse_lrs: list[float],
-          launch: Any, minutes: dict[str, float]) -> tuple[float, float]:
-    specs = [suite.diloco_spec(x) for x in diloco_lrs] + [suite.sparseloco_spec(x) for x in sparse_lrs]
-    valid = dataclasses.replace(base, task_options={**base.task_options, "eval_split": "valid"})
+def _valid(base: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(base, task_options={**base.task_options, "eval_split": "valid"})
+
+
+def _race(valid: TrainConfig, specs: list[str], out: Path, launch: Any, name: str) -> list[dict]:
     race = compare.prepare(valid, specs, str(out), overwrite=True)
-    t0 = time.perf_counter()
     results = compare.run(race, launch=launch, show_progress=False, say=lambda s: print(s, flush=True))
-    compare.finish(race, results, "python benchmarks/bench_lowbandwidth.py (sweep)")
-    loss: dict[str, float | None] = {}
-    rows = []
+    compare.finish(race, results, f"python benchmarks/bench_lowbandwidth.py ({name})")
+    return results
+
+
+def _row(label: str, r: dict) -> tuple[list[str], float | None]:
+    ok = r["status"] == "ok"
+    value = r["summary"]["final_loss"] if ok else None
+    epoch = r["rows"][-1].get("epoch") if ok and r["rows"] else None
+    return ([label, "-" if value is None else f"{value:.4f}", "-" if epoch is None else f"{epoch:.3f}",
+             f"{r['seconds'] / 60:.1f}" if ok else r["error"]], value)
+
+
+def _pick(done: list[tuple[float | None, float]], default: float) -> float:
+    """The value with the lowest validation loss (a tie: the default, else the first)."""
+    ran = [(v, x) for v, x in done if v is not None]
+    if not ran:
+        return default
+    best = min(v for v, _ in ran)
+    tied = [x for v, x in ran if v == best]
+    return default if default in tied else tied[0]
+
+
+def sweep(out: Path, base: TrainConfig, inner_lrs: list[float], diloco_lrs: list[float], sparse_lrs: list[float],
+          launch: Any) -> dict[str, Any]:
+    """The inner lr first (synchronous AdamW, the reference: the value every method's inner AdamW
+    then uses, as the DiLoCo paper gives its inner optimizer the baseline's), then the outer lrs
+    at it. Returns the chosen values and the section's text."""
+    t0 = time.perf_counter()
+    valid = _valid(base)
+    default_lr = compare.for_method(base, "identity").resolve().lr
+    inner_rows, inner_done = [], []
+    for x in inner_lrs:
+        [r] = _race(dataclasses.replace(valid, lr=x), ["identity"], out / f"inner-lr-{x:g}", launch,
+                    f"inner lr {x:g}")
+        row, value = _row(f"identity (synchronous AdamW), lr {x:g}", r)
+        inner_rows.append(row)
+        inner_done.append((value, x))
+    lr = _pick(inner_done, default_lr)
+    at = dataclasses.replace(valid, lr=lr)
+    specs = [suite.diloco_spec(x) for x in diloco_lrs] + [suite.sparseloco_spec(x) for x in sparse_lrs]
+    results = _race(at, specs, out / "outer-lr", launch, "outer lr")
+    outer_rows, loss = [], {}
     for spec, r in zip(specs, results, strict=True):
-        ok = r["status"] == "ok"
-        value = r["summary"]["final_loss"] if ok else None
-        loss[spec] = value
-        epoch = r["rows"][-1].get("epoch") if ok and r["rows"] else None
-        rows.append([spec, "-" if value is None else f"{value:.4f}",
-                     "-" if epoch is None else f"{epoch:.3f}",
-                     f"{r['seconds'] / 60:.1f}" if ok else r["error"]])
-
-    def pick(values: list[float], make: Any, default: float) -> float:
-        done = [(loss[make(x)], x) for x in values if loss[make(x)] is not None]
-        if not done:
-            return default
-        best = min(v for v, _ in done)
-        tied = [x for v, x in done if v == best]
-        return default if default in tied else tied[0]
-
-    d = pick(diloco_lrs, suite.diloco_spec, suite.DILOCO_OUTER_LR)
-    s = pick(sparse_lrs, suite.sparseloco_spec, suite.SPARSELOCO_OUTER_LR)
-    missing = [spec for spec in specs if loss[spec] is None]
-    report.add("### 1. The outer-lr sweep, judged on the validation split (never the test windows)\n\n"
-               f"`--option eval_split=valid`: held-out windows {base.task_options.get('eval_windows')} to "
-               f"{2 * base.task_options.get('eval_windows', 0) - 1} (the test set is windows 0 to "
-               f"{base.task_options.get('eval_windows', 0) - 1}); the suite's settings otherwise "
-               f"({(time.perf_counter() - t0) / 60:.1f} min)\n\n"
-               + table(["method", "final validation loss", "epoch at the end", "minutes"], rows)
-               + f"\n\nChosen: DiLoCo outer lr **{d:g}**, SparseLoCo outer lr **{s:g}**"
-               + (f" (not run, out of the time budget: {', '.join(missing)}; a value not run cannot be chosen)"
-                  if missing else ""))
-    return d, s
+        row, loss[spec] = _row(spec, r)
+        outer_rows.append(row)
+    d = _pick([(loss[suite.diloco_spec(x)], x) for x in diloco_lrs], suite.DILOCO_OUTER_LR)
+    s = _pick([(loss[suite.sparseloco_spec(x)], x) for x in sparse_lrs], suite.SPARSELOCO_OUTER_LR)
+    missing = [row[0] for row in inner_rows + outer_rows if row[1] == "-"]
+    eval_windows = base.task_options.get("eval_windows", 0)
+    text = ("### 1. The learning-rate sweep, judged on the validation split (never the test windows)\n\n"
+            f"`--option eval_split=valid`: held-out windows {eval_windows} to {2 * eval_windows - 1} (the test set "
+            f"is windows 0 to {eval_windows - 1}); the suite's settings otherwise "
+            f"({(time.perf_counter() - t0) / 60:.1f} min)\n\n"
+            "First the inner lr, on synchronous AdamW (the reference); every method's inner AdamW then uses the "
+            "chosen value, as the DiLoCo paper gives its inner optimizer the baseline's:\n\n"
+            + table(["run", "final validation loss", "epoch at the end", "minutes"], inner_rows)
+            + f"\n\nThen the outer lrs, at inner lr {lr:g}:\n\n"
+            + table(["method", "final validation loss", "epoch at the end", "minutes"], outer_rows)
+            + f"\n\nChosen: inner lr **{lr:g}**, DiLoCo outer lr **{d:g}**, SparseLoCo outer lr **{s:g}**"
+            + (f" (no result from {', '.join(missing)}: see the minutes column; a value without a result cannot "
+               "be chosen)" if missing else ""))
+    return {"lr": lr, "diloco_lr": d, "sparseloco_lr": s, "text": text}
 
 
 # -- 2. the suite ------------------------------------------------------------------------------------
@@ -132,6 +167,7 @@ def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, laun
     results = suite.run(prepared, groups, launch=launch, show_progress=False, say=lambda x: print(x, flush=True))
     command = (f"thinwire compare --suite lowbandwidth --task text --link {' --link '.join(LINKS)} --out DIR"
                + (f" --steps {base.steps}" if base.steps != suite.LOWBANDWIDTH_SETTINGS["steps"] else "")
+               + (f" --lr {base.lr:g}" if base.lr is not None else "")
                + (f"  (outer lrs {d:g} / {s:g} from the sweep: thinwire.run.suite.lowbandwidth({d:g}, {s:g}))"))
     done = suite.finish(str(out), prepared, results, command, groups)
     total = (time.perf_counter() - t0) / 60
@@ -157,7 +193,8 @@ def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, laun
                          *[f"{sm['modeled_seconds_by_link'][x]:.0f}" for x in LINKS],
                          "-" if epoch is None else f"{epoch:.3f}", "-" if mins is None else f"{mins:.1f}"])
     claims = done["rows"]
-    report.add(f"### 2. The suite's races (outer lrs: DiLoCo {d:g}, SparseLoCo {s:g})\n\n`{command}` "
+    lr = compare.for_method(base, "identity").resolve().lr
+    report.add(f"### 2. The suite's races (inner lr {lr:g}; outer lrs: DiLoCo {d:g}, SparseLoCo {s:g})\n\n`{command}` "
                f"({total:.1f} min; each race's report in DIR/<race>/report.md)\n\n"
                + table(["method", "inner optimizer", "final test loss", "bpc", "MB sent / worker",
                         "peak MB in one step", *[f"modeled s @ {x}" for x in LINKS], "epoch at the end", "minutes"],
@@ -186,14 +223,23 @@ def _short(spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
+    p.add_argument("--inner-lrs", default="0.001,0.002,0.004",
+                   help="synchronous AdamW lrs to sweep; the chosen one is every method's inner lr "
+                        "(default: 0.001,0.002,0.004)")
     p.add_argument("--diloco-lrs", default="0.4,0.7,1.0", help="DiLoCo outer lrs to sweep (default: 0.4,0.7,1.0)")
-    p.add_argument("--sparseloco-lrs", default="0.7,1.0,1.3",
-                   help="SparseLoCo outer lrs to sweep (default: 0.7,1.0,1.3)")
-    p.add_argument("--skip-sweep", action="store_true", help="the suite's built-in outer lrs, no sweep")
+    p.add_argument("--sparseloco-lrs", default="1.0,1.3,1.6",
+                   help="SparseLoCo outer lrs to sweep (default: 1.0,1.3,1.6)")
+    p.add_argument("--skip-sweep", action="store_true", help="the suite's built-in lrs, no sweep")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="run the sweep only and keep its choice in DIR/sweep/chosen.json (needs --keep DIR)")
+    p.add_argument("--sweep-from", metavar="DIR",
+                   help="take the sweep from an earlier --sweep-only run kept in DIR (DIR/sweep/chosen.json)")
     p.add_argument("--budget-minutes", type=float, default=75.0,
                    help="no run starts after this many minutes (default: 75)")
     p.add_argument("--keep", metavar="DIR", help="write the sweep and the suite into DIR/sweep and DIR/suite")
     args = p.parse_args(argv)
+    if args.sweep_only and not args.keep:
+        p.error("--sweep-only needs --keep DIR (the chosen values are kept there for --sweep-from)")
     given = [a for a in (argv if argv is not None else sys.argv[1:])]
     if "--json" in given:
         i = given.index("--json")
@@ -208,15 +254,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-lowbw-") as tmp:
         root = Path(args.keep or tmp)
         d, s = suite.DILOCO_OUTER_LR, suite.SPARSELOCO_OUTER_LR
-        if args.skip_sweep or args.quick:
-            report.add("### 1. The outer-lr sweep: not run (--skip-sweep or --quick)\n\nThe suite's built-in outer "
-                       f"lrs: DiLoCo {d:g} (the paper's), SparseLoCo {s:g} (the authors' code's)")
+        if args.sweep_from:
+            chosen = json.loads((Path(args.sweep_from) / "sweep" / "chosen.json").read_text())
+            report.add(chosen["text"] + f"\n\n(The sweep ran earlier: {chosen['command']})")
+            base = dataclasses.replace(base, lr=chosen["lr"])
+            d, s = chosen["diloco_lr"], chosen["sparseloco_lr"]
+        elif args.skip_sweep or args.quick:
+            report.add("### 1. The learning-rate sweep: not run (--skip-sweep or --quick)\n\nThe suite's built-in "
+                       f"lrs: the text task's inner lr, DiLoCo {d:g} (the paper's), SparseLoCo {s:g} (the authors' "
+                       "code's)")
         else:
-            d, s = sweep(report, root / "sweep", base, [float(x) for x in args.diloco_lrs.split(",")],
-                         [float(x) for x in args.sparseloco_lrs.split(",")], launch, minutes)
+            chosen = sweep(root / "sweep", base, [float(x) for x in args.inner_lrs.split(",")],
+                           [float(x) for x in args.diloco_lrs.split(",")],
+                           [float(x) for x in args.sparseloco_lrs.split(",")], launch)
+            report.add(chosen["text"])
+            if args.sweep_only:
+                chosen["command"] = report.command
+                (root / "sweep" / "chosen.json").write_text(json.dumps(chosen, indent=1))
+                print(chosen["text"])
+                return 0
+            base = dataclasses.replace(base, lr=chosen["lr"])
+            d, s = chosen["diloco_lr"], chosen["sparseloco_lr"]
         races(report, root / "suite", base, d, s, launch, minutes)
     return report.finish(args.json)
-
 
 if __name__ == "__main__":
     sys.exit(main())
