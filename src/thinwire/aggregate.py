@@ -1,6 +1,7 @@
 """The join of codecs and communicators: average named tensors across ranks.
 
-This is the only module that hands payloads to a communicator. It
+This module hands payloads to a communicator (as does :mod:`thinwire.scatter`, for one flat
+tensor by reduce-scatter). It
 
 * picks each tensor's codec (tensors the codec will not compress travel as fp32),
 * groups tensors into buckets (one collective per bucket and round),
@@ -32,7 +33,7 @@ from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator, Handle
 from thinwire.comm.meter import sent_bytes
 from thinwire.feedback import ErrorFeedback
-from thinwire.payload import Aggregation, Payload, spec_nbytes
+from thinwire.payload import Aggregation, Payload, as_bytes, from_bytes, spec_nbytes
 from thinwire.timing import Timing
 
 CodecChooser = Callable[[str, torch.Tensor], Codec]
@@ -299,7 +300,7 @@ class Aggregator:
             send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
             for entries, p in zip(b.layout, f.payloads):
                 for (off, _, _), t in zip(entries, p.tensors):
-                    send[off : off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+                    send[off : off + t.numel() * t.element_size()].copy_(as_bytes(t))
             f.wire = _buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
             t0 = time.perf_counter()
             f.started_at = f.started_at or t0
@@ -417,7 +418,7 @@ class Aggregator:
             else:
                 acc = _buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, wire.device)
             payloads = [  # wire tensors only: meta is local to the rank that encoded
-                Payload(tuple(_from_bytes(wire[i], off, shape, dtype) for off, shape, dtype in entries),
+                Payload(tuple(from_bytes(wire[i], off, shape, dtype) for off, shape, dtype in entries),
                         shape_in, own.dtype)
                 for i in range(n)
             ]
@@ -566,18 +567,6 @@ def _adjacent(b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor |
     return torch.as_strided(first, (b.numel,), (1,), base)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _from_bytes(row: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    itemsize = dtype.itemsize
-    raw = row[off : off + math.prod(shape) * itemsize]
-    if (raw.storage_offset() % itemsize) != 0:
-        raw = raw.clone()  # view(dtype) needs an aligned start
-    return raw.view(dtype).view(shape)
-
-
 def _unique(codecs: Iterable[Codec]) -> list[Codec]:
     seen: list[Codec] = []
     for c in codecs:
@@ -598,7 +587,7 @@ class Watch:
         self.total = 0.0
         self._thread: threading.Thread | None = None
 
-    def start(self, handle: Reduction, t_launch: float) -> None:
+    def start(self, handle: Handle, t_launch: float) -> None:
         self.join()
         if handle.is_completed():  # a one-rank world or an in-process communicator
             self.total += time.perf_counter() - t_launch

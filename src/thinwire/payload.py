@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,3 +69,18 @@ class Payload:
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> Payload:
         """The same payload description carrying other wire tensors (e.g. after a collective)."""
         return Payload(tuple(tensors), self.shape, self.dtype, self.meta)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat (a view when ``t`` is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(row: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ``shape`` ``dtype`` tensor stored at byte ``off`` of the flat uint8 ``row`` (a view,
+    or a copy when the start is not aligned for ``dtype``)."""
+    itemsize = dtype.itemsize
+    raw = row[off : off + math.prod(shape) * itemsize]
+    if (raw.storage_offset() % itemsize) != 0:
+        raw = raw.clone()  # view(dtype) needs an aligned start
+    return raw.view(dtype).view(shape)

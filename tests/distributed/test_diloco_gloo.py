@@ -1,8 +1,8 @@
 """The DiLoCo family over real gloo ranks: two ranks give the in-process result bit for bit
 (a sum of two values is the same in any order, and the fragments' averages overlap the next
 steps in the background, two of them in flight at once with delay 3 and offsets 2 apart),
-and four ranks learn with 4-bit pseudo-gradients while their outer
-parameters stay identical."""
+and four ranks learn with 4-bit pseudo-gradients (all_gathered, or by compressed reduce-scatter
+and all-gather) while their outer parameters stay identical."""
 
 import copy
 
@@ -54,7 +54,8 @@ def _gloo(rank, world, spec, steps):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("spec", ["diloco:period=5,warmup=2",
                                   "streaming-diloco:period=6,fragments=3,delay=3,alpha=0.5",
-                                  "streaming-diloco:period=4,fragments=2,delay=1,codec=topk:ratio=0.2;ef=true"])
+                                  "streaming-diloco:period=4,fragments=2,delay=1,codec=topk:ratio=0.2;ef=true",
+                                  "diloco:period=5,codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"])
 def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
     from thinwire.comm.local import LocalWorld
 
@@ -75,8 +76,9 @@ def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
 
 
 @pytest.mark.timeout(180)
-def test_four_gloo_ranks_with_four_bit_pseudo_gradients_learn_and_agree_on_theta():
-    spec = "streaming-diloco:period=6,fragments=2,delay=1,codec=rangefloat:bits=4;exp_bits=2"
+@pytest.mark.parametrize("scatter", ["", ",scatter=true"])  # all_gather, or reduce-scatter + all-gather
+def test_four_gloo_ranks_with_four_bit_pseudo_gradients_learn_and_agree_on_theta(scatter):
+    spec = "streaming-diloco:period=6,fragments=2,delay=1,codec=rangefloat:bits=4;exp_bits=2" + scatter
     out = run_ranks(_gloo, 4, spec, 36)
     thetas = [theta for _, theta, _, _ in out]
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])

@@ -105,8 +105,43 @@ def test_four_bit_pseudo_gradients_send_at_least_seven_times_fewer_bytes_per_out
     assert fp32 / four >= 7, (fp32, four)
 
 
+@pytest.mark.parametrize("cut", [2, 3])
+def test_scattered_four_bit_pseudo_gradients_resume_exactly_and_leave_every_rank_the_same_model(cut):
+    codec = "rangefloat:bits=4;exp_bits=2;ef=true"
+    make = lambda m, o, c: DiLoCo(m, o, c, period=3, codec=codec, scatter=True)  # noqa: E731
+    resumed = LocalWorld(3).run(lambda comm: _train(comm, make, 8, bn=True, cut=cut))
+    straight = LocalWorld(3).run(lambda comm: _train(comm, make, 8, bn=True))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+    synced = LocalWorld(3).run(lambda comm: _train(comm, make, 6, bn=True))  # ends with an outer step
+    assert all(torch.equal(synced[0], s) for s in synced[1:])
+    plain = LocalWorld(3).run(lambda comm: _train(comm, lambda m, o, c: DiLoCo(m, o, c, period=3), 6, bn=True))
+    assert not torch.equal(plain[0], synced[0])  # the 4-bit mean is not the fp32 one
+
+
+def test_four_bit_pseudo_gradients_by_reduce_scatter_send_at_least_seven_times_fewer_bytes_on_four_ranks():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+
+    def sent(**knobs):
+        def fn(comm):
+            m = copy.deepcopy(model)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            method = DiLoCo(m, opt, comm, period=1, **knobs)
+            m(torch.randn(2, 64, generator=torch.Generator().manual_seed(comm.rank))).sum().backward()
+            method.after_backward()
+            opt.step()
+            method.after_step()  # one outer step
+            return comm.meter.bytes_sent
+        return LocalWorld(4).run(fn)[0]
+
+    four = "rangefloat:bits=4;exp_bits=2;man_bits=1;min_numel=1024"
+    fp32, gathered, scattered = sent(), sent(codec=four), sent(codec=four, scatter=True)
+    assert fp32 / gathered == pytest.approx(4.0, rel=0.02)  # all_gather: 16/n on n = 4
+    assert fp32 / scattered >= 7, (fp32, scattered)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("diloco:period=0", "period must be >= 1, got 0"),
+    ("diloco:scatter=true", "scatter=true needs a gathered codec"),
     ("diloco:outer=lion", "outer must be one of sgd, adam, got 'lion'"),
     ("diloco:outer_lr=0", "outer_lr must be > 0, got 0.0"),
     ("diloco:outer_momentum=1", r"outer_momentum must be in \[0, 1\), got 1.0"),
@@ -120,7 +155,7 @@ def test_bad_knobs_name_the_rule(spec, message):
 
 def test_the_spec_fills_every_default():
     assert resolve_method("diloco") == ("diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,"
-                                        "nesterov=true,codec=identity:ef=false;min_numel=0,average_momentum=false,"
+                                        "nesterov=true,codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,"
                                         "final_sync=true")
     assert DiLoCoConfig().period == 50
 

@@ -105,7 +105,7 @@ def test_fast_length_is_the_next_5_smooth_number():
     ("fft:horizon=0", r"horizon must be >= 1, got 0"),
     ("fft:theta=-0.1", r"theta must be in \[0, 1\), got -0.1"),
     ("fft:bits=12", r"bits must be in 3..8, 16 or 32, got 12"),
-    ("fft:exp_bits=7", r"exp_bits must be in 1..6, got 7"),
+    ("fft:exp_bits=8", r"exp_bits must be in 1..7, got 8"),
     ("fft:positions=list", r"positions must be one of auto\|bitmap\|index, got 'list'"),
 ])
 def test_bad_knobs_state_the_rule(spec, rule):

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"cli", "__main__", "__init__", "lightning", "accelerate"},
     {"run", "tasks"},
     {"algorithms", "integrations", "optim"},
-    {"aggregate", "hierarchical", "policy", "nn"},
+    {"aggregate", "hierarchical", "scatter", "policy", "nn"},
     {"feedback", "codecs", "comm", "topology", "figures"},
     {"numerics"},
     {"payload", "knobs", "registry", "timing", "version", "jsonfile"},  # leaves: they import no thinwire module

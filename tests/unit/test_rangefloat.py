@@ -86,11 +86,20 @@ def test_codec_payload_and_knob_rules():
     assert build_codec("rangefloat:bits=16,exp_bits=5").nbytes(x.shape, x.dtype) == 4 + 2 * 33 * 17
     with pytest.raises(ValueError, match=r"bits must be in 3..8 or 16, got 12"):
         build_codec("rangefloat:bits=12")
-    with pytest.raises(ValueError, match=r"exp_bits must be in 1..6, got 7"):
-        build_codec("rangefloat:exp_bits=7")
+    with pytest.raises(ValueError, match=r"exp_bits must be in 1..7, got 8"):
+        build_codec("rangefloat:exp_bits=8")
     with pytest.raises(ValueError, match=r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"):
         build_codec("rangefloat:man_bits=3")
     assert build_codec("rangefloat:bits=6,exp_bits=2").config.man_bits == 3  # the rest, resolved
+
+
+def test_four_bits_without_a_mantissa_span_seven_octaves_of_powers_of_two():
+    c = build_codec("rangefloat:bits=4,exp_bits=3")  # E3M0: 1 sign and 3 exponent bits
+    assert c.config.man_bits == 0
+    x = torch.tensor([1.0, -0.5, 0.25, 2.0**-6, 2.0**-7, 0.3, -0.7])
+    y = c.decode(c.encode(x, key="w"))
+    # the window: 2^0 down to 2^-6; below it, zero; inside it, the nearest power of two
+    assert y.tolist() == [1.0, -0.5, 0.25, 2.0**-6, 0.0, 0.25, -0.5]
 
 
 def _hard_values(n: int, seed: int) -> torch.Tensor:

@@ -207,7 +207,8 @@ def test_more_fragments_than_parameter_tensors_is_refused_before_training():
 def test_the_spec_fills_every_default():
     assert resolve_method("streaming-diloco") == (
         "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
-        "codec=identity:ef=false;min_numel=0,average_momentum=false,final_sync=true,fragments=4,delay=1,alpha=0.5")
+        "codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,final_sync=true,fragments=4,delay=1,"
+        "alpha=0.5")
 
 
 def test_more_fragments_than_steps_in_a_period_is_refused():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -39,6 +39,7 @@ from thinwire.comm.nodes import check_intra_dtype
 from thinwire.hierarchical import HierarchicalAggregator
 from thinwire.knobs import describe_config
 from thinwire.registry import NoKnobs
+from thinwire.scatter import ScatterMean
 from thinwire.timing import Timing
 from thinwire.topology import Topology, build_topology
 
@@ -250,14 +251,29 @@ class PeriodicAveraging(Method):
                                      armed=self.config.warmup == 0, codec=cast)
         self.step = 0  # optimizer steps completed; identical on every rank
         self._timing = Timing()
-        self.aggregators: list[Aggregator] = []  # what the averages go through (see averager())
+        self.aggregators: list[Aggregator | ScatterMean] = []  # what the averages go through (see averager())
 
-    def averager(self, like: torch.Tensor, codec: Codec | None = None) -> Aggregator:
+    @overload
+    def averager(self, like: torch.Tensor, codec: Codec | None = None) -> Aggregator: ...
+
+    @overload
+    def averager(self, like: torch.Tensor, codec: Codec | None = None, *,
+                 scatter: bool) -> Aggregator | ScatterMean: ...
+
+    def averager(self, like: torch.Tensor, codec: Codec | None = None, *,
+                 scatter: bool = False) -> Aggregator | ScatterMean:
         """An :class:`~thinwire.aggregate.Aggregator` of one flat tensor shaped as ``like``
         (the model state, or a delta of it) through ``codec`` (default: fp32, ``identity``),
         whose seconds count in :attr:`timing`. Build it once and reuse it. Over nodes its
         stages inside a node stay fp32 whatever ``--intra-dtype`` says: it averages weights
-        (or their deltas), which bf16 would round at every sync."""
+        (or their deltas), which bf16 would round at every sync. ``scatter``: a
+        :class:`~thinwire.scatter.ScatterMean` instead (a gathered codec's compressed
+        reduce-scatter + all-gather, over all ranks, nodes or not)."""
+        if scatter:
+            assert codec is not None  # the config refuses scatter without a gathered codec
+            mean = ScatterMean("model", like, codec, self.comm)
+            self.aggregators.append(mean)
+            return mean
         agg = Aggregator.flat("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
         if isinstance(agg, HierarchicalAggregator):
             agg.dtype = torch.float32

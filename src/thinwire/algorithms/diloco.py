@@ -56,6 +56,8 @@ from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import ByteMeter
 from thinwire.knobs import knob, require
+from thinwire.payload import Aggregation
+from thinwire.scatter import ScatterMean, ScatterReduction
 
 OUTER = ("sgd", "adam")
 OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -72,6 +74,9 @@ class DiLoCoConfig:
     nesterov: bool = knob(True, "Nesterov momentum for outer SGD", "true|false")
     codec: str = knob("identity", "codec of the averaged pseudo-gradients, e.g. rangefloat with bits=4; its own "
                       "knobs separated by ';' (topk:ratio=0.01;ef=true)", "a codec spec")
+    scatter: bool = knob(False, "average a gathered codec's pseudo-gradients by a compressed reduce-scatter + "
+                         "all-gather (each rank sends 2(n - 1)/n of its payload) instead of all_gather (n - 1 "
+                         "payloads); the mean is encoded once more", "true|false")
     average_momentum: bool = knob(False, "also average the inner optimizer's per-parameter state at each outer step",
                                   "true|false")
     final_sync: bool = knob(True, "finish() ends with one more outer step on the steps since each fragment's last "
@@ -85,6 +90,9 @@ class DiLoCoConfig:
         require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         codec = build_codec(self.codec.replace(";", ","))  # refuses an unknown codec or knob, naming it
         object.__setattr__(self, "codec", codec.describe().replace(",", ";"))  # nests inside a method spec
+        require(not self.scatter or codec.aggregation is Aggregation.GATHER,
+                f"scatter=true needs a gathered codec (rangefloat, qsgd, topk, ...); {codec.name} is summed by "
+                "all_reduce, which is a reduce-scatter + all-gather already")
 
 
 @dataclass(eq=False)
@@ -100,8 +108,8 @@ class Fragment:
     codec: Codec
     syncs: int = 0  # outer steps applied to this fragment
     delta: torch.Tensor | None = None  # the flat pseudo-gradient; its mean once landed
-    agg: Aggregator | None = None
-    pending: Reduction | None = None  # the average in flight
+    agg: Aggregator | ScatterMean | None = None
+    pending: Reduction | ScatterReduction | None = None  # the average in flight
     landed: bool = False  # the mean is in ``delta`` (a resumed run's average that was in flight)
     merge_at: int | None = None  # the local step of the pending merge
     merged_at: int | None = 0  # the local step of its last merge (None: unknown, a checkpoint from before it was kept)
@@ -144,6 +152,12 @@ class DiLoCo(PeriodicAveraging):
     def delay(self) -> int:
         """Local steps between a fragment's launch and its merge (DiLoCo: 0, at once)."""
         return 0
+
+    @property
+    def scatter(self) -> bool:
+        """Whether a fragment's gathered codec is averaged by reduce-scatter + all-gather (a
+        config without the knob: no)."""
+        return bool(getattr(self.config, "scatter", False))
 
     @property
     def alpha(self) -> float:
@@ -205,7 +219,7 @@ class DiLoCo(PeriodicAveraging):
             torch.sub(theta.detach().reshape(-1), p.detach().reshape(-1), out=delta[off : off + n])
             off += n
         if f.agg is None:
-            f.agg = self.averager(delta, f.codec)
+            f.agg = self.averager(delta, f.codec, scatter=self.scatter)
         f.agg.step = f.syncs  # the codec's step (its seeds): identical on every rank
         t1 = time.perf_counter()
         at_once = local is None or self.delay == 0
@@ -399,7 +413,7 @@ class DiLoCo(PeriodicAveraging):
             if saved["delta"] is not None:
                 f.delta.copy_(saved["delta"])
             if saved["agg"] is not None:
-                f.agg = f.agg or self.averager(f.delta, f.codec)
+                f.agg = f.agg or self.averager(f.delta, f.codec, scatter=self.scatter)
                 f.agg.load_state_dict(saved["agg"])
 
 

@@ -53,7 +53,7 @@ class _Layout(Protocol):
 def resolve_layout(cfg: _Layout) -> None:
     """Check ``exp_bits`` and fill or check ``man_bits`` of a frozen config with ``bits``."""
     bits, exp_bits = cfg.bits, cfg.exp_bits
-    require(1 <= exp_bits <= bits - 2, f"exp_bits must be in 1..{bits - 2}, got {exp_bits}")
+    require(1 <= exp_bits <= bits - 1, f"exp_bits must be in 1..{bits - 1}, got {exp_bits}")
     if cfg.man_bits is None:
         object.__setattr__(cfg, "man_bits", bits - 1 - exp_bits)  # resolved, so the config shows it
     man_bits = cfg.man_bits
