@@ -19,7 +19,11 @@ timed blocks (on the GPT, both PowerSGD hook arms use one DDP bucket: see ``PSGD
 - ``sr-SPEC``: ``thinwire.SyncReducer(model, SPEC)`` on the plain model, ``reduce()`` after
   ``backward()`` (its buckets overlap the backward pass);
 - ``dasgd``: ``thinwire.attach(model, opt, "dasgd:warmup=2,period=4,delay=2")``: model
-  averages every 4 steps, hidden behind the next 2.
+  averages every 4 steps, hidden behind the next 2;
+- ``at-SPEC``: ``thinwire.attach(model, opt, SPEC)`` on the plain model: any method, e.g. the
+  slow-link family. ``--arms slow`` runs the compute floor and DiLoCo, streaming DiLoCo and
+  SparseLoCo at H = 30 (``--steps 30``: each block is one whole period, so the mean step
+  counts its sync), by default at 10 Mbit/s.
 
 Per arm: median step time, its ratio to ``compute`` and to the PyTorch peer (medians of
 per-block ratios), MB each rank sends per step (thinwire's meter for thinwire's arms; for
@@ -30,6 +34,8 @@ communication seconds that did not add to the step, 1 - (step - compute) / (code
 clamped to [0, 1]. For each ``sr-`` arm, ``thinwire cost``'s model (``StepCost``: the compute
 floor, the arm's own codec seconds, bytes and messages per step, its overlap window and early
 share) predicts the step time on the link (the rate, 50 us latency) next to the measured one.
+
+Slow-link target (ours): the best ``at-`` arm at 10 Mbit/s within 1.05x the compute-only step.
 
 Targets (issue: real models, real links; ResNet-18): identity hook / DDP <= 1.02 at 1 Gbit/s;
 SyncReducer identity / DDP <= 1.02 at 1 Gbit/s; bf16 hook / torch fp16 hook <= 1.00 at both
@@ -74,6 +80,10 @@ TARGETS = (  # (figure, arm, peer, target, rates)
     ("fft_vs_topk", "tw-fft", "tw-topk:ratio=0.01", 1.05, RATES_MBIT),
 )
 BYTE_PAIRS = (("tw-powersgd:rank=1", "torch-psgd-r1"), ("tw-powersgd:rank=4", "torch-psgd-r4"))
+SLOW_H = 30
+SLOW_ARMS = ("compute", f"at-diloco:period={SLOW_H}", f"at-streaming-diloco:period={SLOW_H}",
+             f"at-sparseloco:period={SLOW_H}")
+SLOW_TARGET = 1.05  # the best slow-link method's mean step over whole periods / the compute-only step
 GRADIENT_CODECS = ("tw-bf16", "tw-powersgd:rank=1", "tw-powersgd:rank=4", "tw-topk:ratio=0.01", "tw-fft", "tw-hylo",
                    "sr-bf16", "sr-powersgd:rank=1", "sr-topk:ratio=0.01", "sr-fft")
 MODEL_ERROR = 0.20  # thinwire cost's prediction within 20% of the measured step time
@@ -158,7 +168,7 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
         torch.manual_seed(0)
         net, loss_fn = build(model_name)
         psgd_cap = PSGD_BUCKET_MB.get(model_name) if "psgd" in arm or "powersgd" in arm else None
-        model = (net if arm.startswith("sr-") or arm == "dasgd"
+        model = (net if arm.startswith(("sr-", "at-")) or arm == "dasgd"
                  else DDP(net, **({"bucket_cap_mb": psgd_cap} if psgd_cap else {})))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         after_backward, after_step = None, None
@@ -176,8 +186,8 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
             meters[arm], timings[arm] = r.comm.meter, lambda r=r: r.timing
             reducers[arm] = r
             after_backward = r.reduce
-        elif arm == "dasgd":
-            a = thinwire.attach(model, opt, DASGD)
+        elif arm == "dasgd" or arm.startswith("at-"):
+            a = thinwire.attach(model, opt, DASGD if arm == "dasgd" else arm[3:])
             meters[arm], timings[arm] = a.method.comm.meter, lambda a=a: a.method.timing
             after_backward, after_step = a.after_backward, a.after_step
 
@@ -288,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default=",".join(map(str, RATES_MBIT)), help="link rates in Mbit/s, comma-separated")
     p.add_argument("--result")
     args = p.parse_args(argv)
+    if args.arms == "slow":
+        args.arms = ",".join(SLOW_ARMS)
+        given = argv if argv is not None else sys.argv[1:]
+        if "--steps" not in given:
+            args.steps = SLOW_H
+        if "--rates" not in given:
+            args.rates = "10"
     if args.rank_worker:
         rank_main(args.model, args.steps, args.warmup, args.blocks, args.arms.split(","), args.result)
         return 0
@@ -298,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_real_models: skipped: {why}")
         return 0
     models = ["resnet18", "gpt-small"] if args.model == "all" else [args.model]
+    given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--rank-worker")
     report = Report("Real models over a shaped link: thinwire against DDP and PyTorch's hooks",
-                    f"python benchmarks/bench_real_models.py --model {args.model}")
+                    f"python benchmarks/bench_real_models.py {given}".strip())
     failed = False
     for model in models:
         failed |= not measure(report, model, args.arms.split(",") if args.arms else list(ARMS[model]), args)
@@ -370,6 +388,13 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
                        "arm's own codec seconds, bytes, messages and overlap window:\n\n"
                        + table(["arm", "predicted ms", "measured ms", "codec ms", "window ms", "early share"],
                                predictions))
+        slow = [a for a in sec if a.startswith("at-")]
+        if rate == 10 and slow:
+            best = min(slow, key=lambda a: paired_ratio(sec[a], sec["compute"]))
+            report.figures.append(Figure(f"best_slow_link_method_vs_compute_10mbit{suffix}",
+                                         paired_ratio(sec[best], sec["compute"]), "<=", SLOW_TARGET, "x",
+                                         f"{best} {1e3 * median(sec[best]):.0f} ms/step over whole periods of "
+                                         f"{args.steps} steps, compute {1e3 * floor:.0f} ms/step"))
         codecs = [a for a in GRADIENT_CODECS if a in sec]
         if rate == 100 and codecs:
             best = min(codecs, key=lambda a: paired_ratio(sec[a], sec["compute"]))
