@@ -1,31 +1,15 @@
-"""The DiLoCo family: loss, bytes, peak bytes and time to a target loss against its peers; a
-streamed fragment's transfer hidden behind the next step over a real shaped link.
+"""The DiLoCo family over a real shaped link: a streamed fragment's transfer hidden behind the
+next step. The races of the DiLoCo family (loss, bytes, peak bytes, time to a target loss,
+the lowbandwidth suite's targets) are ``benchmarks/bench_lowbandwidth.py``'s, on the text
+task; ``suites`` and the helpers here also serve ``bench_demo.py``'s transform suite.
 
-1. ``thinwire compare --suite lowbandwidth`` on charlm (4 workers, Adam as the inner
-   optimizer, the task's 600 steps, seed 0; evaluations every 25 steps; ``--quick``: 200
-   steps, which no method's loss can settle in: its figures only show the harness works),
-   modeled at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s. Every target of the suite (see
-   ``thinwire.run.suite.LOWBANDWIDTH``) is a figure here:
-
-   * diloco (H = 50): final loss within 2% of synchronous fp32 AdamW; >= 45x fewer bytes;
-     final loss below local SGD's at the same H (the outer optimizer matters);
-   * 4-bit range-float pseudo-gradients: loss within 1% of fp32's; >= 7x fewer bytes;
-   * streaming-diloco (P = 4, delay 1): loss within 1% of diloco's; the most sent in one
-     step <= 0.3x diloco's; modeled hidden share of its communication >= 0.9;
-   * time to the target loss (synchronous fp32's final loss + 2%), per link, for diloco
-     and streaming-diloco: >= 5x shorter than synchronous fp32, >= 1.3x shorter than the
-     best of local SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo.
-
-   ``--tasks charlm,mnist1d`` races mnist1d too (its own targets, the same rules).
-   ``--from DIR[,DIR]`` reads suites already run (one directory per task) instead of
-   running them.
-2. A real shaped link (Linux, root, iproute2: ``_shaped_link.py``): 2 ranks, 1 thread each,
-   in their own network namespaces joined by a veth pair shaped to 100 Mbit/s each way;
-   charlm, ``streaming-diloco:period=20,fragments=4,delay=1`` and ``diloco:period=20`` for
-   120 steps (``--quick``: 60), no emulation. Target: streaming-diloco's measured
-   ``hidden_fraction`` (1 - seconds its merges blocked / launch-to-completion seconds of its
-   fragments' averages) >= 0.9; diloco's (it blocks by design) and both step times beside it.
-   Skipped, with the reason, where namespaces cannot be made.
+A real shaped link (Linux, root, iproute2: ``_shaped_link.py``): 2 ranks, 1 thread each, in
+their own network namespaces joined by a veth pair shaped to 100 Mbit/s each way; charlm,
+``streaming-diloco:period=20,fragments=4,delay=1`` and ``diloco:period=20`` for 120 steps
+(``--quick``: 60), no emulation. Target: streaming-diloco's measured ``hidden_fraction``
+(1 - seconds its merges blocked / launch-to-completion seconds of its fragments' averages)
+>= 0.9; diloco's (it blocks by design) and both step times beside it. Skipped, with the
+reason, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -234,17 +218,14 @@ def suites(report: Report, args, suite: str = "lowbandwidth", extra: tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__, "lowbandwidth")
-    p.add_argument("--skip-shaped", action="store_true", help="leave out section 2")
+    p = parser(__doc__)
     args = p.parse_args(argv)
-    report = Report("The DiLoCo family: loss, bytes and time to a target loss; hiding over a real link",
+    report = Report("The DiLoCo family over a real link: a streamed fragment hidden behind the next step",
                     command_of("bench_diloco.py", argv))
-    report.add(f"{load_note()}")
-    suites(report, args)
-    if not args.skip_shaped:
-        shaped_section(report, 60 if args.quick else 120)
+    report.add(f"{load_note()}\n\nThe races of the DiLoCo family: `benchmarks/bench_lowbandwidth.py` "
+               "(benchmarks/results/lowbandwidth.md)")
+    shaped_section(report, 60 if args.quick else 120)
     return report.finish(args.json)
-
 
 if __name__ == "__main__":
     sys.exit(main())

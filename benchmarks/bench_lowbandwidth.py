@@ -64,7 +64,7 @@ def _launcher(deadline: float, minutes: dict[str, float]):
             raise OutOfTime("not run: the benchmark's --budget-minutes was spent")
         t0 = time.perf_counter()
         summary = launch(cfg, show_progress=show_progress)
-        minutes[f"{cfg.method}|{cfg.optimizer}"] = (time.perf_counter() - t0) / 60
+        minutes[f"{cfg.method}|{cfg.optimizer}|{cfg.resolve().lr}"] = (time.perf_counter() - t0) / 60
         return summary
 
     return run
@@ -106,7 +106,7 @@ def _row(label: str, r: dict) -> tuple[list[str], float | None]:
              f"{r['seconds'] / 60:.1f}" if ok else r["error"]], value)
 
 
-def _pick(done: list[tuple[float | None, float]], default: float) -> float:
+def _pick(done: list[tuple[float | None, Any]], default: Any) -> Any:
     """The value with the lowest validation loss (a tie: the default, else the first)."""
     ran = [(v, x) for v, x in done if v is not None]
     if not ran:
@@ -116,79 +116,119 @@ def _pick(done: list[tuple[float | None, float]], default: float) -> float:
     return default if default in tied else tied[0]
 
 
+def _key(cfg: TrainConfig, spec: str) -> tuple:
+    """What makes two sweep runs the same run: the method (resolved), lr, steps, batch, schedule,
+    task options, optimizer and seed."""
+    from thinwire.algorithms.registry import resolve_method
+
+    return (resolve_method(spec), cfg.lr, cfg.steps, cfg.batch_size, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr,
+            json.dumps(cfg.task_options, sort_keys=True), cfg.optimizer, cfg.seed)
+
+
+def _kept(out: Path) -> dict[tuple, dict]:
+    """The finished runs already under ``out`` (an earlier, interrupted or shorter sweep kept
+    with --keep), by :func:`_key`: a sweep run again reads them instead of training again."""
+    found: dict[tuple, dict] = {}
+    for path in sorted(out.glob("**/summary.json")) if out.is_dir() else []:
+        summary = json.loads(path.read_text())
+        cfg = summary.get("config") or {}
+        if summary.get("status") != "ok" or "lr" not in cfg:
+            continue
+        try:
+            key = _key(TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()
+                                      if k in {f.name for f in dataclasses.fields(TrainConfig)}}), summary["method"])
+        except (TypeError, ValueError):
+            continue
+        metrics = path.parent / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+        found[key] = {"status": "ok", "summary": summary, "rows": rows[-1:], "seconds": summary["wall_seconds"],
+                      "spec": summary["method"], "kept": path.parent}
+    return found
+
+
 def sweep(out: Path, base: TrainConfig, inner_lrs: list[float], diloco_lrs: list[float], sparse_lrs: list[float],
           launch: Any) -> dict[str, Any]:
-    """The inner lr first (synchronous AdamW, the reference: the value every method's inner AdamW
-    then uses, as the DiLoCo paper gives its inner optimizer the baseline's), then the outer lrs
-    at it. Returns the chosen values and the section's text."""
+    """The learning rates, on the validation split: synchronous AdamW's lr (its own best: the
+    ``tuned`` reference); DiLoCo's inner and outer lr together (every inner lr x every outer
+    lr); SparseLoCo's outer lr at DiLoCo's inner lr. The race runs at DiLoCo's inner lr, the
+    DiLoCo paper's protocol (the baseline shares the inner optimizer's lr), with synchronous
+    AdamW at its own best lr beside it. Runs already kept under ``out`` are read, not rerun.
+    Returns the chosen values and the section's text."""
     t0 = time.perf_counter()
     valid = _valid(base)
+    kept = _kept(out)
     default_lr = compare.for_method(base, "identity").resolve().lr
-    inner_rows, inner_done = [], []
-    for x in inner_lrs:
-        [r] = _race(dataclasses.replace(valid, lr=x), ["identity"], out / f"inner-lr-{x:g}", launch,
-                    f"inner lr {x:g}")
-        row, value = _row(f"identity (synchronous AdamW), lr {x:g}", r)
-        inner_rows.append(row)
-        inner_done.append((value, x))
-    lr = _pick(inner_done, default_lr)
-    at = dataclasses.replace(valid, lr=lr)
-    specs = [suite.diloco_spec(x) for x in diloco_lrs] + [suite.sparseloco_spec(x) for x in sparse_lrs]
-    results = _race(at, specs, out / "outer-lr", launch, "outer lr")
-    outer_rows, loss = [], {}
-    for spec, r in zip(specs, results, strict=True):
-        row, loss[spec] = _row(spec, r)
-        outer_rows.append(row)
-    d = _pick([(loss[suite.diloco_spec(x)], x) for x in diloco_lrs], suite.DILOCO_OUTER_LR)
-    s = _pick([(loss[suite.sparseloco_spec(x)], x) for x in sparse_lrs], suite.SPARSELOCO_OUTER_LR)
-    missing = [row[0] for row in inner_rows + outer_rows if row[1] == "-"]
+
+    def one(lr: float, spec: str) -> tuple[list[str], float | None]:
+        cfg = dataclasses.replace(valid, lr=lr)
+        r = kept.get(_key(compare.for_method(cfg, spec).resolve(), spec))
+        if r is None:
+            [r] = _race(cfg, [spec], out / f"{spec.split(':')[0]}-{_short(spec).partition(':')[2] or 'defaults'}"
+                        f"-lr{lr:g}".replace(",", "-").replace("=", ""), launch, f"sweep: {spec} at lr {lr:g}")
+        return _row(f"{_short(spec)}, inner lr {lr:g}", r)
+
+    adamw = [one(x, "identity") for x in inner_lrs]
+    tuned = _pick([(v, x) for (_, v), x in zip(adamw, inner_lrs, strict=True)], default_lr)
+    grid = [(x, y, *one(x, suite.diloco_spec(y))) for x in inner_lrs for y in diloco_lrs]
+    lr, d = _pick([(v, (x, y)) for x, y, _, v in grid], (default_lr, suite.DILOCO_OUTER_LR))
+    sparse = [one(lr, suite.sparseloco_spec(y)) for y in sparse_lrs]
+    s = _pick([(v, y) for (_, v), y in zip(sparse, sparse_lrs, strict=True)], suite.SPARSELOCO_OUTER_LR)
+    rows = [row for row, _ in adamw] + [row for *_, row, _ in grid] + [row for row, _ in sparse]
+    missing = [row[0] for row in rows if row[1] == "-"]
     eval_windows = base.task_options.get("eval_windows", 0)
     text = ("### 1. The learning-rate sweep, judged on the validation split (never the test windows)\n\n"
             f"`--option eval_split=valid`: held-out windows {eval_windows} to {2 * eval_windows - 1} (the test set "
             f"is windows 0 to {eval_windows - 1}); the suite's settings otherwise "
-            f"({(time.perf_counter() - t0) / 60:.1f} min)\n\n"
-            "First the inner lr, on synchronous AdamW (the reference); every method's inner AdamW then uses the "
-            "chosen value, as the DiLoCo paper gives its inner optimizer the baseline's:\n\n"
-            + table(["run", "final validation loss", "epoch at the end", "minutes"], inner_rows)
-            + f"\n\nThen the outer lrs, at inner lr {lr:g}:\n\n"
-            + table(["method", "final validation loss", "epoch at the end", "minutes"], outer_rows)
-            + f"\n\nChosen: inner lr **{lr:g}**, DiLoCo outer lr **{d:g}**, SparseLoCo outer lr **{s:g}**"
+            f"({(time.perf_counter() - t0) / 60:.1f} min this time; a run kept from an earlier sweep is read, not "
+            "rerun: its minutes are its own)\n\n"
+            "Synchronous AdamW's lr (the `tuned` reference), DiLoCo's inner x outer lr, then SparseLoCo's outer lr "
+            "at DiLoCo's inner lr. The races run at DiLoCo's inner lr, the DiLoCo paper's protocol (the baseline "
+            "shares the inner optimizer's lr); synchronous AdamW at its own best lr runs beside them:\n\n"
+            + table(["run", "final validation loss", "epoch at the end", "minutes"], rows)
+            + f"\n\nChosen: synchronous AdamW's own lr **{tuned:g}**; DiLoCo inner lr **{lr:g}** (every race's), "
+              f"outer lr **{d:g}**; SparseLoCo outer lr **{s:g}**"
             + (f" (no result from {', '.join(missing)}: see the minutes column; a value without a result cannot "
                "be chosen)" if missing else ""))
-    return {"lr": lr, "diloco_lr": d, "sparseloco_lr": s, "text": text}
+    return {"lr": lr, "tuned_lr": tuned, "diloco_lr": d, "sparseloco_lr": s, "text": text}
 
 
 # -- 2. the suite ------------------------------------------------------------------------------------
 def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, launch: Any,
-          minutes: dict[str, float]) -> None:
-    groups = suite.lowbandwidth(d, s)
+          minutes: dict[str, float], tuned: float | None = None) -> None:
+    groups = suite.lowbandwidth(d, s, tuned)
+    base_lr = compare.for_method(base, "identity").resolve().lr
     prepared = suite.prepare(base, str(out), True, groups)
     t0 = time.perf_counter()
     results = suite.run(prepared, groups, launch=launch, show_progress=False, say=lambda x: print(x, flush=True))
     command = (f"thinwire compare --suite lowbandwidth --task text --link {' --link '.join(LINKS)} --out DIR"
                + (f" --steps {base.steps}" if base.steps != suite.LOWBANDWIDTH_SETTINGS["steps"] else "")
                + (f" --lr {base.lr:g}" if base.lr is not None else "")
-               + (f"  (outer lrs {d:g} / {s:g} from the sweep: thinwire.run.suite.lowbandwidth({d:g}, {s:g}))"))
+               + (f"  (from the sweep: thinwire.run.suite.lowbandwidth({d:g}, {s:g}, {tuned:g}))" if tuned else
+                  f"  (thinwire.run.suite.lowbandwidth({d:g}, {s:g}))"))
     done = suite.finish(str(out), prepared, results, command, groups)
     total = (time.perf_counter() - t0) / 60
     rows = []
     seen = set()
     for g, res in zip(groups, results, strict=True):
         for r in res:
-            key = (r["spec"], g.optimizer)
+            key = (r["spec"], g.optimizer, g.lr)
             if key in seen:
                 continue
             seen.add(key)
             sm = r["summary"] if r["status"] == "ok" else None
             opt = g.optimizer or base.optimizer
             name = ("demo" if r["spec"].startswith("demo") else opt)
-            mins = minutes.get(f"{r['spec']}|{(r['spec'].split(':')[0] if r['spec'].startswith('demo') else opt)}")
+            glr = g.lr if g.lr is not None else base_lr
+            kind = r["spec"].split(":")[0] if r["spec"].startswith("demo") else opt
+            mins = minutes.get(f"{r['spec']}|{kind}|{glr}")
             if sm is None:
-                rows.append([_short(r["spec"]), name, "-", "-", "-", "-", *["-"] * len(LINKS), "-", r["error"][:80]])
+                rows.append([_short(r["spec"]), name, f"{glr:g}", "-", "-", "-", "-", *["-"] * len(LINKS), "-",
+                             r["error"][:80]])
                 continue
             peak = (sm.get("method_report") or {}).get("peak_bytes_per_sync")
             epoch = r["rows"][-1].get("epoch") if r["rows"] else None
-            rows.append([_short(r["spec"]), name, f"{sm['final_loss']:.4f}", f"{sm.get('final_bpc') or 0:.4f}",
+            rows.append([_short(r["spec"]), name, f"{glr:g}", f"{sm['final_loss']:.4f}",
+                         f"{sm.get('final_bpc') or 0:.4f}",
                          f"{sm['bytes_sent_per_worker'] / 1e6:.2f}", "-" if peak is None else f"{peak / 1e6:.3f}",
                          *[f"{sm['modeled_seconds_by_link'][x]:.0f}" for x in LINKS],
                          "-" if epoch is None else f"{epoch:.3f}", "-" if mins is None else f"{mins:.1f}"])
@@ -196,7 +236,7 @@ def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, laun
     lr = compare.for_method(base, "identity").resolve().lr
     report.add(f"### 2. The suite's races (inner lr {lr:g}; outer lrs: DiLoCo {d:g}, SparseLoCo {s:g})\n\n`{command}` "
                f"({total:.1f} min; each race's report in DIR/<race>/report.md)\n\n"
-               + table(["method", "inner optimizer", "final test loss", "bpc", "MB sent / worker",
+               + table(["method", "inner optimizer", "lr", "final test loss", "bpc", "MB sent / worker",
                         "peak MB in one step", *[f"modeled s @ {x}" for x in LINKS], "epoch at the end", "minutes"],
                        rows)
                + "\n\n"
@@ -224,7 +264,7 @@ def _short(spec: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--inner-lrs", default="0.001,0.002,0.004",
-                   help="synchronous AdamW lrs to sweep; the chosen one is every method's inner lr "
+                   help="inner lrs to sweep, for synchronous AdamW and for DiLoCo (with each outer lr) "
                         "(default: 0.001,0.002,0.004)")
     p.add_argument("--diloco-lrs", default="0.4,0.7,1.0", help="DiLoCo outer lrs to sweep (default: 0.4,0.7,1.0)")
     p.add_argument("--sparseloco-lrs", default="1.0,1.3,1.6",
@@ -253,12 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add(f"{load_note()}\n\n{settings_lines(base)}")
     with tempfile.TemporaryDirectory(prefix="bench-lowbw-") as tmp:
         root = Path(args.keep or tmp)
-        d, s = suite.DILOCO_OUTER_LR, suite.SPARSELOCO_OUTER_LR
+        d, s, tuned = suite.DILOCO_OUTER_LR, suite.SPARSELOCO_OUTER_LR, suite.TUNED_ADAMW_LR
         if args.sweep_from:
             chosen = json.loads((Path(args.sweep_from) / "sweep" / "chosen.json").read_text())
             report.add(chosen["text"] + f"\n\n(The sweep ran earlier: {chosen['command']})")
             base = dataclasses.replace(base, lr=chosen["lr"])
-            d, s = chosen["diloco_lr"], chosen["sparseloco_lr"]
+            d, s, tuned = chosen["diloco_lr"], chosen["sparseloco_lr"], chosen["tuned_lr"]
         elif args.skip_sweep or args.quick:
             report.add("### 1. The learning-rate sweep: not run (--skip-sweep or --quick)\n\nThe suite's built-in "
                        f"lrs: the text task's inner lr, DiLoCo {d:g} (the paper's), SparseLoCo {s:g} (the authors' "
@@ -274,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(chosen["text"])
                 return 0
             base = dataclasses.replace(base, lr=chosen["lr"])
-            d, s = chosen["diloco_lr"], chosen["sparseloco_lr"]
-        races(report, root / "suite", base, d, s, launch, minutes)
+            d, s, tuned = chosen["diloco_lr"], chosen["sparseloco_lr"], chosen["tuned_lr"]
+        races(report, root / "suite", base, d, s, launch, minutes, tuned)
     return report.finish(args.json)
+
 
 if __name__ == "__main__":
     sys.exit(main())

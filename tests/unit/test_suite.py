@@ -294,10 +294,12 @@ def test_the_lowbandwidth_suite_validates_on_its_tasks_and_every_peer_it_names_r
     base = TrainConfig(task=task, workers=suite.SUITE_WORKERS, steps=100)
     races = suite.prepare(base, str(tmp_path), groups=suite.LOWBANDWIDTH)
     assert [r.specs[0].split(":")[0] for r in races] == ["diloco", "diloco", "streaming-diloco", "sparseloco",
-                                                         "diloco", "demo"]
+                                                         "diloco", "demo", "identity"]
     by_key = {g.key: g for g in suite.LOWBANDWIDTH}
     for group, race in zip(suite.LOWBANDWIDTH, races):
         assert race.base.optimizer == (group.optimizer or "adamw")  # MuLoCo: Muon; the rest AdamW
+        # the tuned reference at its own lr; every other race at the command's (here the task's)
+        assert race.base.lr == (suite.TUNED_ADAMW_LR if group.key == "tuned" else races[0].base.lr)
         for claim in group.claims:
             if claim.peer is None:
                 continue

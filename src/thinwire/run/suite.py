@@ -85,6 +85,7 @@ class Group:
     # the target loss of the to-target claims: (peer, band) = that peer's final test loss x (1 + band)
     target_loss: tuple[str, float] | None = None
     optimizer: str | None = None  # this race's optimizer (None: the suite's); e.g. muon for MuLoCo
+    lr: float | None = None  # this race's learning rate (None: the suite's); e.g. a baseline at its own best lr
 
     @property
     def specs(self) -> list[str]:
@@ -135,6 +136,7 @@ SEEDS: tuple[Group, ...] = (
 H = 30
 DILOCO_OUTER_LR = 0.7  # Douillard et al.'s (outer SGD, Nesterov 0.9); the sweep's choice of {0.7, 1.0}
 SPARSELOCO_OUTER_LR = 1.3  # the sweep's choice of {1.0 (the authors' code's), 1.3}
+TUNED_ADAMW_LR = 0.004  # synchronous AdamW's own best lr of {1e-3, 2e-3, 4e-3} on the validation split
 # 4-bit pseudo-gradients: E3M0 (sign and 3 exponent bits: 7 octaves below the max, half the rounding error of
 # E2M1 on a gaussian), averaged by a compressed reduce-scatter + all-gather (thinwire.scatter), without and
 # with error feedback
@@ -161,9 +163,11 @@ def streaming_spec(outer_lr: float = DILOCO_OUTER_LR) -> str:
     return f"streaming-diloco:period={H},fragments=4,delay=1,outer_lr={outer_lr:g}"
 
 
-def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPARSELOCO_OUTER_LR) -> tuple[Group, ...]:
+def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPARSELOCO_OUTER_LR,
+                 tuned_lr: float = TUNED_ADAMW_LR) -> tuple[Group, ...]:
     """The lowbandwidth suite's races with these outer learning rates (DiLoCo's also for its
-    4-bit, streamed and Muon variants)."""
+    4-bit, streamed and Muon variants), and synchronous AdamW at its own best lr ``tuned_lr``
+    (the ``tuned`` race) beside the races' shared inner lr."""
     diloco, sparse, streaming = diloco_spec(diloco_lr), sparseloco_spec(sparseloco_lr), streaming_spec(diloco_lr)
     four_bit, four_bit_ef = diloco_spec(diloco_lr, FOUR_BIT), diloco_spec(diloco_lr, FOUR_BIT_EF)
     slow = (diloco, four_bit, streaming, sparse, DEMO_LOWBW, LOCALSGD, TORCHFT)
@@ -178,6 +182,8 @@ def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPAR
                Claim("the outer optimizer matters: a final loss below local SGD's at the same H", "loss", LOCALSGD,
                      0.0, "rel", target=True),
                Claim("bytes per worker against synchronous AdamW", "bytes", "identity", None),
+               Claim(f"final loss against synchronous AdamW at its own best lr ({tuned_lr:g}, chosen on the "
+                     "validation split)", "loss", "identity", None, "rel", race="tuned"),
                Claim("final loss against torchft's DiLoCo", "loss", TORCHFT, None, "rel"),
                Claim("time to the target loss at 10 Mbit/s: the best slow-link method at least 10x shorter than "
                      "synchronous AdamW", "best-to-target", "identity", 10.0, target=True, link="10mbit",
@@ -213,7 +219,9 @@ def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPAR
         Group("muloco", "MuLoCo: DiLoCo with Muon as the inner optimizer", "Thérien et al. 2025 (arXiv 2505.23725)",
               diloco, (),
               (Claim("final loss no higher than DiLoCo's with AdamW inside", "loss", diloco, 0.0, "rel", target=True,
-                     race="diloco"),),
+                     race="diloco"),
+               Claim(f"final loss against synchronous AdamW at its own best lr ({tuned_lr:g})", "loss", "identity",
+                     None, "rel", race="tuned")),
               f"--optimizer muon for this race (Muon on the hidden matrices at the run's lr rescaled to AdamW's RMS, "
               f"AdamW on the rest), DiLoCo's outer SGD lr {diloco_lr:g}, Nesterov 0.9 (ours: not retuned for Muon)",
               optimizer="muon"),
@@ -223,6 +231,10 @@ def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPAR
                Claim("bytes per worker against synchronous AdamW", "bytes", "identity", None)),
               "The paper's defaults (chunk 64, top 32, decay 0.999, sign step) at the run's lr and schedule; DeMo is "
               "its own optimizer"),
+        Group("tuned", "Synchronous AdamW at its own best learning rate", "the reference, tuned", "identity", (), (),
+              f"lr {tuned_lr:g}: the best of the inner-lr sweep for synchronous AdamW on the validation split; the "
+              "other races share one inner lr (the DiLoCo paper's protocol: the baseline's lr is the inner one)",
+              lr=tuned_lr),
     )
 
 
@@ -308,7 +320,8 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
         base = dataclasses.replace(base, links=(*compare.DEFAULT_LINKS, *dict.fromkeys(f"{w},1ms" for w in wanted)))
     races = []
     for g in groups:  # every race checked before any folder is made
-        gbase = dataclasses.replace(base, optimizer=g.optimizer) if g.optimizer else base
+        own = {k: v for k, v in (("optimizer", g.optimizer), ("lr", g.lr)) if v is not None}
+        gbase = dataclasses.replace(base, **own)
         skipped = cannot_run(gbase, g.peers)  # a peer that cannot run on the task is left out, with why
         race = compare.prepare(gbase, [s for s in g.specs if s not in skipped], str(path / g.key),
                                overwrite=overwrite, create=False)
@@ -401,11 +414,12 @@ def run(races: list[compare.Race], groups: tuple[Group, ...] = SEEDS, *, launch:
         from thinwire.run.launch import launch as default_launch
 
         launch = default_launch
-    done: dict[tuple[str, str | None], tuple[str, Any]] = {}  # (spec, optimizer) -> (its run directory, summary)
+    # (spec, optimizer, lr) -> (its run directory, summary)
+    done: dict[tuple[str, str | None, float | None], tuple[str, Any]] = {}
 
     def cached(cfg: TrainConfig, show_progress: bool = True) -> Any:
         assert cfg.out is not None  # compare.run gives every run its own directory
-        key = (cfg.method, cfg.optimizer)
+        key = (cfg.method, cfg.optimizer, cfg.lr)
         if key in done:
             src, summary = done[key]
             # a copy, recorded as thinwire's in its new folder (whose earlier records stay); the
