@@ -320,8 +320,8 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
         base = dataclasses.replace(base, links=(*compare.DEFAULT_LINKS, *dict.fromkeys(f"{w},1ms" for w in wanted)))
     races = []
     for g in groups:  # every race checked before any folder is made
-        own = {k: v for k, v in (("optimizer", g.optimizer), ("lr", g.lr)) if v is not None}
-        gbase = dataclasses.replace(base, **own)
+        given: dict[str, Any] = {k: v for k, v in (("optimizer", g.optimizer), ("lr", g.lr)) if v is not None}
+        gbase = dataclasses.replace(base, **given)
         skipped = cannot_run(gbase, g.peers)  # a peer that cannot run on the task is left out, with why
         race = compare.prepare(gbase, [s for s in g.specs if s not in skipped], str(path / g.key),
                                overwrite=overwrite, create=False)
