@@ -307,8 +307,9 @@ def test_the_lowbandwidth_suite_validates_on_its_tasks_and_every_peer_it_names_r
             keys = claim.peer[len("best:"):].split("|") if claim.peer.startswith("best:") else [claim.peer]
             assert all(k in peers for k in keys), (group.key, claim.text)
             assert claim.among is None or all(k in group.specs for k in claim.among.split("|")), claim.text
-        if group.target_loss is not None:
-            assert group.target_loss[0] in group.peers
+        if group.target_loss is not None:  # in the race, or in the other race a claim reads (MuLoCo's)
+            assert group.target_loss[0] in group.peers or any(
+                c.race and group.target_loss[0] in by_key[c.race].specs for c in group.claims)
 
 
 def test_the_lowbandwidth_suite_fills_its_settings_where_the_command_leaves_them_out(tmp_path):
@@ -342,30 +343,38 @@ OPT_GROUPS = (
                  among="localsgd:period=2|dasgd:period=2")),
           target_loss=("identity", 0.02)),
     Group("m", "MuLoCo", "M et al.", "diloco:period=2", (),
-          (Claim("no higher than DiLoCo's", "loss", "diloco:period=2", 0.0, "rel", target=True, race="x"),),
-          optimizer="adam"),
+          (Claim("no higher than DiLoCo's", "loss", "diloco:period=2", 0.0, "rel", target=True, race="x"),
+           Claim("to x's target", "to-target", "identity", race="x")),
+          target_loss=("identity", 0.02), optimizer="adam"),
+    Group("t", "tuned", "ours", "identity", (), (), lr=0.2),
 )
 
 
 def test_a_race_of_its_own_optimizer_reruns_a_shared_spec_and_reads_another_races_run(tmp_path):
     calls: list[str] = []
     inner = _loss_launcher(calls)
-    seen: list[tuple[str, str | None]] = []
+    seen: list[tuple[str, str | None, float | None]] = []
 
     def launch(cfg, show_progress=True):
-        seen.append((cfg.method.split(":")[0], cfg.optimizer))
+        seen.append((cfg.method.split(":")[0], cfg.optimizer, cfg.lr))
         summary = inner(cfg, show_progress)
         if cfg.optimizer == "adam":
             summary["final_loss"] = 1.0
         return summary
 
     races = suite.prepare(BASE, str(tmp_path / "suite"), groups=OPT_GROUPS)
-    assert [r.base.optimizer for r in races] == ["sgd", "adam"]  # synthetic's own, then the group's
+    assert [r.base.optimizer for r in races] == ["sgd", "adam", "sgd"]  # synthetic's own, then the group's
+    assert races[2].base.lr == 0.2 and races[0].base.lr != 0.2  # a race of its own lr
     results = suite.run(races, OPT_GROUPS, launch=launch, show_progress=False, say=lambda s: None)
     rows = suite.finish(str(tmp_path / "suite"), races, results, "thinwire compare --suite test", OPT_GROUPS)["rows"]
-    assert seen.count(("diloco", "sgd")) == 1 and seen.count(("diloco", "adam")) == 1  # not a copy
+    lr = races[0].base.lr
+    assert seen.count(("diloco", "sgd", lr)) == 1 and seen.count(("diloco", "adam", lr)) == 1  # not a copy
+    assert seen.count(("identity", "sgd", lr)) == 1 and seen.count(("identity", "sgd", 0.2)) == 1
     r = _row(rows, "m", "no higher")
     assert r["measured"] == pytest.approx(1.0 / 1.015 - 1) and r["reading"] == "PASS"
+    # the target loss from the other race's identity (1.02 x its final), reached by the seed at 1 s / 2 s
+    assert _row(rows, "m", "to x's", LINKS[0])["measured"] == pytest.approx(7.2)
+    assert _row(rows, "m", "to x's", LINKS[1])["measured"] == pytest.approx(18.0)
     # target 1.02: identity there at 7.2 s / 36 s; the best of the rest is diloco (1 s / 2 s), of local SGD
     # (never) and DaSGD (2.5 s / 3.5 s) DaSGD
     r = _row(rows, "x", "best 2x", LINKS[0])
