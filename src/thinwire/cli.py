@@ -151,8 +151,9 @@ def _compare_parser(sub: Any) -> None:
                    "identity,topk:ratio=0.01,ef=false,torch-ddp); repeatable")
     c.add_argument("--suite", choices=["seeds", "lowbandwidth", "transform"], help="instead of --methods: a preset "
                    "of races; seeds = each of the five seed methods against its paper's peers, with the measured ratio "
-                   "next to the paper's headline claim; lowbandwidth = the DiLoCo family against synchronous "
-                   "training, local SGD, DaSGD, PyTorch's post-local SGD and torchft's DiLoCo; transform = DeMo "
+                   "next to the paper's headline claim; lowbandwidth (give --task text) = DiLoCo, its 4-bit and "
+                   "streamed forms, SparseLoCo, MuLoCo and DeMo against synchronous AdamW (also at its own best lr), "
+                   "local SGD and torchft's DiLoCo; transform = DeMo "
                    "(bf16 and 1-bit) against detonation's DeMo, the dct codec, fft, top-k, PowerSGD and fp32 "
                    "all_reduce (the last two: each figure against a target, PASS/MISS, times to a target loss per "
                    "link; all: OUT/report.md, OUT/claims.csv; one race per group in OUT/<group>/)")
