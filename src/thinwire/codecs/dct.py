@@ -55,7 +55,7 @@ class DCTConfig(CodecConfig):
         "bf16", "how kept coefficients travel: fp32, bf16, range floats of `bits`, or 1 sign bit + a per-tensor "
         "scale", "fp32|bf16|rangefloat|sign")
     bits: int = knob(8, "values=rangefloat: bits per coefficient", "3..8 or 16")
-    exp_bits: int = knob(3, "values=rangefloat: exponent bits", "1..bits-2")
+    exp_bits: int = knob(3, "values=rangefloat: exponent bits", "1..bits-1")
     man_bits: int | None = knob(None, "values=rangefloat: mantissa bits (default: the rest)", "bits-1-exp_bits")
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 class FFTConfig(CodecConfig):
     theta: float = knob(0.9, "drop ratio: share of frequency bins not sent; higher = more compression", "[0, 1)")
     bits: int = knob(8, "bits per kept real or imaginary part: range float, or 32 = plain fp32", "3..8, 16 or 32")
-    exp_bits: int = knob(3, "range-float exponent bits (window of 2^exp_bits - 1 octaves)", "1..bits-2")
+    exp_bits: int = knob(3, "range-float exponent bits (window of 2^exp_bits - 1 octaves)", "1..bits-1")
     man_bits: int | None = knob(
         None, "range-float mantissa bits; exp_bits + man_bits + 1 must equal bits (default: the rest)",
         "bits-1-exp_bits",

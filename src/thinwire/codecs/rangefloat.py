@@ -26,7 +26,7 @@ from thinwire.payload import Aggregation, Payload, WireSpec
 @dataclass(frozen=True, kw_only=True)
 class RangeFloatConfig(CodecConfig):
     bits: int = knob(8, "bits per value: 1 sign + exp_bits + man_bits; lower = more compression", "3..8 or 16")
-    exp_bits: int = knob(3, "exponent bits: the window spans 2^exp_bits - 1 octaves below the max", "1..bits-2")
+    exp_bits: int = knob(3, "exponent bits: the window spans 2^exp_bits - 1 octaves below the max", "1..bits-1")
     man_bits: int | None = knob(
         None, "mantissa bits; exp_bits + man_bits + 1 must equal bits (default: the rest)", "bits-1-exp_bits"
     )
