@@ -315,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_real_models: skipped: {why}")
         return 0
     models = ["resnet18", "gpt-small"] if args.model == "all" else [args.model]
-    given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--rank-worker")
+    given_args = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in given_args:  # where run_all collects the report: not part of the command
+        i = given_args.index("--json")
+        del given_args[i : i + 2]
+    given = " ".join(given_args)
     report = Report("Real models over a shaped link: thinwire against DDP and PyTorch's hooks",
                     f"python benchmarks/bench_real_models.py {given}".strip())
     failed = False
