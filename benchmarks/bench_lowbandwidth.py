@@ -120,12 +120,12 @@ def _pick(done: list[tuple[float | None, Any]], default: Any) -> Any:
 
 
 def _key(cfg: TrainConfig, spec: str) -> tuple:
-    """What makes two sweep runs the same run: the method (resolved), lr, steps, batch, schedule,
-    task options, optimizer and seed."""
+    """What makes two sweep runs the same run: the task, workers, method (resolved), lr, steps,
+    batch, schedule, task options, optimizer and seed."""
     from thinwire.algorithms.registry import resolve_method
 
-    return (resolve_method(spec), cfg.lr, cfg.steps, cfg.batch_size, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr,
-            json.dumps(cfg.task_options, sort_keys=True), cfg.optimizer, cfg.seed)
+    return (cfg.task, cfg.workers, resolve_method(spec), cfg.lr, cfg.steps, cfg.batch_size, cfg.lr_schedule,
+            cfg.warmup_steps, cfg.min_lr, json.dumps(cfg.task_options, sort_keys=True), cfg.optimizer, cfg.seed)
 
 
 def _kept(out: Path) -> dict[tuple, dict]:
