@@ -67,12 +67,18 @@ class ScatterMean:
         n = comm.world_size
         self.chunk = math.ceil(self.numel / n)
         self._layout: list[tuple[int, tuple[int, ...], torch.dtype]] = []
-        off = 0
-        for shape, dtype in codec.wire_spec(torch.Size([self.chunk]), torch.float32):
+        self.row_bytes = 0
+        self._lay_out()
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _lay_out(self) -> None:
+        """Byte offsets of a chunk payload's wire tensors at the codec's current step (a wire size
+        may follow a schedule, FFT's theta: the same on every rank at the same step)."""
+        self._layout, off = [], 0
+        for shape, dtype in self.codec.wire_spec(torch.Size([self.chunk]), torch.float32):
             self._layout.append((off, tuple(shape), dtype))
             off += spec_nbytes([(tuple(shape), dtype)])
         self.row_bytes = off
-        self._buffers: dict[str, torch.Tensor] = {}
 
     # -- work ------------------------------------------------------------------------------
     def reduce_(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -88,6 +94,7 @@ class ScatterMean:
             raise ValueError(f"scatter averaging was built for a flat tensor of {self.numel} values, got "
                              f"shape {tuple(x.shape)}")
         self.codec.step = self.step
+        self._lay_out()
         ef = self.codec.config.ef
         u = self.feedback.compensate(self.name, x) if ef else x
         n, c, rank = self.comm.world_size, self.chunk, self.comm.rank

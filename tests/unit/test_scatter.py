@@ -114,3 +114,29 @@ def test_a_summed_codec_or_a_gather_state_is_refused_by_name():
         return True
 
     assert LocalWorld(2).run(rank) == [True, True]
+
+
+def test_a_codec_whose_wire_size_follows_its_step_is_laid_out_anew_at_every_step():
+    spec = "fft:schedule=linear,theta=0.9,theta_min=0.5,horizon=4,min_numel=0"  # more bins kept each step
+    n, numel = 2, 2000
+    xs = inputs(n, numel)
+
+    def rank(comm):
+        mean = ScatterMean("model", xs[comm.rank], build_codec(spec), comm)
+        outs, rows = [], []
+        for _ in range(3):
+            x = xs[comm.rank].clone()
+            mean.reduce_({"model": x})
+            outs.append(x)
+            rows.append(mean.row_bytes)
+        return outs, rows
+
+    results = LocalWorld(n).run(rank)
+    rows = results[0][1]
+    assert rows[0] < rows[1] < rows[2]  # the payload grew with the schedule
+    exact = torch.stack(xs).mean(0)
+    errors = [float((results[0][0][step] - exact).norm() / exact.norm()) for step in range(3)]
+    for step in range(3):
+        assert torch.equal(results[0][0][step], results[1][0][step])  # one mean on every rank
+    # a mean, not bytes read at the wrong offsets: below the whole signal, and closer as more bins travel
+    assert 0.9 > errors[0] > errors[1] > errors[2], errors
