@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="thinwire", description="Communication-efficient data-parallel training on torch.distributed.")
     p.add_argument("--version", action="store_true", help="print thinwire's version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_train_parser, _compare_parser, _cost_parser, _methods_parser, _bench_parser):
+    for add in (_train_parser, _compare_parser, _cost_parser, _methods_parser, _bench_parser, _lighthouse_parser):
         add(sub)
     return p
 
@@ -97,8 +97,39 @@ def _train_parser(sub: Any) -> None:
                    help="a NaN/Inf gradient: stop naming the parameter and step (raise, the default), or skip that "
                    "step on every rank before anything is encoded (skip; counted as skipped_steps; a run that skipped "
                    "most of its steps ends with exit code 1)")
+    e = t.add_argument_group("elastic training (workers leave and join; docs/fault_tolerance.md)")
+    e.add_argument("--elastic", action="store_true", default=None,
+                   help="run elastic on torchft: a worker that ends does not end the job, one that starts joins it "
+                   "and takes a present worker's state (without --lighthouse: a Lighthouse and --workers workers "
+                   "here, each writing OUT/worker-K)")
+    e.add_argument("--min-workers", type=int, metavar="N",
+                   help="no step commits with fewer workers; with fewer left the job waits --elastic-wait seconds, "
+                   "then stops (exit 3) with its last committed state checkpointed (default: 1)")
+    e.add_argument("--lighthouse", metavar="HOST:PORT",
+                   help="the Lighthouse of a running job (`thinwire lighthouse`): run one worker of it here")
+    e.add_argument("--replica", type=int, metavar="K",
+                   help="this worker's number with --lighthouse, 0..workers-1: its data shard (default: $RANK, else 0)")
+    e.add_argument("--elastic-timeout", type=float, metavar="S",
+                   help="a collective, commit vote or state transfer taking longer fails and the step is discarded; "
+                   "a silent worker is dropped after this long (default: 5)")
+    e.add_argument("--elastic-wait", type=float, metavar="S",
+                   help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
     _max_workers_option(t)
     _import_option(t)
+
+
+def _lighthouse_parser(sub: Any) -> None:
+    h = sub.add_parser("lighthouse", help="run torchft's Lighthouse for an elastic job over several machines, until "
+                       "stopped (Ctrl-C)",
+                       description="Run torchft's Lighthouse: it forms the quorum of an elastic job at every step. "
+                       "Workers join with `thinwire train --elastic --lighthouse HOST:PORT --replica K`. Any process "
+                       "that reaches it can join the job: see docs/security.md.")
+    h.add_argument("--min-workers", type=int, required=True, metavar="N", help="form no quorum of fewer workers")
+    h.add_argument("--bind", default="127.0.0.1:29510", metavar="HOST:PORT",
+                   help="where to listen (default: 127.0.0.1:29510, this machine only; 0.0.0.0:29510 for every "
+                   "interface)")
+    h.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
+                   help="a worker silent this long is left out of the next quorum (default: 5)")
 
 
 def _tasks() -> dict[str, Any]:
@@ -310,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "train":
             return _train(args)
+        if args.command == "lighthouse":
+            return _lighthouse(args)
         if args.command == "methods":
             return _methods(args.imports or [], markdown=args.markdown, names=args.names)
         if args.command == "cost":
@@ -360,6 +393,9 @@ def _train(args: argparse.Namespace) -> int:
     from thinwire.run import outdir
     from thinwire.run.config import planned_out
 
+    if args.elastic:
+        return _train_elastic(args)
+
     with contextlib.ExitStack() as stack:
         try:
             cfg = _config(args, TRAIN_FIELDS)
@@ -407,11 +443,89 @@ def _train_locked(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
+def _train_elastic(args: argparse.Namespace) -> int:
+    """``thinwire train --elastic``: a local job, or one worker of a job with ``--lighthouse``."""
+    import dataclasses
+
+    from thinwire.run import outdir
+    from thinwire.run.config import TrainConfig
+    from thinwire.run.elastic import EXIT_QUORUM_LOST, launch_elastic
+
+    given = _given(args, TRAIN_FIELDS)
+    resume = given.pop("resume", None)
+    with contextlib.ExitStack() as stack:
+        try:
+            cfg = TrainConfig(**given)
+            stack.enter_context(outdir.hold(cfg.out))
+            cfg = dataclasses.replace(cfg.resolve(), resume=resume)
+            _check_task(cfg)
+            if resume is not None and not os.path.isdir(resume):
+                raise ValueError(f"--resume {resume}: no such directory")
+            summary = launch_elastic(cfg, show_progress=not args.quiet)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+    if cfg.lighthouse is not None:  # one worker
+        final = summary.get("final") or {}
+        print(f"thinwire: worker {summary['replica']} {summary['status']} at step {summary['committed_step']}"
+              + (f", test loss {final['test_loss']:.4f}" if final.get("test_loss") is not None else "")
+              + f"; {summary['elastic']['discarded']} step(s) discarded, {len(summary['elastic']['changes'])} quorum "
+              "change(s)" + (f"; {cfg.out}/summary.json" if cfg.out else ""))
+        if summary["status"] != "ok":
+            print(f"thinwire: {summary['failure']}", file=sys.stderr)
+            return EXIT_QUORUM_LOST
+        return 0
+    workers = summary["workers"]
+    finished = [r for r, w in workers.items() if w["summary"] and w["summary"]["status"] == "ok"]
+    for r, w in sorted(workers.items(), key=lambda kv: int(kv[0])):
+        s = w["summary"]
+        if s is None:
+            print(f"thinwire: worker {r}: ended without a summary ({w['error'] or 'exit ' + str(w['exit'])})")
+            continue
+        final = s.get("final") or {}
+        print(f"thinwire: worker {r}: {s['status']} at step {s['committed_step']}"
+              + (f", test loss {final['test_loss']:.4f}" if final.get("test_loss") is not None else "")
+              + f"; {s['elastic']['discarded']} discarded, {len(s['elastic']['changes'])} quorum change(s)")
+    if cfg.out:
+        print(f"thinwire: {cfg.out}/summary.json, and each worker's in {cfg.out}/worker-K/")
+    if finished:
+        return 0
+    stopped = [w["summary"] for w in workers.values() if w["summary"] and w["summary"]["status"] == "stopped"]
+    if stopped:
+        print(f"thinwire: {stopped[0]['failure']}", file=sys.stderr)
+        return EXIT_QUORUM_LOST
+    print("thinwire: no worker finished the job", file=sys.stderr)
+    return 1
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    """``thinwire lighthouse``: torchft's Lighthouse for workers on several machines, until stopped."""
+    import signal
+    import threading
+
+    from thinwire.elastic.lighthouse import serve
+
+    try:
+        lighthouse = serve(args.min_workers, args.bind, heartbeat_timeout_s=args.heartbeat_timeout)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"thinwire: Lighthouse at {lighthouse.address} (quorums of >= {args.min_workers} workers); "
+          f"workers join with: thinwire train --elastic --lighthouse {lighthouse.address.split('://', 1)[1]} "
+          "--replica K ...", flush=True)
+    stop.wait()
+    lighthouse.shutdown()
+    print("thinwire: Lighthouse stopped", flush=True)
+    return 0
+
+
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
                 "intra_link", "intra_dtype", "tensorboard", "lr_schedule", "warmup_steps", "min_lr",
-                "muon_lr")  # train's options, by field
+                "muon_lr", "elastic", "min_workers", "lighthouse", "replica", "elastic_timeout",
+                "elastic_wait")  # train's options, by field
 
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",

@@ -19,7 +19,7 @@ PACKAGE = SRC / "thinwire"
 LAYERS: list[set[str]] = [
     {"cli", "__main__", "__init__", "lightning", "accelerate"},
     {"run", "tasks"},
-    {"algorithms", "integrations", "optim"},
+    {"algorithms", "integrations", "optim", "elastic"},
     {"aggregate", "hierarchical", "scatter", "policy", "nn"},
     {"feedback", "codecs", "comm", "topology", "figures"},
     {"numerics"},

@@ -128,6 +128,7 @@ class ABTraining(Method):
     summary = "AB-training: low-rank A·B factors trained in independent groups, synchronised every cycle"
 
     Config = ABConfig
+    elastic_unsafe = "its groups of ranks and their phases are fixed by rank at the start"
 
     @classmethod
     def check_world(cls, config: ABConfig, workers: int) -> None:

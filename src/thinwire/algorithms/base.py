@@ -60,7 +60,9 @@ class Method(ABC):
     against), ``skip_unsafe`` (why a step dropped on every rank after its backward pass,
     for a non-finite gradient, would leave the method's state unclean; None: it would not),
     ``flat_only`` (why the method cannot average in two levels, uncompressed inside a node
-    and compressed between nodes (``--ranks-per-node``); None: it can).
+    and compressed between nodes (``--ranks-per-node``); None: it can), ``elastic_unsafe``
+    (why it cannot run elastic, with workers leaving and joining (:mod:`thinwire.elastic`);
+    None: it can; :meth:`check_elastic` may refuse a config of a method that otherwise can).
 
     The constructor takes the model, the optimizer (None where the method has no schedule
     of its own), the communicator (default: the default ``torch.distributed`` group) and a
@@ -80,6 +82,7 @@ class Method(ABC):
     skip_unsafe: ClassVar[str | None] = None
     replaces_optimizer: ClassVar[bool] = False
     flat_only: ClassVar[str | None] = None
+    elastic_unsafe: ClassVar[str | None] = "its rules for a quorum that changes between steps are not written"
     # True where a step's computation is not the task's plain forward, backward and optimizer
     # step (AB-training's factorized layers, DeMo's own optimizer): ``compare`` and ``cost``
     # then keep this method's own compute figure instead of the one its race shares
@@ -111,6 +114,11 @@ class Method(ABC):
     def check_world(cls, config: Any, workers: int) -> None:
         """Raise ``ValueError`` when the method cannot run on ``workers`` ranks (a topology
         that does not fit, groups that do not divide the world). Default: any world."""
+
+    @classmethod
+    def check_elastic(cls, config: Any) -> str | None:
+        """Why the method with ``config`` cannot run elastic (default: :attr:`elastic_unsafe`)."""
+        return cls.elastic_unsafe
 
     @classmethod  # noqa: B027
     def check_model(cls, config: Any, model: torch.nn.Module) -> None:
@@ -148,6 +156,12 @@ class Method(ABC):
 
         self.warned.append(message)
         warnings.warn(message, stacklevel=3)
+
+    def elastic_join(self) -> None:  # noqa: B027
+        """Called on a worker that joined a running elastic job, right after it took a present
+        worker's state (model, optimizer, this method's state): where the model it should
+        start from is not that worker's (DiLoCo: the global model, not the peer's weights
+        within the round), set it here. Default: nothing."""
 
     def finish(self) -> torch.nn.Module | None:
         """Called once after the last step: work the method ends with (AB-training's final
@@ -231,6 +245,8 @@ class PeriodicAveraging(Method):
     on the schedule go uncompressed inside each node and through the codec between nodes
     (the layout of HSDP with DiLoCo between nodes).
     """
+
+    elastic_unsafe: ClassVar[str | None] = None  # its averages run within one step: any quorum can take them
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
@@ -349,6 +365,7 @@ class Gossip(Method):
     at the old model (the D-PSGD order); :meth:`after_step` does nothing."""
 
     flat_only = "it exchanges with its graph neighbours by rank, not through a node's groups"
+    elastic_unsafe = "its graph of neighbours is fixed by rank and is not rebuilt when workers leave or join"
 
     decentralized = True
 

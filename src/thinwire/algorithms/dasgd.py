@@ -101,6 +101,7 @@ class DaSGD(PeriodicAveraging):
     name = "dasgd"
     summary = "DaSGD: model averages launched every period steps run during the next delay steps, then merged"
     Config = DaSGDConfig
+    elastic_unsafe = "its model average stays in flight for delay steps, across which the quorum may change"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: DaSGDConfig | None = None, *,

@@ -47,6 +47,7 @@ class DeMoMethod(Method):
     summary = ("DeMo: an optimizer; each rank keeps its momentum, all_gathers its top chunked-DCT coefficients "
                "and steps with the sign of their mean")
     Config = DeMoConfig
+    elastic_unsafe = "it is the optimizer and holds the communicator, which is not rebuilt when the quorum changes"
     replaces_optimizer = True
 
     @classmethod

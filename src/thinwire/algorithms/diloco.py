@@ -147,6 +147,23 @@ class DiLoCo(PeriodicAveraging):
         self.syncs_before_finish: int | None = None  # set by finish(): the outer steps of the run itself
         self.never_synced_warned = False
 
+    @classmethod
+    def check_elastic(cls, config: Any) -> str | None:
+        """An average launched in one step and merged ``delay`` steps later (streaming DiLoCo's
+        overlap) may cross a change of the quorum: refused; a sync within its step runs elastic."""
+        if getattr(config, "delay", 0) > 0:
+            return (f"delay={config.delay} keeps a fragment's average in flight across steps, over which the "
+                    "quorum may change (delay=0 runs elastic)")
+        return cls.elastic_unsafe
+
+    def elastic_join(self) -> None:
+        """A worker joining a running job starts its round from the global model ``θ`` (the
+        outer parameters it took), not from the present worker's weights within the round."""
+        if self.step >= self.config.warmup:
+            with torch.no_grad():
+                for theta, p in zip(self.outer_params, self.state.params, strict=True):
+                    p.copy_(theta)
+
     # -- what a subclass varies -------------------------------------------------------------
     @property
     def delay(self) -> int:

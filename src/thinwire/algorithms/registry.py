@@ -232,3 +232,13 @@ def markdown_table(names: Collection[str] | None = None) -> str:
         knobs = ", ".join(f"`{name}` ({default})" for name, default, _, _ in knob_table(e.Config)) or "—"
         rows.append(f"| `{e.name}` | {kind} | {e.summary.replace('|', chr(92) + '|')} | {knobs} |")
     return "\n".join(rows) + "\n"
+
+
+def elastic_refusal(spec: str | Policy | Codec) -> str | None:
+    """Why the method of a resolved spec cannot run elastic (:meth:`Method.check_elastic`),
+    or None when it can (codecs and policies always can: each step averages over the workers
+    present)."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        cls, config = method_config(spec)
+        return cls.check_elastic(config)
+    return None

@@ -74,6 +74,7 @@ class SyncReducer(Method):
 
     name = "sync"  # a codec's or a policy's own spec names it (``spec``), not a registry entry
     summary = "synchronous gradient averaging through a codec or a policy"
+    elastic_unsafe = None  # each step's average is over the workers present, its divisor their count
 
 
     def __init__(

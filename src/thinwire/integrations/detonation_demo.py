@@ -236,6 +236,7 @@ class PeerDeMo(Method):
     summary = ("detonation's DeMo optimizer (decoupled momentum: DCT blocks of the residual, top-k all_gather, "
                "sign-SGD step); replaces --optimizer")
     Config = PeerDeMoConfig
+    elastic_unsafe = "detonation's optimizer averages over a torch.distributed group of fixed size"
     peer = True
     replaces_optimizer = True
 

@@ -141,6 +141,7 @@ class TorchBuiltin(Method):
     and its state in ``_hook``."""
 
     flat_only = "PyTorch's hooks average over one flat process group"
+    elastic_unsafe = "PyTorch's DDP runs on a torch.distributed group of fixed size"
 
     name = "torch-ddp"
     summary = "PyTorch DDP, default all_reduce (allreduce_hook), fp32"

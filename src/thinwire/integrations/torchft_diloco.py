@@ -119,6 +119,7 @@ class TorchFTDiLoCo(Method):
     summary = ("torchft's DiLoCo (torchft.local_sgd.DiLoCo): every period inner steps, an outer Nesterov SGD step "
                "on the averaged pseudo-gradient, over torchft's own gloo process group")
     Config = TorchFTDiLoCoConfig
+    elastic_unsafe = "it runs a torchft Manager of its own, one per rank of a fixed world"
     peer = True
 
     @classmethod

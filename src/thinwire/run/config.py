@@ -62,6 +62,13 @@ class TrainConfig:
     # False: the evaluation steps write their records without test figures (thinwire cost's probes time
     # training steps only; a test set's evaluation of a large model would take longer than the probe)
     evaluate: bool = True
+    # elastic training (thinwire.run.elastic): workers leave and join; torchft's Lighthouse decides the quorum
+    elastic: bool = False
+    min_workers: int | None = None  # no step commits with fewer workers (default with --elastic: 1)
+    lighthouse: str | None = None  # HOST:PORT of a running Lighthouse: run one worker here (None: a local job)
+    replica: int | None = None  # this worker's number with --lighthouse (default: $RANK, else 0)
+    elastic_timeout: float = 5.0  # seconds: a collective, commit vote or state transfer longer than this fails
+    elastic_wait: float = 60.0  # seconds a worker waits for a quorum of min_workers before it gives up
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -110,6 +117,7 @@ class TrainConfig:
                 f"muon-lr must be a finite number > 0, got {self.muon_lr}")
         self._check_outputs(facts)
         method, rules = self._method(facts)
+        min_workers = self._elastic(method, facts)
         if per_node is not None and per_node > 1:
             why = flat_only(method)
             require(why is None, f"--ranks-per-node: {method.split(':')[0]} cannot average in two levels: {why}; "
@@ -129,8 +137,39 @@ class TrainConfig:
             self, method=method, policy_rules=rules, label=self.label or self.policy or self.method, steps=steps,
             batch_size=batch, lr=lr, optimizer=opt, eval_every=eval_every, links=links, out=facts.out,
             imports=facts.imports, ranks_per_node=per_node, intra_link=intra, intra_dtype=intra_dtype,
-            tensorboard=self._tensorboard(),
+            tensorboard=self._tensorboard(), min_workers=min_workers,
         )
+
+    def _elastic(self, method: str, facts: Facts) -> int | None:
+        """The elastic options, checked; the minimum of workers (None when not elastic)."""
+        if not self.elastic:
+            for given, flag in ((self.min_workers, "--min-workers"), (self.lighthouse, "--lighthouse"),
+                                (self.replica, "--replica")):
+                require(given is None, f"{flag} needs --elastic")
+            return None
+        from thinwire.algorithms.registry import elastic_refusal
+
+        why = elastic_refusal(method)
+        require(why is None, f"--elastic: {method.split(':')[0]} cannot run elastic: {why}")
+        n = 1 if self.min_workers is None else self.min_workers
+        require(1 <= n <= self.workers, f"--min-workers must be in 1..{self.workers} (--workers), got {n}")
+        require(self.replica is None or self.lighthouse is not None,
+                "--replica needs --lighthouse (a local job numbers its workers itself)")
+        require(self.replica is None or 0 <= self.replica < self.workers,
+                f"--replica must be in 0..{self.workers - 1} (--workers {self.workers}), got {self.replica}")
+        require(math.isfinite(self.elastic_timeout) and self.elastic_timeout > 0,
+                f"--elastic-timeout must be a number of seconds > 0, got {self.elastic_timeout}")
+        require(math.isfinite(self.elastic_wait) and self.elastic_wait > 0,
+                f"--elastic-wait must be a number of seconds > 0, got {self.elastic_wait}")
+        for bad, flag, why_not in (
+                (self.policy is not None or bool(self.policy_rules), "--policy",
+                 "give a preset or a codec with --method"),
+                (self.ranks_per_node is not None, "--ranks-per-node", "a worker is one rank; the quorum is flat"),
+                (self.emulate_link, "--emulate-link", "torchft's group is not thinwire's emulated one"),
+                (self.on_nonfinite == "skip", "--on-nonfinite skip", "a worker's failed vote already drops a step"),
+                (bool(self.links), "--link", "modeled times assume a fixed world")):
+            require(not bad, f"--elastic does not take {flag}: {why_not}")
+        return n
 
     def _tensorboard(self) -> bool:
         from thinwire.run.tensorboard import INSTALL, available

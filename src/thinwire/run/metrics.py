@@ -74,6 +74,12 @@ class MetricsWriter:
         if self._tensorboard is not None:
             self._tensorboard.write(record)
 
+    def write_event(self, record: dict[str, Any]) -> None:
+        """A record of something that happened (an elastic job's change of quorum): into
+        ``metrics.jsonl`` only, not TensorBoard (it has no figures to plot over steps)."""
+        self._jsonl.write(json.dumps(finite(record), sort_keys=False, allow_nan=False) + "\n")
+        self._jsonl.flush()
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         outdir.claim(self.out, "summary.json", "summary.json.tmp")
         write_json_atomic(os.path.join(self.out, "summary.json"), summary)

@@ -1,0 +1,91 @@
+"""The Lighthouse: torchft's quorum server, started by thinwire.
+
+Every elastic worker's torchft ``Manager`` asks the Lighthouse for a quorum at each step and
+sends it a heartbeat every 100 ms. The Lighthouse decides who is in: a quorum forms as soon
+as every worker it has heard from recently asked (or every member of the last quorum did,
+the fast path); a worker whose heartbeat stopped for ``heartbeat_timeout_s`` is no longer
+waited for. :func:`serve` starts one inside the calling process (``thinwire train --elastic``
+on one machine does so), ``thinwire lighthouse`` runs one on its own for workers on several
+machines.
+
+It listens only on the address it is given: loopback (``127.0.0.1``) unless the user names
+another (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from thinwire.knobs import require
+
+LOCAL = "127.0.0.1"
+HEARTBEAT_TIMEOUT_S = 5.0  # a worker silent this long is left out of the next quorum
+JOIN_TIMEOUT_S = 5.0  # how long a forming quorum waits for more workers once it could form without them
+TICK_MS = 10  # how often the Lighthouse looks at who asked; a quorum forms at most this late
+
+
+@dataclass
+class Lighthouse:
+    """A running Lighthouse: ``address`` (``http://host:port``) is what workers are given."""
+
+    server: Any
+    address: str
+    min_workers: int
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+def serve(min_workers: int, bind: str = f"{LOCAL}:0", *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+          join_timeout_s: float = JOIN_TIMEOUT_S) -> Lighthouse:
+    """Start a Lighthouse in this process on ``bind`` (``host:port``; port 0: any free one)
+    that forms no quorum of fewer than ``min_workers`` workers."""
+    require(min_workers >= 1, f"--min-workers must be >= 1, got {min_workers}")
+    require(heartbeat_timeout_s > 0, f"the heartbeat timeout must be > 0 seconds, got {heartbeat_timeout_s}")
+    host, port = split_address(bind)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+    from torchft._torchft import LighthouseServer
+
+    try:
+        server = LighthouseServer(bind=f"{_bracket(host)}:{port}", min_replicas=min_workers,
+                                  join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=TICK_MS,
+                                  heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    except Exception as e:  # torchft raises a bare RuntimeError from its Rust server
+        raise ValueError(f"the Lighthouse cannot listen on {bind}: {str(e).splitlines()[0] if str(e) else e}") from None
+    bound = server.address().rsplit(":", 1)[1]
+    return Lighthouse(server, f"http://{_bracket(host)}:{bound}", min_workers)
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """``host:port`` (or ``http://host:port``, ``[v6]:port``) as (host, port)."""
+    bare = text.split("://", 1)[1] if "://" in text else text
+    host, sep, port = bare.rpartition(":")
+    require(bool(sep) and port.isdigit() and bool(host), f"an address must be HOST:PORT, got {text!r}")
+    number = int(port)
+    require(0 <= number <= 65535, f"a port must be in 0..65535, got {number} in {text!r}")
+    return host.strip("[]"), number
+
+
+def url(text: str) -> str:
+    """The ``http://host:port`` form torchft's Manager takes."""
+    host, port = split_address(text)
+    return f"http://{_bracket(host)}:{port}"
+
+
+def check_reachable(text: str, timeout_s: float) -> None:
+    """Raise ``ValueError`` naming the address when nothing accepts a connection on it within
+    ``timeout_s`` seconds (before a worker builds anything)."""
+    host, port = split_address(text)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as e:
+        raise ValueError(f"no Lighthouse answers at {text} (within {timeout_s:g} s: {e.strerror or e}); start one "
+                         "with `thinwire lighthouse` or leave --lighthouse out for a local run") from None
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

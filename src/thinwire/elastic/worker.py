@@ -1,0 +1,401 @@
+"""One elastic worker: a torchft replica group of one rank, running a thinwire method.
+
+torchft decides everything about membership: the Lighthouse forms a quorum at each step, the
+``Manager`` reconfigures its gloo group over it, votes on committing the step, and brings a
+worker that joins (or fell behind) up to date by fetching a present worker's state before
+its step starts. thinwire supplies that state and keeps each method's maths right:
+
+* **the state sent to a joining worker**: the model, the optimizer, the method's own state
+  (error-feedback residuals, PowerSGD's Q, DiLoCo's outer optimizer and global model, ...)
+  and whatever the loop adds (``extra_state``), with torchft's step counter, which is also
+  the data position: a worker's batches are a pure function of (seed, worker, step);
+* **the method over the quorum**: at each change of the quorum the method is built again
+  over the new group (its state carried over), so its divisor is the number of workers
+  present and anything it laid out by world size is laid out again;
+* **a step that failed is applied nowhere**: a collective that fails makes the manager vote
+  against the step (:class:`~thinwire.elastic.comm.QuorumComm`); the step's changes are then
+  undone (the method's state, and the model and optimizer where the method stepped them
+  before the vote), so it leaves no residual changed, and the same step is tried again at the
+  next quorum with the same batch;
+* **admission**: a worker joins only a job of the same method, model and thinwire version
+  (:class:`Refused` on the newcomer, by name; the others discard that one step).
+
+The loop::
+
+    worker = ElasticWorker(model, optimizer, "powersgd", lighthouse="127.0.0.1:29510",
+                           replica=0, min_workers=2)
+    while worker.step < steps:
+        step = worker.begin()                  # the quorum; a joiner is brought up to date here
+        x, y = batch(replica=0, step=step + 1)  # the data position is the committed step
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        worker.commit(loss)                    # average, step, vote; undone if the vote fails
+    worker.close()
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from thinwire.comm.fingerprint import entries
+from thinwire.elastic.comm import QuorumComm
+from thinwire.elastic.lighthouse import url
+
+TEXT_BYTES = 1024  # room for a worker's fingerprint in the admission exchange
+TIMEOUT_S = 5.0  # a collective, a commit vote or a state transfer waiting longer fails
+WAIT_S = 60.0  # how long a worker waits for a quorum of --min-workers before it gives up
+
+
+class Refused(ValueError):
+    """This worker cannot join the running job (another method, model or thinwire version)."""
+
+
+class QuorumLost(RuntimeError):
+    """No quorum of ``min_workers`` formed within the wait: the job cannot go on."""
+
+
+@dataclass
+class Change:
+    """One change of the quorum, as this worker saw it."""
+
+    step: int  # committed steps when the quorum formed (the next step is step + 1)
+    size: int
+    members: list[int]
+    joined: list[int]
+    left: list[int]
+    seconds: float  # from asking for the quorum to having it (a joiner: its state received too)
+    healed: bool  # this worker took a present worker's state at this quorum
+    at: float  # time.time() when the quorum formed
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "workers": self.size, "members": self.members, "joined": self.joined,
+                "left": self.left, "seconds": round(self.seconds, 4), "healed": self.healed,
+                "time": round(self.at, 3)}
+
+
+@dataclass
+class Tally:
+    """What the worker counts across membership changes."""
+
+    changes: list[Change] = field(default_factory=list)
+    committed: int = 0  # steps this worker committed
+    discarded: int = 0  # steps this worker ran and threw away (a collective failed, or too few workers)
+    heals: int = 0
+    present: list[list[int]] = field(default_factory=list)  # [first step, last step, workers]: runs of equal size
+
+    def count(self, step: int, workers: int) -> None:
+        if self.present and self.present[-1][2] == workers and self.present[-1][1] == step - 1:
+            self.present[-1][1] = step
+        else:
+            self.present.append([step, step, workers])
+
+
+def _gloo_group(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, remembering the quorum it was last configured for."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class QuorumGloo(ProcessGroupGloo):
+        quorum_id: int | None = None
+        members: list[int] = []
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: int | None = None, group_rank: int | None = None,
+                      group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+            self.quorum_id, self.members = quorum_id, list(global_ranks or [])
+
+    return QuorumGloo(timeout=timeout)
+
+
+class ElasticWorker:
+    """Worker ``replica`` (an integer, unique in the job) of an elastic job whose Lighthouse
+    is at ``lighthouse``, training ``model`` with ``optimizer`` and the method ``spec``.
+
+    ``min_workers``: no step commits with fewer workers present. ``timeout_s``: a collective,
+    a commit vote or a state transfer that takes longer fails (a stopped worker is dropped
+    this long after it stopped answering). ``wait_s``: how long :meth:`begin` waits for a
+    quorum before it raises :class:`QuorumLost`. ``extra_state``: a pair ``(get, set)`` of
+    the loop's own state to send to a joining worker. ``host``: the name the other workers
+    reach this one by (its store and its state server; loopback by default).
+    ``start_workers``: a fresh job (step 0) waits up to ``wait_s`` for this many workers
+    before its first step (default: ``min_workers``), so that it does not start with the
+    first few to arrive.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str, *, lighthouse: str,
+                 replica: int, min_workers: int, timeout_s: float = TIMEOUT_S, wait_s: float = WAIT_S,
+                 bucket_mb: float = 25.0, extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 host: str = "127.0.0.1", start_workers: int | None = None) -> None:
+        from thinwire.algorithms.registry import elastic_refusal, parse_spec, resolve_method
+        from thinwire.version import __version__
+
+        spec = resolve_method(spec)
+        why = elastic_refusal(spec)
+        if why is not None:
+            raise ValueError(f"{parse_spec(spec)[0]} cannot run elastic: {why}")
+        if replica < 0:
+            raise ValueError(f"a worker's replica number must be >= 0, got {replica}")
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {min_workers}")
+        os.environ.setdefault("RUST_LOG", "warn")
+        import torch.distributed as dist
+        from torchft.checkpointing import HTTPTransport
+        from torchft.manager import Manager
+
+        from thinwire.integrations.torchft_diloco import _quiet_flight_recorder
+
+        _quiet_flight_recorder()
+        # torchft reads a received state from a read-only buffer (the tensors are copied into place)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        self.model, self.optimizer, self.spec, self.replica = model, optimizer, spec, replica
+        self.min_workers, self.bucket_mb, self.extra_state = min_workers, bucket_mb, extra_state
+        described = json.dumps(entries(model.named_parameters()), separators=(",", ":"))
+        self.fingerprint = {"method": spec, "thinwire": __version__,
+                            "model": hashlib.sha256(described.encode()).hexdigest()[:16]}
+        self.tally = Tally()
+        self.method: Any = None
+        self.quorum_id: int | None = None
+        self.members: list[int] = []
+        self._taken: dict[str, Any] | None = None  # a present worker's method state, taken at a heal
+        self.incarnation = uuid.uuid4().hex[:12]  # this process: a worker restarted under its number is another
+        self.present: dict[int, str] = {}  # the last quorum's workers and their incarnations
+        self._healed = False
+        self._admitted = False  # took part in a committed step, or took a present worker's state
+        self._closed = False
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.pg = _gloo_group(timeout)
+        self.transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        self.transport._server.RequestHandlerClass.log_message = _silent  # one line per transfer on stderr otherwise
+        try:
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_workers,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=wait_s),
+                connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=self.store.port,
+                lighthouse_addr=url(lighthouse), replica_id=f"thinwire_{replica}", hostname=host, init_sync=True,
+                max_retries=None, checkpoint_transport=self.transport)
+        except BaseException:
+            self.transport.shutdown(wait=False)
+            raise
+        self.comm = QuorumComm(self.manager, self.pg)
+        self.wait_s = wait_s
+        self.start_workers = min_workers if start_workers is None else start_workers
+        self.gradient_sync = False
+
+    # -- the step ------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Steps committed by the job so far (torchft's step counter)."""
+        return int(self.manager.current_step())
+
+    @property
+    def workers(self) -> int:
+        """Workers in the current quorum."""
+        return self.comm.world_size
+
+    def begin(self) -> int:
+        """Join the quorum for the next step and return the steps committed so far (the step
+        to train is that + 1). A worker that joins or fell behind takes a present worker's
+        state here, before its forward pass; at a change of the quorum the method is built
+        again over it. Raises :class:`QuorumLost` when no quorum of ``min_workers`` forms
+        within ``wait_s``, and :class:`Refused` on a worker the job does not admit."""
+        t0 = time.perf_counter()
+        self._healed = False
+        self._quorum()
+        # a fresh job starts with start_workers present, or with those there after wait_s
+        while (self.step == 0 and self.manager.num_participants() < self.start_workers
+               and time.perf_counter() - t0 < self.wait_s):
+            time.sleep(0.05)
+            self._quorum()
+        if self.pg.quorum_id != self.quorum_id or self._healed or self.quorum_id is None:
+            self._new_quorum(time.perf_counter() - t0)
+        return self.step
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Refused:
+            raise
+        except Exception as e:
+            text = str(e).lower()
+            if "timeout" in text or "timed out" in text or "deadline" in text:
+                raise QuorumLost(f"no quorum of {self.min_workers} worker(s) formed within {self.wait_s:g} s") from None
+            raise
+
+    def _new_quorum(self, seconds: float) -> None:
+        from thinwire.algorithms.registry import build_method, is_gradient_codec
+
+        rank, size = self.manager.participating_rank(), self.manager.num_participants()
+        self.comm.reconfigure(0 if rank is None else int(rank), max(1, int(size)))
+        healed = self._healed
+        present = self._admit()
+        state = self._taken if self._taken is not None else (self.method.state_dict() if self.method else None)
+        self.gradient_sync = is_gradient_codec(self.spec)
+        self.quorum_id, self._taken = None, state  # until the method is set up over this quorum
+        if self.comm.broken:  # a peer left, or one not admitted is here: this step is discarded
+            return
+        try:
+            method = build_method(self.spec, self.model, self.optimizer, self.comm, bucket_mb=self.bucket_mb,
+                                  overlap=False)
+        except Exception:
+            if not self.comm.broken:
+                raise
+            return  # its set-up exchange failed (a peer left meanwhile): set up again at the next quorum
+        if state is not None:
+            method.load_state_dict(state)
+        if healed:
+            method.elastic_join()
+        if self.comm.broken:
+            return
+        self.method, self.quorum_id, self._taken = method, self.pg.quorum_id, None
+        if present is None:
+            return
+        joined = sorted(r for r, inc in present.items() if self.present.get(r) != inc)
+        left = sorted(r for r, inc in self.present.items() if present.get(r) != inc)
+        if joined or left or healed:
+            self.tally.changes.append(Change(
+                step=self.step, size=self.comm.world_size, members=sorted(present), joined=joined, left=left,
+                seconds=seconds, healed=healed, at=time.time()))
+        self.present, self.members = present, sorted(present)
+
+    def commit(self, loss: torch.Tensor | float | None = None, step: Callable[[], None] | None = None) -> bool:
+        """After ``loss.backward()``: average through the method, step the optimizer (``step``,
+        default ``optimizer.step()``; a loop's learning-rate schedule goes in it), and vote.
+        Returns whether the step was committed; a step that was not is undone on this worker
+        (the gradients are zeroed either way)."""
+        step_fn = step if step is not None else self.optimizer.step
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if self.quorum_id is None:  # the quorum's set-up failed at begin(): nothing to average, vote no
+            if not self.comm.broken:
+                self.manager.report_error(RuntimeError("the method was not set up over this quorum"))
+            self.manager.should_commit()
+            self.tally.discarded += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            return False
+        snapshot = self._snapshot()
+        if self.gradient_sync:  # the collectives end in after_backward: vote before anything is stepped
+            self.method.after_backward(loss)
+            ok = bool(self.manager.should_commit())
+            if ok:
+                step_fn()
+                self.method.after_step()
+        else:  # the method syncs after the optimizer's step: vote after it, undo if it fails
+            self.method.after_backward(loss)
+            step_fn()
+            self.method.after_step()
+            ok = bool(self.manager.should_commit())
+        if ok:
+            self.tally.committed += 1
+            self.tally.count(self.step, self.comm.world_size)
+            self._admitted = True
+        else:
+            self._restore(snapshot)
+            self.tally.discarded += 1
+            self.quorum_id = None  # set the method up again at the next quorum, whatever it is
+            self._taken = snapshot["method"]
+        self.optimizer.zero_grad(set_to_none=False)
+        return ok
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Start from a saved state (a checkpoint of this worker's: ``model``, ``optimizer``,
+        ``method``, and ``manager``, torchft's step counter), before the first :meth:`begin`.
+        Where the job is further on, the first quorum brings this worker up to it."""
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.manager.load_state_dict(state["manager"])
+        self._taken = state["method"]
+
+    # -- undo ----------------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        snap: dict[str, Any] = {"method": copy.deepcopy(self.method.state_dict())}
+        if not self.gradient_sync:
+            snap["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            snap["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        return snap
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        if "model" in snap:
+            self.model.load_state_dict(snap["model"])
+            self.optimizer.load_state_dict(snap["optimizer"])
+        self.method.load_state_dict(copy.deepcopy(snap["method"]))
+
+    # -- state sent to a joining worker ----------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        method = self._taken if self._taken is not None or self.method is None else self.method.state_dict()
+        return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "method": method,
+                "extra": self.extra_state[0]() if self.extra_state is not None else None}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._check(state["fingerprint"])
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._taken = state["method"]
+        if self.extra_state is not None and state.get("extra") is not None:
+            self.extra_state[1](state["extra"])
+        self._healed = self._admitted = True
+        self.tally.heals += 1
+
+    def _check(self, theirs: dict[str, Any]) -> None:
+        mine = self.fingerprint
+        for key, what in (("thinwire", "thinwire version"), ("method", "method"), ("model", "model's parameters")):
+            if theirs.get(key) != mine.get(key):
+                if key == "model":
+                    raise Refused(f"worker {self.replica} is refused: its model's parameters (names, shapes or "
+                                  "dtypes) differ from the running job's")
+                raise Refused(f"worker {self.replica} is refused: its {what} {mine.get(key)!r} differs from the "
+                              f"running job's {theirs.get(key)!r}")
+
+    def _admit(self) -> dict[int, str] | None:
+        """Every worker of the new quorum shows its fingerprint; one that differs from the job's
+        (the admitted workers', else the most common) is refused, the others discard the step.
+        Returns the quorum's workers and their incarnations (None: the exchange failed)."""
+        if self.comm.world_size == 1:
+            return {self.replica: self.incarnation}
+        mine = json.dumps({**self.fingerprint, "admitted": self._admitted, "replica": self.replica,
+                           "incarnation": self.incarnation}).encode()
+        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+        buf[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+        every = torch.zeros(self.comm.world_size, TEXT_BYTES, dtype=torch.uint8)
+        with self.comm.meter.paused():
+            self.comm.all_gather(buf, every)
+        if self.comm.broken:
+            return None
+        shown = [json.loads(bytes(row.tolist()).rstrip(b"\0").decode()) for row in every]
+        keys = [json.dumps({k: s[k] for k in ("method", "thinwire", "model")}, sort_keys=True) for s in shown]
+        admitted = [k for k, s in zip(keys, shown, strict=True) if s["admitted"]]
+        reference = admitted[0] if admitted else max(keys, key=lambda k: (keys.count(k), -keys.index(k)))
+        if keys[self.comm.rank] != reference:
+            self._check(json.loads(reference))
+        elif any(k != reference for k in keys):
+            self.manager.report_error(RuntimeError("a worker the job does not admit is in the quorum"))
+        return {int(s["replica"]): str(s["incarnation"]) for s in shown}
+
+    # -- the end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop this worker's manager, state server, store and group (the others go on)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.shutdown(wait=False)
+        # torchft's state server stops within its 0.5 s poll: off the caller's clock
+        threading.Thread(target=self.transport.shutdown, name="thinwire-elastic-close", daemon=True).start()
+        self.pg.shutdown()
+
+
+def _silent(*args: Any) -> None:
+    """No log line for a state transfer (torchft's server writes one per request)."""

@@ -1,0 +1,323 @@
+"""``thinwire train --elastic``: a bundled task (or a user's) trained by workers that may leave and join.
+
+Each worker is one process, one torchft replica group of one rank
+(:class:`~thinwire.elastic.worker.ElasticWorker`). :func:`launch_elastic` runs a job on this
+machine: a Lighthouse inside the launcher, ``--workers`` worker processes, the run going on
+when one of them ends; given ``--lighthouse``, it runs the one worker ``--replica`` in this
+process instead (a job over several machines, or a worker added to a running job by hand).
+
+What a worker writes into its ``--out`` (a local job: ``OUT/worker-K``): ``metrics.jsonl``
+(an evaluation record every ``--eval-every`` committed steps, with ``workers``, the quorum's
+size, which TensorBoard shows as ``thinwire/workers``; and a record ``{"event": "quorum",
+...}`` at every change of the quorum: the step, who left, who joined, the seconds it took,
+whether this worker took a present worker's state), ``summary.json`` (``elastic``: the
+changes, steps committed and discarded, heals, and the workers present per step as runs
+``[first, last, workers]``) and, with ``--checkpoint-every``, its checkpoints. A local job's
+launcher writes ``OUT/summary.json``: every worker's summary and exit status.
+
+The data position is the step: worker ``K`` trains on the batch stream of rank ``K`` of
+``--workers``, from batch ``step`` on, so a step tried again after a failed vote takes the
+same batch and a worker that joins takes the batch of the step the job is at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from thinwire.run import checkpoint, outdir
+from thinwire.run.config import TrainConfig
+from thinwire.run.metrics import MetricsWriter, finite, write_json_atomic
+
+Report = Callable[..., None]
+EXIT_QUORUM_LOST = 3  # a worker that gave up waiting for --min-workers exits with this
+
+
+def worker_out(out: str | None, replica: int) -> str | None:
+    """A local job's folder for worker ``replica``."""
+    return None if out is None else os.path.join(out, f"worker-{replica}")
+
+
+# -- one worker ------------------------------------------------------------------------------------
+def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | None, report: Report | None = None,
+               resume: str | None = None, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Train as worker ``replica`` of the elastic job whose Lighthouse is at ``lighthouse``
+    until the job has committed ``cfg.steps`` steps; returns this worker's summary (also
+    written to ``out``). ``resume``: a checkpoint (or a worker folder) of this worker's to
+    start from; the job's newest state still wins (a worker behind it takes it from a peer)."""
+    from thinwire.elastic.worker import ElasticWorker, QuorumLost
+    from thinwire.optim import schedule
+    from thinwire.run.trainer import build_optimizer, environment, utc_now
+    from thinwire.tasks import get as get_task
+    from thinwire.version import __version__
+
+    assert cfg.steps is not None and cfg.eval_every is not None and cfg.lr is not None and cfg.optimizer is not None
+    assert cfg.batch_size is not None
+    steps, batch_size = cfg.steps, cfg.batch_size
+    started = utc_now()
+    task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+    model = task.build_model().to(device)
+    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), cfg.lr, task.defaults.weight_decay,
+                                model=model, muon_lr=cfg.muon_lr)
+    window = [0.0, 0]  # training losses since the last record: sum, count
+
+    worker = ElasticWorker(model, optimizer, cfg.method, lighthouse=lighthouse, replica=replica,
+                           min_workers=int(cfg.min_workers or 1), timeout_s=cfg.elastic_timeout,
+                           wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb)
+    status, failure, last_eval = "ok", None, {}
+    writer = MetricsWriter(out, tensorboard=bool(cfg.tensorboard)) if out else None
+    seen_changes = 0
+    t_start = time.perf_counter()
+    first_commit: float | None = None
+    try:
+        if resume:
+            _load(worker, resume, device)
+        batches, at = None, -1
+        while True:
+            try:
+                done = worker.begin()
+            except QuorumLost as e:
+                status, failure = "stopped", f"{e}; the job's last committed state is step {worker.step}"
+                break
+            seen_changes = _log_changes(worker, writer, report, replica, seen_changes)
+            if done >= cfg.steps:
+                break
+            if at != done or batches is None:  # a heal moved the step, or a failed vote left it: the step's batch
+                batches, at = task.train_batches(replica, cfg.workers, batch_size, start=done), done
+            x, y = (t.to(device, non_blocking=True) for t in next(batches))
+            at += 1
+            loss = task.loss(model(x), y)
+            loss.backward()
+
+            def step_fn(done: int = done) -> None:
+                if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+                    schedule.apply(optimizer, schedule.factor(done, steps, cfg.lr_schedule, cfg.warmup_steps,
+                                                              cfg.min_lr))
+                optimizer.step()
+
+            if not worker.commit(loss, step_fn):
+                at = -1
+                continue
+            if first_commit is None:
+                first_commit = time.perf_counter() - t_start
+            step = worker.step
+            value = loss.item()
+            if math.isfinite(value):
+                window[0] += value
+                window[1] += 1
+            if report is not None:
+                report("step", replica=replica, step=step, loss=value, workers=worker.workers)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last_eval = _evaluate(task, model, worker, value, window, step, cfg, t_start, optimizer)
+                window = [0.0, 0]
+                if writer is not None:
+                    writer.write(last_eval)
+                if report is not None:
+                    report("eval", replica=replica, **last_eval)
+            if out and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                _save(worker, out, cfg, window)
+        if status == "stopped" and out and cfg.checkpoint_every and worker.step > 0:
+            _save(worker, out, cfg, window)  # the last committed state, for a resume of the whole job
+    finally:
+        worker.close()
+    summary = finite({
+        "status": status, "failure": failure, "task": cfg.task, "method": cfg.method, "replica": replica,
+        "workers": cfg.workers, "min_workers": cfg.min_workers, "steps": cfg.steps, "committed_step": worker.step,
+        "seed": cfg.seed, "lr": cfg.lr, "optimizer": cfg.optimizer, "final": last_eval,
+        "elastic": {"changes": [c.record() for c in worker.tally.changes], "committed": worker.tally.committed,
+                    "discarded": worker.tally.discarded, "heals": worker.tally.heals,
+                    "present": worker.tally.present, "seconds_to_first_commit": first_commit,
+                    "timeout_seconds": cfg.elastic_timeout, "wait_seconds": cfg.elastic_wait},
+        "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
+        "wall_seconds": time.perf_counter() - t_start, "started_at": started, "ended_at": utc_now(),
+        "thinwire_version": __version__, "config": _config_record(cfg), **environment(device),
+    })
+    if writer is not None:
+        writer.write_summary(summary)
+        writer.close()
+    return summary
+
+
+def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, window: list, step: int,
+              cfg: TrainConfig, t_start: float, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    record: dict[str, Any] = {"step": step, "train_loss": value,
+                              "train_loss_mean": window[0] / window[1] if window[1] else None}
+    if cfg.evaluate:
+        record.update({f"test_{k}": v for k, v in task.evaluate(model).items()})
+    record.update(worker.method.stats())
+    t = worker.tally
+    record.update(workers=worker.workers, quorum_changes=len(t.changes), discarded_steps=t.discarded, heals=t.heals,
+                  bytes_sent=worker.comm.meter.bytes_sent, messages=worker.comm.meter.messages,
+                  elapsed_seconds=time.perf_counter() - t_start, lr=optimizer.param_groups[0]["lr"])
+    return record
+
+
+def _log_changes(worker: Any, writer: MetricsWriter | None, report: Report | None, replica: int, seen: int) -> int:
+    for change in worker.tally.changes[seen:]:
+        record = {"event": "quorum", **change.record()}
+        if writer is not None:
+            writer.write_event(record)
+        if report is not None:
+            report("quorum", replica=replica, **change.record())
+    return len(worker.tally.changes)
+
+
+def _config_record(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("policy_rules",)}
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def _save(worker: Any, out: str, cfg: TrainConfig, window: list) -> None:
+    """This worker's state at its last committed step: ``OUT/checkpoints/step-N/rank-0.pt``."""
+    step = worker.step
+    state = {"format": checkpoint.FORMAT, "rank": 0, "step": step, "model": worker.model.state_dict(),
+             "optimizer": worker.optimizer.state_dict(), "method": worker.method.state_dict(),
+             "manager": worker.manager.state_dict(), "window": list(window)}
+    checkpoint.prepare(out, step)
+    record = checkpoint.write_rank(out, step, 0, state)
+    checkpoint.commit(out, step, {"world_size": 1, "task": cfg.task, "method": cfg.method, "seed": cfg.seed,
+                                  "task_options": dict(cfg.task_options), "config": finite(_config_record(cfg)),
+                                  "elastic": {"replica": worker.replica, "workers": cfg.workers}},
+                      {"rank-0.pt": record})
+
+
+def _load(worker: Any, path: str, device: torch.device | str) -> None:
+    """Start from this worker's checkpoint: model, optimizer, the method's state and the step."""
+    d = checkpoint.locate(path)
+    meta = checkpoint.read_meta(d)
+    if meta.get("method") != worker.spec:
+        raise ValueError(f"--resume {path}: its method is {meta.get('method')!r}, this run's {worker.spec!r}")
+    worker.restore(checkpoint.load_rank(d, 0, map_location=device, meta=meta))
+
+
+# -- a local job ----------------------------------------------------------------------------------------
+def launch_elastic(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Run the elastic job ``cfg`` describes: one worker here (``cfg.lighthouse`` given), or
+    a Lighthouse and ``cfg.workers`` worker processes on this machine. Returns the summary:
+    the worker's, or for a local job every worker's with its exit status."""
+    if cfg.lighthouse is not None:
+        replica = cfg.replica if cfg.replica is not None else int(os.environ.get("RANK", "0"))
+        from thinwire.elastic.lighthouse import check_reachable
+
+        check_reachable(cfg.lighthouse, cfg.elastic_timeout)
+        torch.set_num_threads(cfg.threads or torch.get_num_threads())
+        return run_worker(cfg, replica=replica, lighthouse=cfg.lighthouse, out=cfg.out,
+                          report=_Printer(show_progress).report, resume=cfg.resume and _own_resume(cfg.resume, replica))
+    return _local_job(cfg, show_progress)
+
+
+def _own_resume(path: str, replica: int) -> str:
+    """A local job's folder holds a folder per worker: resume a worker from its own."""
+    own = Path(path) / f"worker-{replica}"
+    return str(own) if own.is_dir() else path
+
+
+def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from thinwire.elastic.lighthouse import serve
+
+    lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+    if cfg.out:
+        for r in range(cfg.workers):
+            outdir.mkdir(cfg.out, f"worker-{r}")
+    procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, q, threads), daemon=False)
+             for r in range(cfg.workers)]
+    printer = _Printer(show_progress)
+    summaries: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        live = set(range(cfg.workers))
+        while live:
+            try:
+                kind, fields = q.get(timeout=0.5)
+            except Exception:  # noqa: BLE001  (queue.Empty: look at the processes)
+                kind, fields = "", {}
+            if kind == "done":
+                summaries[fields["replica"]] = fields["summary"]
+            elif kind == "error":
+                errors[fields["replica"]] = fields["error"]
+            elif kind:
+                printer.report(kind, **fields)
+            for r in sorted(live):
+                if not procs[r].is_alive() and (r in summaries or r in errors or procs[r].exitcode not in (0, None)):
+                    procs[r].join()
+                    live.discard(r)
+                    if procs[r].exitcode != 0:
+                        why = errors.get(r) or f"exit {procs[r].exitcode}"
+                        printer.line(f"thinwire: worker {r} ended ({why}); the others go on")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=5)
+        lighthouse.shutdown()
+    printer.close()
+    summary = {"elastic": True, "lighthouse": lighthouse.address, "workers": {
+        str(r): {"exit": procs[r].exitcode, "error": errors.get(r), "summary": summaries.get(r)}
+        for r in range(cfg.workers)}}
+    if cfg.out:
+        outdir.claim(cfg.out, "summary.json", "summary.json.tmp")
+        write_json_atomic(os.path.join(cfg.out, "summary.json"), finite(summary))
+    return summary
+
+
+def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, threads: int) -> None:
+    torch.set_num_threads(threads)
+
+    def report(kind: str, **fields: Any) -> None:
+        q.put((kind, fields))
+
+    try:
+        out = worker_out(cfg.out, replica)
+        with outdir.hold(out):
+            summary = run_worker(cfg, replica=replica, lighthouse=lighthouse, out=out, report=report,
+                                 resume=worker_out(cfg.resume, replica) if cfg.resume else None)
+        q.put(("done", {"replica": replica, "summary": summary}))
+        if summary["status"] != "ok":
+            sys.exit(EXIT_QUORUM_LOST)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001  (one line to the launcher; the others go on)
+        first = str(e).splitlines()[0] if str(e) else ""
+        q.put(("error", {"replica": replica, "error": f"{type(e).__name__}: {first}"}))
+        sys.exit(1)
+
+
+class _Printer:
+    """Progress of an elastic job: a line per quorum change and per evaluation (stderr)."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+
+    def line(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def report(self, kind: str, **f: Any) -> None:
+        if not self.show:
+            return
+        if kind == "quorum":
+            what = ", ".join(part for part in (f"joined {f['joined']}" if f["joined"] else "",
+                                               f"left {f['left']}" if f["left"] else "") if part)
+            self.line(f"[worker {f['replica']}] step {f['step']}: quorum of {f['workers']} {f['members']}"
+                      f"{': ' + what if what else ''} ({f['seconds']:.2f} s{', took state' if f['healed'] else ''})")
+        elif kind == "eval":
+            loss = f.get("test_loss")
+            self.line(f"[worker {f['replica']}] step {f['step']}: train loss {f['train_loss']:.4f}"
+                      + (f", test loss {loss:.4f}" if loss is not None else "") + f", {f['workers']} worker(s)")
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,98 @@
+"""Elastic training on torchft's Lighthouse and Manager (CPU, gloo, spawned workers, a Lighthouse
+in the test's process): a worker killed in the middle of a step, one that joins, the per-method
+rules, the record of quorum changes, admission and a job left with too few workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_job import HEARTBEAT_S, Job
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_a_worker_killed_mid_step_leaves_the_survivors_equal_to_a_run_of_them_alone_from_that_step():
+    # powersgd: error feedback and Q. The failed step must leave both as they were, so the run
+    # that lost worker 2 mid-step 6 (its peers' collective failed, the step was discarded and
+    # tried again without it) ends bit for bit where the run whose worker 2 left after step 5 ends
+    runs = {}
+    for name, plan in (("killed", {"die_at": 6}), ("left", {"leave_after": 5})):
+        job = Job()
+        try:
+            for r in range(3):
+                job.start(r, "powersgd:rank=2,min_numel=0", 12, start_workers=3, **(plan if r == 2 else {}))
+            runs[name] = job.results(3 if name == "left" else 2)
+        finally:
+            job.close()
+    killed, left = runs["killed"], runs["left"]
+    assert killed[0]["step"] == killed[1]["step"] == 12
+    assert killed[0]["model"] == killed[1]["model"] == left[0]["model"] == left[1]["model"]
+    assert killed[0]["shared"] == killed[1]["shared"] == left[0]["shared"]
+    assert killed[0]["discarded"] >= 1 and left[0]["discarded"] == 0
+    # the quorum changes on record: worker 2 left at step 5, the survivors went on as two
+    lost = [c for c in killed[0]["changes"] if c["left"]]
+    assert lost and lost[0]["left"] == [2] and lost[0]["step"] == 5 and lost[0]["workers"] == 2
+    assert killed[0]["present"][-1] == [6, 12, 2]
+
+
+def test_a_worker_that_joins_takes_a_peers_state_bit_for_bit_and_the_job_ends_identical():
+    job = Job()
+    try:
+        for r in range(2):
+            job.start(r, "topk:ratio=0.1,min_numel=0", 200, pace=0.02)
+        job.start(2, "topk:ratio=0.1,min_numel=0", 200, pace=0.02, join_after=1.5)
+        res = job.results(3)
+    finally:
+        job.close()
+    assert {r["step"] for r in res.values()} == {200}
+    assert res[0]["model"] == res[1]["model"] == res[2]["model"]
+    assert res[0]["optimizer"] == res[1]["optimizer"] == res[2]["optimizer"]  # momentum buffers taken
+    assert res[0]["shared"] == res[1]["shared"] == res[2]["shared"]
+    joined = res[2]["changes"][0]
+    assert joined["healed"] and res[2]["heals"] == 1 and joined["workers"] == 3
+    seen = [c for c in res[0]["changes"] if c["joined"] == [2]]
+    assert seen and seen[0]["step"] == joined["step"] and not seen[0]["healed"]
+    # every committed step of the joiner's ran with three workers
+    assert all(w == 3 for _, _, w in res[2]["present"])
+
+
+def test_diloco_a_joiner_starts_from_the_global_model_and_every_worker_ends_on_it():
+    job = Job()
+    try:
+        for r in range(2):
+            job.start(r, "diloco:period=8", 200, pace=0.02)
+        job.start(2, "diloco:period=8", 200, pace=0.02, check_join=True, join_after=1.5)
+        res = job.results(3)
+    finally:
+        job.close()
+    assert res[2]["joins"] == [True]  # its model was θ, not the peer's weights within the round
+    assert res[0]["model"] == res[1]["model"] == res[2]["model"]  # 200 = 25 rounds: every worker ends on θ
+    assert res[0]["shared"] == res[1]["shared"] == res[2]["shared"]
+
+
+def test_a_worker_of_another_method_is_refused_by_name_and_the_job_goes_on():
+    job = Job()
+    try:
+        for r in range(2):
+            job.start(r, "identity", 200, pace=0.02)
+        job.start(2, "bf16", 200, join_after=1.5)
+        res = job.results(3)
+    finally:
+        job.close()
+    assert res[2]["error"].startswith("Refused: worker 2 is refused: its method 'bf16:")
+    assert "the running job's 'identity:" in res[2]["error"]
+    assert res[0]["step"] == res[1]["step"] == 200 and res[0]["model"] == res[1]["model"]
+
+
+def test_too_few_workers_left_waits_its_stated_time_then_stops():
+    job = Job()
+    try:
+        job.start(0, "identity", 100, wait_s=3.0)
+        job.start(1, "identity", 100, leave_after=10)
+        res = job.results(2)
+    finally:
+        job.close()
+    assert res[1]["step"] == 10
+    assert "QuorumLost" in res[0]["error"] and "within 3 s" in res[0]["error"]
+    assert res[0]["step"] == 10  # its last committed state
+    assert res[0]["seconds"] < 3.0 + HEARTBEAT_S + 30  # the wait, not a hang

@@ -1,0 +1,133 @@
+"""Workers of small elastic jobs for the tests: spawned processes around one in-process Lighthouse."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+HEARTBEAT_S = 1.0  # the tests' Lighthouse drops a silent worker after this long
+TIMEOUT_S = 3.0  # a collective with a dead peer fails within this
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 4))
+
+
+def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``replica``'s batch of ``step`` (1-based): a pure function of the two."""
+    g = torch.Generator().manual_seed(7919 * replica + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def digest(tensors: Any) -> str:
+    """SHA-256 of every tensor in a nested structure, in order."""
+    h = hashlib.sha256()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            h.update(o.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+
+    walk(tensors)
+    return h.hexdigest()
+
+
+def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict[str, Any]) -> None:
+    """Train to ``steps``; ``plan``: ``die_at`` (SIGKILL itself after that step's backward,
+    before its vote), ``leave_after`` (close after committing that step), ``min_workers``,
+    ``wait_s``, ``check_join`` (on a heal, report whether the model is the method's global one),
+    ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step)."""
+    from thinwire.elastic import ElasticWorker, QuorumLost, Refused
+
+    time.sleep(plan.get("join_after", 0.0))
+
+    torch.set_num_threads(1)
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    started = time.time()
+    try:
+        w = ElasticWorker(net, opt, spec, lighthouse=address, replica=replica,
+                          min_workers=plan.get("min_workers", 2), timeout_s=TIMEOUT_S,
+                          wait_s=plan.get("wait_s", 30.0), start_workers=plan.get("start_workers", 2))
+    except Exception as e:  # noqa: BLE001
+        q.put({"replica": replica, "error": f"{type(e).__name__}: {e}"})
+        return
+    out: dict[str, Any] = {"replica": replica, "joins": []}
+    try:
+        while w.step < steps:
+            done = w.begin()
+            if w.tally.changes and w.tally.changes[-1].healed and plan.get("check_join") and not out["joins"]:
+                theta = getattr(w.method, "outer_params", None)
+                out["joins"].append(theta is not None and all(
+                    torch.equal(t, p) for t, p in zip(theta, w.method.state.params, strict=True)))
+            if done >= steps:
+                break
+            x, y = batch(replica, done + 1)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            time.sleep(plan.get("pace", 0.0))
+            if plan.get("die_at") == done + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            w.commit(loss)
+            if plan.get("leave_after") == w.step:
+                break
+    except (QuorumLost, Refused) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.time() - started
+    out.update(step=w.step, model=digest(list(net.parameters())), optimizer=digest(opt.state_dict()["state"]),
+               shared=digest(shared_state(w.method)), changes=[c.record() for c in w.tally.changes],
+               discarded=w.tally.discarded, committed=w.tally.committed, heals=w.tally.heals,
+               present=w.tally.present)
+    w.close()
+    q.put(out)
+
+
+def shared_state(method: Any) -> Any:
+    """The part of a method's state every worker holds alike (not a worker's own residuals)."""
+    state = method.state_dict() if method is not None else {}
+    return {k: state[k] for k in ("step", "codec_states", "outer_params", "outer") if k in state}
+
+
+class Job:
+    """A Lighthouse here and workers in spawned processes; :meth:`results` by replica."""
+
+    def __init__(self, min_workers: int = 2) -> None:
+        from thinwire.elastic import serve
+
+        self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=HEARTBEAT_S)
+        self.ctx = mp.get_context("spawn")
+        self.q = self.ctx.Queue()
+        self.procs: list[Any] = []
+
+    def start(self, replica: int, spec: str, steps: int, **plan: Any) -> Any:
+        p = self.ctx.Process(target=worker, args=(replica, self.lighthouse.address, spec, steps, self.q, plan))
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def results(self, count: int, timeout: float = 120.0) -> dict[int, dict[str, Any]]:
+        got = [self.q.get(timeout=timeout) for _ in range(count)]
+        return {r["replica"]: r for r in got}
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.lighthouse.shutdown()
