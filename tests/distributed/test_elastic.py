@@ -96,3 +96,40 @@ def test_too_few_workers_left_waits_its_stated_time_then_stops():
     assert "QuorumLost" in res[0]["error"] and "within 3 s" in res[0]["error"]
     assert res[0]["step"] == 10  # its last committed state
     assert res[0]["seconds"] < 3.0 + HEARTBEAT_S + 30  # the wait, not a hang
+
+
+def _read(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exactly(tmp_path):
+    import json
+
+    from thinwire.cli import main
+
+    common = ["train", "--elastic", "--workers", "2", "--min-workers", "1", "--method", "powersgd", "--quiet",
+              "--eval-every", "10", "--elastic-timeout", "3"]
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    assert main([*common, "--steps", "40", "--out", str(straight)]) == 0
+    assert main([*common, "--steps", "30", "--out", str(first), "--checkpoint-every", "10"]) == 0
+    job = json.loads((first / "summary.json").read_text())
+    workers = job["workers"]
+    assert sorted(workers) == ["0", "1"] and all(w["exit"] == 0 for w in workers.values())
+    s0, s1 = workers["0"]["summary"], workers["1"]["summary"]
+    assert s0["status"] == s1["status"] == "ok" and s0["model_sha256"] == s1["model_sha256"]
+    assert s0["elastic"]["present"] == [[1, 30, 2]] and s0["elastic"]["discarded"] == 0
+    records = _read(first / "worker-0" / "metrics.jsonl")
+    evals = [r for r in records if "event" not in r]
+    assert [r["step"] for r in evals] == [10, 20, 30] and all(r["workers"] == 2 for r in evals)
+    quorum = [r for r in records if r.get("event") == "quorum"]
+    assert quorum and quorum[0]["members"] == [0, 1] and quorum[0]["workers"] == 2
+    assert json.loads((first / "worker-1" / "checkpoints" / "latest.json").read_text())["step"] == 30
+    # the whole job stopped and resumed from its checkpoints ends where the straight run ends
+    assert main([*common, "--steps", "40", "--resume", str(first), "--out", str(resumed)]) == 0
+    again = json.loads((resumed / "summary.json").read_text())["workers"]
+    ref = json.loads((straight / "summary.json").read_text())["workers"]
+    assert again["0"]["summary"]["model_sha256"] == ref["0"]["summary"]["model_sha256"]
+    assert again["1"]["summary"]["model_sha256"] == ref["1"]["summary"]["model_sha256"]
+    assert again["0"]["summary"]["final"]["test_loss"] == ref["0"]["summary"]["final"]["test_loss"]

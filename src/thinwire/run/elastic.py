@@ -12,7 +12,8 @@ size, which TensorBoard shows as ``thinwire/workers``; and a record ``{"event": 
 ...}`` at every change of the quorum: the step, who left, who joined, the seconds it took,
 whether this worker took a present worker's state), ``summary.json`` (``elastic``: the
 changes, steps committed and discarded, heals, and the workers present per step as runs
-``[first, last, workers]``) and, with ``--checkpoint-every``, its checkpoints. A local job's
+``[first, last, workers]``, and ``model_sha256``, the final model's digest) and, with
+``--checkpoint-every``, its checkpoints. A local job's
 launcher writes ``OUT/summary.json``: every worker's summary and exit status.
 
 The data position is the step: worker ``K`` trains on the batch stream of rank ``K`` of
@@ -71,7 +72,7 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
 
     worker = ElasticWorker(model, optimizer, cfg.method, lighthouse=lighthouse, replica=replica,
                            min_workers=int(cfg.min_workers or 1), timeout_s=cfg.elastic_timeout,
-                           wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb)
+                           wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb, start_workers=cfg.workers)
     status, failure, last_eval = "ok", None, {}
     writer = MetricsWriter(out, tensorboard=bool(cfg.tensorboard)) if out else None
     seen_changes = 0
@@ -137,6 +138,7 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
                     "present": worker.tally.present, "seconds_to_first_commit": first_commit,
                     "timeout_seconds": cfg.elastic_timeout, "wait_seconds": cfg.elastic_wait},
         "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
+        "model_sha256": _model_digest(model),
         "wall_seconds": time.perf_counter() - t_start, "started_at": started, "ended_at": utc_now(),
         "thinwire_version": __version__, "config": _config_record(cfg), **environment(device),
     })
@@ -168,6 +170,18 @@ def _log_changes(worker: Any, writer: MetricsWriter | None, report: Report | Non
         if report is not None:
             report("quorum", replica=replica, **change.record())
     return len(worker.tally.changes)
+
+
+def _model_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's state, tensor by tensor in order: equal on two workers exactly
+    when their models are equal bit for bit."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _config_record(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""``thinwire train --elastic`` and ``thinwire lighthouse``: what is refused, in one line, exit 2,
+before anything starts; which methods run elastic and why the others do not."""
+
+from __future__ import annotations
+
+import pytest
+from clicheck import refused
+from spawn import free_port
+
+from thinwire.algorithms.registry import elastic_refusal, resolve_method
+
+
+@pytest.mark.parametrize("spec", ["identity", "powersgd", "topk:ratio=0.01", "qsgd", "randomk", "hylo", "localsgd",
+                                  "diloco", "sparseloco", "streaming-diloco:delay=0"])
+def test_these_run_elastic(spec):
+    assert elastic_refusal(resolve_method(spec)) is None
+
+
+@pytest.mark.parametrize(("spec", "why"), [
+    ("dpsgd", "graph of neighbours"), ("powergossip", "graph of neighbours"),
+    ("dasgd", "in flight for delay steps"), ("streaming-diloco", "delay=1 keeps a fragment's average in flight"),
+    ("demo", "holds the communicator"), ("ab", "fixed by rank"), ("torch-ddp", "fixed size"),
+    ("torch-diloco", "torchft Manager of its own"), ("peer-demo", "fixed size")])
+def test_these_are_refused_by_name_with_the_reason(spec, why):
+    assert why in elastic_refusal(resolve_method(spec))
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--method", "dpsgd"], ("--elastic: dpsgd cannot run elastic", "graph of neighbours")),
+    (["--min-workers", "0"], ("--min-workers must be in 1..2",)),
+    (["--min-workers", "3"], ("--min-workers must be in 1..2",)),
+    (["--replica", "1"], ("--replica needs --lighthouse",)),
+    (["--lighthouse", "127.0.0.1:1", "--replica", "2"], ("--replica must be in 0..1",)),
+    (["--elastic-timeout", "0"], ("--elastic-timeout must be",)),
+    (["--elastic-wait", "-1"], ("--elastic-wait must be",)),
+    (["--ranks-per-node", "2"], ("--elastic does not take --ranks-per-node",)),
+    (["--link", "1gbit,50us"], ("--elastic does not take --link",)),
+    (["--lighthouse", "nowhere"], ("an address must be HOST:PORT",)),
+])
+def test_bad_elastic_options_are_one_line(capsys, argv, needles):
+    refused(capsys, ["train", "--elastic", "--workers", "2", "--steps", "5", *argv], *needles)
+
+
+def test_elastic_options_without_elastic_are_refused(capsys):
+    refused(capsys, ["train", "--min-workers", "2", "--steps", "5"], "--min-workers needs --elastic")
+    refused(capsys, ["train", "--lighthouse", "127.0.0.1:29510", "--steps", "5"], "--lighthouse needs --elastic")
+
+
+def test_a_lighthouse_that_does_not_answer_is_named_within_the_timeout(capsys):
+    import time
+
+    port = free_port()  # nothing listens there
+    t0 = time.perf_counter()
+    refused(capsys, ["train", "--elastic", "--workers", "2", "--steps", "5", "--lighthouse", f"127.0.0.1:{port}",
+                     "--replica", "0", "--elastic-timeout", "2"], f"no Lighthouse answers at 127.0.0.1:{port}")
+    assert time.perf_counter() - t0 < 10
+
+
+def test_the_lighthouse_command_refuses_a_bad_address_and_minimum(capsys):
+    refused(capsys, ["lighthouse", "--min-workers", "0"], "--min-workers must be >= 1")
+    refused(capsys, ["lighthouse", "--min-workers", "2", "--bind", "localhost"], "an address must be HOST:PORT")
