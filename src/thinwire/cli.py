@@ -111,7 +111,7 @@ def _train_parser(sub: Any) -> None:
                    help="this worker's number with --lighthouse, 0..workers-1: its data shard (default: $RANK, else 0)")
     e.add_argument("--elastic-timeout", type=float, metavar="S",
                    help="a collective, commit vote or state transfer taking longer fails and the step is discarded; "
-                   "a silent worker is dropped after this long (default: 5)")
+                   "a silent worker is dropped after this long (default: 4)")
     e.add_argument("--elastic-wait", type=float, metavar="S",
                    help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
     _max_workers_option(t)
@@ -128,8 +128,9 @@ def _lighthouse_parser(sub: Any) -> None:
     h.add_argument("--bind", default="127.0.0.1:29510", metavar="HOST:PORT",
                    help="where to listen (default: 127.0.0.1:29510, this machine only; 0.0.0.0:29510 for every "
                    "interface)")
-    h.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
-                   help="a worker silent this long is left out of the next quorum (default: 5)")
+    h.add_argument("--heartbeat-timeout", type=float, default=4.0, metavar="S",
+                   help="a worker silent this long is left out of the next quorum (default: 4; give the workers' "
+                   "--elastic-timeout the same)")
 
 
 def _tasks() -> dict[str, Any]:

@@ -4,9 +4,9 @@ before anything starts; which methods run elastic and why the others do not."""
 from __future__ import annotations
 
 import pytest
+
 from clicheck import refused
 from spawn import free_port
-
 from thinwire.algorithms.registry import elastic_refusal, resolve_method
 
 

@@ -22,8 +22,8 @@ from typing import Any
 from thinwire.knobs import require
 
 LOCAL = "127.0.0.1"
-HEARTBEAT_TIMEOUT_S = 5.0  # a worker silent this long is left out of the next quorum
-JOIN_TIMEOUT_S = 5.0  # how long a forming quorum waits for more workers once it could form without them
+HEARTBEAT_TIMEOUT_S = 4.0  # a worker silent this long is left out of the next quorum
+JOIN_TIMEOUT_S = 4.0  # how long a forming quorum waits for more workers once it could form without them
 TICK_MS = 10  # how often the Lighthouse looks at who asked; a quorum forms at most this late
 
 

@@ -55,7 +55,7 @@ from thinwire.elastic.comm import QuorumComm
 from thinwire.elastic.lighthouse import url
 
 TEXT_BYTES = 1024  # room for a worker's fingerprint in the admission exchange
-TIMEOUT_S = 5.0  # a collective, a commit vote or a state transfer waiting longer fails
+TIMEOUT_S = 4.0  # a collective, a commit vote or a state transfer waiting longer fails
 WAIT_S = 60.0  # how long a worker waits for a quorum of --min-workers before it gives up
 
 

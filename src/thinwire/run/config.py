@@ -67,7 +67,7 @@ class TrainConfig:
     min_workers: int | None = None  # no step commits with fewer workers (default with --elastic: 1)
     lighthouse: str | None = None  # HOST:PORT of a running Lighthouse: run one worker here (None: a local job)
     replica: int | None = None  # this worker's number with --lighthouse (default: $RANK, else 0)
-    elastic_timeout: float = 5.0  # seconds: a collective, commit vote or state transfer longer than this fails
+    elastic_timeout: float = 4.0  # seconds: a collective, commit vote or state transfer longer than this fails
     elastic_wait: float = 60.0  # seconds a worker waits for a quorum of min_workers before it gives up
 
     def resolve(self) -> TrainConfig:

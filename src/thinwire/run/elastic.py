@@ -78,11 +78,13 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
     seen_changes = 0
     t_start = time.perf_counter()
     first_commit: float | None = None
+    train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
     try:
         if resume:
             _load(worker, resume, device)
         batches, at = None, -1
         while True:
+            t_step = time.perf_counter()
             try:
                 done = worker.begin()
             except QuorumLost as e:
@@ -104,7 +106,9 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
                                                               cfg.min_lr))
                 optimizer.step()
 
-            if not worker.commit(loss, step_fn):
+            committed = worker.commit(loss, step_fn)
+            train_seconds += time.perf_counter() - t_step
+            if not committed:
                 at = -1
                 continue
             if first_commit is None:
@@ -139,7 +143,8 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
                     "timeout_seconds": cfg.elastic_timeout, "wait_seconds": cfg.elastic_wait},
         "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
         "model_sha256": _model_digest(model),
-        "wall_seconds": time.perf_counter() - t_start, "started_at": started, "ended_at": utc_now(),
+        "wall_seconds": time.perf_counter() - t_start, "train_seconds": train_seconds, "started_at": started,
+        "ended_at": utc_now(),
         "thinwire_version": __version__, "config": _config_record(cfg), **environment(device),
     })
     if writer is not None:
