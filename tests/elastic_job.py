@@ -74,8 +74,9 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
             done = w.begin()
             if w.tally.changes and w.tally.changes[-1].healed and plan.get("check_join") and not out["joins"]:
                 theta = getattr(w.method, "outer_params", None)
-                out["joins"].append(theta is not None and all(
+                out["joins"].append(theta is None or all(
                     torch.equal(t, p) for t, p in zip(theta, w.method.state.params, strict=True)))
+                out["residuals_at_join"] = residuals(w.method)
             if done >= steps:
                 break
             x, y = batch(replica, done + 1)
@@ -90,12 +91,22 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     except (QuorumLost, Refused) as e:
         out["error"] = f"{type(e).__name__}: {e}"
         out["seconds"] = time.time() - started
-    out.update(step=w.step, model=digest(list(net.parameters())), optimizer=digest(opt.state_dict()["state"]),
+    out.update(residuals=residuals(w.method), step=w.step, model=digest(list(net.parameters())),
+               optimizer=digest(opt.state_dict()["state"]),
                shared=digest(shared_state(w.method)), changes=[c.record() for c in w.tally.changes],
                discarded=w.tally.discarded, committed=w.tally.committed, heals=w.tally.heals,
                present=w.tally.present)
     w.close()
     q.put(out)
+
+
+def residuals(method: Any) -> int:
+    """How many error-feedback residuals the method holds (a worker's own)."""
+    state = method.state_dict() if method is not None else {}
+    found = len(state.get("feedback", {}))
+    for f in state.get("fragments", []):
+        found += len((f.get("agg") or {}).get("feedback", {}))
+    return found
 
 
 def shared_state(method: Any) -> Any:

@@ -26,6 +26,8 @@ The public API (importing does no work beyond importing torch):
 * :class:`Link`: the alpha-beta network model; :class:`ByteMeter` counts bytes sent.
 * :class:`ParameterMismatch`: raised on every rank when the ranks building a method hold
   different parameters, or the same ones in another order.
+* :mod:`thinwire.elastic`: workers that leave and join a running job, on torchft
+  (``thinwire.elastic.ElasticWorker`` in a user's loop; not imported here).
 """
 
 from thinwire.aggregate import Aggregator

@@ -64,6 +64,11 @@ class ErrorFeedback:
             r.copy_(u)
         return r
 
+    def clear(self) -> None:
+        """Forget every residual: a worker that joins a running elastic job starts with none
+        (the one it took from a present worker is that worker's own unsent error)."""
+        self.residuals = {}
+
     def state_dict(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.residuals.items()}
 

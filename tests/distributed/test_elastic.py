@@ -40,7 +40,7 @@ def test_a_worker_that_joins_takes_a_peers_state_bit_for_bit_and_the_job_ends_id
     try:
         for r in range(2):
             job.start(r, "topk:ratio=0.1,min_numel=0", 200, pace=0.02)
-        job.start(2, "topk:ratio=0.1,min_numel=0", 200, pace=0.02, join_after=1.5)
+        job.start(2, "topk:ratio=0.1,min_numel=0", 200, pace=0.02, join_after=1.5, check_join=True)
         res = job.results(3)
     finally:
         job.close()
@@ -48,6 +48,8 @@ def test_a_worker_that_joins_takes_a_peers_state_bit_for_bit_and_the_job_ends_id
     assert res[0]["model"] == res[1]["model"] == res[2]["model"]
     assert res[0]["optimizer"] == res[1]["optimizer"] == res[2]["optimizer"]  # momentum buffers taken
     assert res[0]["shared"] == res[1]["shared"] == res[2]["shared"]
+    # it took the peer's model, optimizer and codec state, but not its error-feedback residuals
+    assert res[2]["residuals_at_join"] == 0 and res[0]["residuals"] > 0 and res[2]["residuals"] > 0
     joined = res[2]["changes"][0]
     assert joined["healed"] and res[2]["heals"] == 1 and joined["workers"] == 3
     seen = [c for c in res[0]["changes"] if c["joined"] == [2]]
@@ -133,3 +135,57 @@ def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exac
     assert again["0"]["summary"]["model_sha256"] == ref["0"]["summary"]["model_sha256"]
     assert again["1"]["summary"]["model_sha256"] == ref["1"]["summary"]["model_sha256"]
     assert again["0"]["summary"]["final"]["test_loss"] == ref["0"]["summary"]["final"]["test_loss"]
+
+
+def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state():
+    import os
+    import signal
+    import time
+
+    job = Job()
+    try:
+        for r in range(3):
+            job.start(r, "powersgd:rank=2,min_numel=0", 300, pace=0.02, start_workers=3)
+        time.sleep(5.0)  # started and training
+        os.kill(job.procs[2].pid, signal.SIGSTOP)
+        stopped = time.time()
+        time.sleep(6.0)
+        os.kill(job.procs[2].pid, signal.SIGCONT)
+        res = job.results(3)
+    finally:
+        job.close()
+    assert {r["step"] for r in res.values()} == {300}
+    assert res[0]["model"] == res[1]["model"] == res[2]["model"]
+    dropped = [c for c in res[0]["changes"] if c["left"] == [2]]
+    assert dropped and dropped[0]["time"] - stopped < 4.0 + HEARTBEAT_S + 1.0  # the collective's timeout, then out
+    assert any(c["healed"] for c in res[2]["changes"][1:])  # told it was behind: took the job's state
+    assert res[0]["discarded"] >= 1
+
+
+def test_two_terminals_a_lighthouse_command_and_workers_that_join_it(tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from spawn import free_port
+
+    port = free_port()
+    lighthouse = subprocess.Popen([sys.executable, "-m", "thinwire", "lighthouse", "--min-workers", "2", "--bind",
+                                   f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert f"Lighthouse at http://127.0.0.1:{port}" in lighthouse.stdout.readline()
+        workers = [subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--elastic", "--lighthouse",
+                                     f"127.0.0.1:{port}", "--replica", str(k), "--workers", "2", "--min-workers", "2",
+                                     "--steps", "30", "--eval-every", "10", "--quiet",
+                                     "--out", str(tmp_path / f"w{k}")],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+        outs = [w.communicate(timeout=180) for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outs
+        assert "worker 1 ok at step 30" in outs[1][0]
+        sums = [json.loads((tmp_path / f"w{k}" / "summary.json").read_text()) for k in range(2)]
+        assert sums[0]["model_sha256"] == sums[1]["model_sha256"] and sums[0]["replica"] == 0
+    finally:
+        lighthouse.send_signal(signal.SIGINT)
+        out, err = lighthouse.communicate(timeout=30)
+    assert lighthouse.returncode == 0 and "Lighthouse stopped" in out, err

@@ -158,11 +158,16 @@ class DiLoCo(PeriodicAveraging):
 
     def elastic_join(self) -> None:
         """A worker joining a running job starts its round from the global model ``θ`` (the
-        outer parameters it took), not from the present worker's weights within the round."""
+        outer parameters it took), not from the present worker's weights within the round,
+        and with no error-feedback residual of its own (a codec's ``ef``, SparseLoCo's error
+        buffer: the one it took is the present worker's unsent error)."""
         if self.step >= self.config.warmup:
             with torch.no_grad():
                 for theta, p in zip(self.outer_params, self.state.params, strict=True):
                     p.copy_(theta)
+        for f in self.fragments:
+            if f.agg is not None:
+                f.agg.feedback.clear()
 
     # -- what a subclass varies -------------------------------------------------------------
     @property

@@ -422,6 +422,11 @@ class GradientReducer:
         return got[0] > 0, used
 
     # -- state -------------------------------------------------------------------------------
+    def clear_feedback(self) -> None:
+        """Forget every error-feedback residual (an elastic worker that just joined)."""
+        for agg in {id(a): a for a in (self.aggregator, *self._aggregators.values())}.values():
+            agg.feedback.clear()
+
     def state_dict(self) -> dict:
         """Step, bytes per name, residuals by name, every codec's state, and what overlap
         learned (the expected set, the backward passes per step, whether a scaler is used)."""

@@ -240,6 +240,11 @@ class SyncReducer(Method):
     def plan(self) -> list[dict]:
         return self.reducer.plan()
 
+    def elastic_join(self) -> None:
+        """A worker that joined a running elastic job starts with no error-feedback residual:
+        the one it took is a present worker's own unsent error, which would be sent twice."""
+        self.reducer.clear_feedback()
+
     def state_dict(self) -> dict:
         return {**self.reducer.state_dict(), "loss_sum": self._loss_sum}
 

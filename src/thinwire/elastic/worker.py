@@ -103,6 +103,23 @@ class Tally:
             self.present.append([step, step, workers])
 
 
+def _weights_only(base: type) -> type:
+    """torchft's HTTP state transport, loading what it receives with ``weights_only=True``:
+    tensors and plain containers only, so a peer cannot run code in the worker that takes its
+    state (torchft's own loads with ``weights_only=False``)."""
+    import urllib.request
+
+    from torchft.checkpointing._serialization import _streaming_load
+
+    class WeightsOnlyHTTP(base):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTP
+
+
 def _gloo_group(timeout: timedelta) -> Any:
     """torchft's reconfigurable gloo group, remembering the quorum it was last configured for."""
     from torchft.process_group import ProcessGroupGloo
@@ -179,7 +196,7 @@ class ElasticWorker:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self.pg = _gloo_group(timeout)
-        self.transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        self.transport = _weights_only(HTTPTransport)(timeout=timeout, num_chunks=0)
         self.transport._server.RequestHandlerClass.log_message = _silent  # one line per transfer on stderr otherwise
         try:
             self.manager = Manager(

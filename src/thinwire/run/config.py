@@ -94,7 +94,9 @@ class TrainConfig:
 
         d = facts.defaults
         require(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
-        if not facts.torchrun:  # local ranks: bounded by the machine (torchrun's world is torchrun's)
+        # local ranks: bounded by the machine (torchrun's world is torchrun's; one elastic worker of a job
+        # over machines runs here alone)
+        if not facts.torchrun and not (self.elastic and self.lighthouse is not None):
             check_workers(self.workers, self.max_workers, limit=facts.worker_limit)
         steps, batch, lr, opt, eval_every = _filled(self, d)
         require(steps >= 1, f"steps must be >= 1, got {steps}")
@@ -153,6 +155,9 @@ class TrainConfig:
         require(why is None, f"--elastic: {method.split(':')[0]} cannot run elastic: {why}")
         n = 1 if self.min_workers is None else self.min_workers
         require(1 <= n <= self.workers, f"--min-workers must be in 1..{self.workers} (--workers), got {n}")
+        require(self.lighthouse is not None or not facts.torchrun,
+                "--elastic under torchrun needs --lighthouse HOST:PORT (each rank is one worker of that job; start "
+                "the Lighthouse with `thinwire lighthouse`)")
         require(self.replica is None or self.lighthouse is not None,
                 "--replica needs --lighthouse (a local job numbers its workers itself)")
         require(self.replica is None or 0 <= self.replica < self.workers,

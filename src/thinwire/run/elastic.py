@@ -295,7 +295,12 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
 
 
 def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, threads: int) -> None:
+    from thinwire.run.launch import loopback_interface
+
     torch.set_num_threads(threads)
+    loopback = loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:  # a local job's workers talk on this machine only
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
     def report(kind: str, **fields: Any) -> None:
         q.put((kind, fields))
