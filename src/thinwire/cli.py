@@ -512,9 +512,10 @@ def _lighthouse(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    host, port = lighthouse.address.split("://", 1)[1].rsplit(":", 1)
+    reach = "HOST" if host in ("0.0.0.0", "[::]") else host  # every interface: the workers use the machine's name
     print(f"thinwire: Lighthouse at {lighthouse.address} (quorums of >= {args.min_workers} workers); "
-          f"workers join with: thinwire train --elastic --lighthouse {lighthouse.address.split('://', 1)[1]} "
-          "--replica K ...", flush=True)
+          f"workers join with: thinwire train --elastic --lighthouse {reach}:{port} --replica K ...", flush=True)
     stop.wait()
     lighthouse.shutdown()
     print("thinwire: Lighthouse stopped", flush=True)

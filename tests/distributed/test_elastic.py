@@ -11,8 +11,10 @@ from elastic_job import HEARTBEAT_S, Job
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_a_worker_killed_mid_step_leaves_the_survivors_equal_to_a_run_of_them_alone_from_that_step():
-    # powersgd: error feedback and Q. The failed step must leave both as they were, so the run
+@pytest.mark.parametrize("spec", ["powersgd:rank=2,min_numel=0", "randomk:ratio=0.1,min_numel=0"])
+def test_a_worker_killed_mid_step_leaves_the_survivors_equal_to_a_run_of_them_alone_from_that_step(spec):
+    # powersgd: error feedback and Q; randomk: error feedback and indices drawn from its step
+    # counter, shared by every worker. The failed step must leave all of it as it was, so the run
     # that lost worker 2 mid-step 6 (its peers' collective failed, the step was discarded and
     # tried again without it) ends bit for bit where the run whose worker 2 left after step 5 ends
     runs = {}
@@ -20,7 +22,7 @@ def test_a_worker_killed_mid_step_leaves_the_survivors_equal_to_a_run_of_them_al
         job = Job()
         try:
             for r in range(3):
-                job.start(r, "powersgd:rank=2,min_numel=0", 12, start_workers=3, **(plan if r == 2 else {}))
+                job.start(r, spec, 12, start_workers=3, **(plan if r == 2 else {}))
             runs[name] = job.results(3 if name == "left" else 2)
         finally:
             job.close()

@@ -3,8 +3,8 @@
 ``build_method("topk:ratio=0.01", model, optimizer, comm)`` gives a
 :class:`~thinwire.algorithms.sync.SyncReducer` over that codec; a policy preset
 (``"hylo"``) a :class:`~thinwire.algorithms.sync.SyncReducer` with a codec per parameter;
-a method of :data:`METHODS` (``"dasgd:period=4"``) that method. Methods take precedence
-over presets, presets over codecs.
+a method of :data:`METHODS` (``"dasgd:period=4"``) that method. A name belongs to one
+registry: a name that two of them answer to is refused (:func:`kind_of`).
 
 The built-in methods are the classes in :data:`BUILTIN`, imported and registered on the
 first lookup (name, ``Config`` and summary are read from the class), in that order. A

@@ -305,16 +305,13 @@ class ElasticWorker:
             return False
         snapshot = self._snapshot()
         if self.gradient_sync:  # the collectives end in after_backward: vote before anything is stepped
-            self.method.after_backward(loss)
-            ok = bool(self.manager.should_commit())
+            ok = self._guarded(lambda: self.method.after_backward(loss)) and bool(self.manager.should_commit())
             if ok:
                 step_fn()
                 self.method.after_step()
         else:  # the method syncs after the optimizer's step: vote after it, undo if it fails
-            self.method.after_backward(loss)
-            step_fn()
-            self.method.after_step()
-            ok = bool(self.manager.should_commit())
+            ok = self._guarded(lambda: (self.method.after_backward(loss), step_fn(), self.method.after_step()))
+            ok = ok and bool(self.manager.should_commit())
         if ok:
             self.tally.committed += 1
             self.tally.count(self.step, self.comm.world_size)
@@ -326,6 +323,21 @@ class ElasticWorker:
             self._taken = snapshot["method"]
         self.optimizer.zero_grad(set_to_none=False)
         return ok
+
+    def _guarded(self, run: Callable[[], object]) -> bool:
+        """Run the method's part of the step. What it raises after a collective failed (a
+        decoder that refuses the zeros a failed gather left, say) only confirms that the step
+        is lost: the vote is cast against it and False returned. Anything raised while every
+        collective succeeded is the method's own error, and propagates."""
+        try:
+            run()
+        except Exception:
+            if not self.comm.broken:
+                raise
+        if self.comm.broken:
+            self.manager.should_commit()  # votes no: the manager knows of the failure
+            return False
+        return True
 
     def restore(self, state: dict[str, Any]) -> None:
         """Start from a saved state (a checkpoint of this worker's: ``model``, ``optimizer``,

@@ -49,11 +49,13 @@ def worker_out(out: str | None, replica: int) -> str | None:
 
 # -- one worker ------------------------------------------------------------------------------------
 def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | None, report: Report | None = None,
-               resume: str | None = None, device: torch.device | str = "cpu") -> dict[str, Any]:
+               resume: str | None = None, resume_optional: bool = False,
+               device: torch.device | str = "cpu") -> dict[str, Any]:
     """Train as worker ``replica`` of the elastic job whose Lighthouse is at ``lighthouse``
     until the job has committed ``cfg.steps`` steps; returns this worker's summary (also
     written to ``out``). ``resume``: a checkpoint (or a worker folder) of this worker's to
-    start from; the job's newest state still wins (a worker behind it takes it from a peer)."""
+    start from; the job's newest state still wins (a worker behind it takes it from a peer);
+    ``resume_optional``: a folder without a checkpoint means a fresh start."""
     from thinwire.elastic.worker import ElasticWorker, QuorumLost
     from thinwire.optim import schedule
     from thinwire.run.trainer import build_optimizer, environment, utc_now
@@ -81,7 +83,7 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
     train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
     try:
         if resume:
-            _load(worker, resume, device)
+            _load(worker, resume, device, optional=resume_optional)
         batches, at = None, -1
         while True:
             t_step = time.perf_counter()
@@ -208,8 +210,13 @@ def _save(worker: Any, out: str, cfg: TrainConfig, window: list) -> None:
                       {"rank-0.pt": record})
 
 
-def _load(worker: Any, path: str, device: torch.device | str) -> None:
-    """Start from this worker's checkpoint: model, optimizer, the method's state and the step."""
+def _load(worker: Any, path: str, device: torch.device | str, *, optional: bool = False) -> None:
+    """Start from this worker's checkpoint: model, optimizer, the method's state and the step.
+    ``optional``: a local job's worker folder without a checkpoint starts afresh (it takes the
+    others' state at its first quorum)."""
+    saved = (Path(path) / "meta.json").exists() or (checkpoint.root(path) / checkpoint.LATEST).exists()
+    if optional and not saved:
+        return
     d = checkpoint.locate(path)
     meta = checkpoint.read_meta(d)
     if meta.get("method") != worker.spec:
@@ -309,7 +316,8 @@ def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, thread
         out = worker_out(cfg.out, replica)
         with outdir.hold(out):
             summary = run_worker(cfg, replica=replica, lighthouse=lighthouse, out=out, report=report,
-                                 resume=worker_out(cfg.resume, replica) if cfg.resume else None)
+                                 resume=worker_out(cfg.resume, replica) if cfg.resume else None,
+                                 resume_optional=True)
         q.put(("done", {"replica": replica, "summary": summary}))
         if summary["status"] != "ok":
             sys.exit(EXIT_QUORUM_LOST)
