@@ -148,9 +148,9 @@ class ElasticWorker:
     quorum before it raises :class:`QuorumLost`. ``extra_state``: a pair ``(get, set)`` of
     the loop's own state to send to a joining worker. ``host``: the name the other workers
     reach this one by (its store and its state server; loopback by default).
-    ``start_workers``: a fresh job (step 0) waits up to ``wait_s`` for this many workers
-    before its first step (default: ``min_workers``), so that it does not start with the
-    first few to arrive.
+    ``start_workers``: a job that starts, or is resumed whole from its checkpoints, waits up
+    to ``wait_s`` for this many workers before its first step (default: ``min_workers``), so
+    that it does not start with the first few to arrive.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str, *, lighthouse: str,
@@ -193,6 +193,7 @@ class ElasticWorker:
         self._healed = False
         self._admitted = False  # took part in a committed step, or took a present worker's state
         self._closed = False
+        self._first_step: int | None = None
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self.pg = _gloo_group(timeout)
@@ -232,10 +233,15 @@ class ElasticWorker:
         within ``wait_s``, and :class:`Refused` on a worker the job does not admit."""
         t0 = time.perf_counter()
         self._healed = False
+        if self._first_step is None:
+            self._first_step = self.step  # 0, or a resumed worker's checkpoint
         self._quorum()
-        # a fresh job starts with start_workers present, or with those there after wait_s
-        while (self.step == 0 and self.manager.num_participants() < self.start_workers
-               and time.perf_counter() - t0 < self.wait_s):
+        # a job that starts (or is resumed whole) waits for start_workers, or for wait_s: every
+        # member of such a quorum has committed nothing yet and stands at the step it began
+        # with, so they all wait alike; a worker joining a running job took its state (a later
+        # step) and does not wait
+        while (self.tally.committed == 0 and self.step == self._first_step
+               and self.manager.num_participants() < self.start_workers and time.perf_counter() - t0 < self.wait_s):
             time.sleep(0.05)
             self._quorum()
         if self.pg.quorum_id != self.quorum_id or self._healed or self.quorum_id is None:
