@@ -99,7 +99,7 @@ def mirror():
 
 def chooser(spec: str, model):
     """The per-parameter codec choice of ``spec``: one codec for every tensor, or a preset."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
     from thinwire.policy import Policy
 
     if spec == "hylo":
@@ -113,7 +113,7 @@ def flat_reference(named, codec_for):
     into one, with a fresh codec of the same spec; the declined tensors as they are."""
     import torch
 
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     groups: dict[int, tuple[object, list]] = {}
     rest = []

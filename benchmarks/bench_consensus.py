@@ -20,7 +20,7 @@ RANKS = (1, 2, 4)
 
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
-    from thinwire.run.bench_consensus import LEVELS, curve, first_below
+    from thinwire.lab.bench_consensus import LEVELS, curve, first_below
 
     steps = 300 if args.quick else 3000
     report = Report("Consensus: powergossip vs uncompressed gossip",

@@ -1,13 +1,13 @@
 """thinwire cost against measured step times: emulated links and a real shaped link.
 
-For every method, ``thinwire cost``'s probe (``thinwire.run.cost.probe``: warm-up steps,
+For every method, ``thinwire cost``'s probe (``thinwire.lab.cost.probe``: warm-up steps,
 then timed steps, on this machine with no link) predicts the step time on a link as
 compute + G - min(window, early x G), G = codec + max(wait, messages x latency + bytes /
 bandwidth), wait being the probe's own communication time with no link, window the
 backward time per step after the first bucket was launched and early the share of the
-average launched during backward (see thinwire.run.cost). As ``thinwire cost`` does, the
+average launched during backward (see thinwire.lab.cost). As ``thinwire cost`` does, the
 compute is the one figure the methods share (every method here runs the task's plain step):
-the median of the probes' per-step compute (``thinwire.run.cost.shared_compute``), each
+the median of the probes' per-step compute (``thinwire.lab.cost.shared_compute``), each
 method's window scaled with it (``at_compute``). That prediction is then checked against
 training runs that really cross the link:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
 from thinwire.comm.link import Link
-from thinwire.run import cost
+from thinwire.lab import cost
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import launch
 

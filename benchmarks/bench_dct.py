@@ -2,7 +2,7 @@
 bare chunked DCT it is built on.
 
 1. Error at equal bytes, on real gradients: one gradient of the mnist1d CNN and one of the
-   charlm transformer (seed 0, batch 64; ``thinwire.run.bench_codecs.model_gradient``), sent
+   charlm transformer (seed 0, batch 64; ``thinwire.lab.bench_codecs.model_gradient``), sent
    the way the aggregator sends them (a tensor the codecs decline, 1-D or under 1,024 values,
    travels as fp32 in every row). One shot, no error feedback, at step 0:
    ``||g - decode(encode(g))|| / ||g||`` over the whole set. Budgets: the bytes ``dct`` sends at
@@ -14,7 +14,7 @@ bare chunked DCT it is built on.
 
 2. Speed: encode + decode of one tensor through ``dct`` (forward transform, top-k per block,
    values, positions; then the scatter and the inverse transform) against the bare chunked
-   DCT and its inverse of the same tensor (``thinwire.numerics.dct.forward`` + ``inverse``),
+   DCT and its inverse of the same tensor (``thinwire.numerics.dct_basis.forward`` + ``inverse``),
    alternating in one process, median of >= 5 rounds after a warm-up: a 2048 x 2048 matrix
    (4.2M values, 1,024 blocks of 64 x 64) and charlm's whole gradient set (every tensor, one
    call per tensor, as the aggregator makes them). Target: time(bare) / time(dct) >= 0.75.
@@ -88,8 +88,8 @@ def error_at_bytes(task: str, items, report: Report) -> None:
 def speed(name: str, items, rounds: int, report: Report) -> None:
     import torch
 
-    from thinwire.codecs.registry import build_codec
-    from thinwire.numerics import dct
+    from thinwire.codecs.specs import build_codec
+    from thinwire.numerics import dct_basis
 
     codec = build_codec(dct_spec(32))
     tilings = [codec.tiling(x.shape) for _, x in items]
@@ -97,7 +97,7 @@ def speed(name: str, items, rounds: int, report: Report) -> None:
 
     def bare() -> None:
         for (_, x), t in zip(items, tilings):
-            dct.inverse(dct.forward(x, t), t)
+            dct_basis.inverse(dct_basis.forward(x, t), t)
 
     def codec_round() -> None:
         for (_, x), out in zip(items, outs):
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
     import torch
 
-    from thinwire.run.bench_codecs import model_gradient
+    from thinwire.lab.bench_codecs import model_gradient
 
     tasks = QUICK_TASKS if args.quick else TASKS
     command = "python benchmarks/bench_dct.py" + (" --quick" if args.quick else "")

@@ -4,7 +4,7 @@ loss, against AdamW with fp32 all_reduce and detonation's DeMo.
 1. ``thinwire compare --suite transform`` on charlm (4 workers, ``--optimizer adamw`` for the
    methods that use the run's optimizer, the task's 600 steps, seed 0, evaluations every 25
    steps), modeled at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s. Every target of the suite (see
-   ``thinwire.run.suite.TRANSFORM``) is a figure here:
+   ``thinwire.lab.suite.TRANSFORM``) is a figure here:
 
    * demo (chunk 64, top 32, bf16): final loss within 3% of AdamW with fp32 all_reduce;
      >= 30x fewer bytes per worker; time to the target loss (fp32's final loss + 2%) at
@@ -56,7 +56,7 @@ def peer_losses(out: Path) -> tuple[float, float]:
 
 
 def seeds_section(report: Report, tmp: Path) -> None:
-    from thinwire.run import suite
+    from thinwire.lab import suite
 
     group = next(g for g in suite.TRANSFORM if g.key == PEER_GROUP)
     pairs = []

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
-from thinwire.run.suite import LOWBANDWIDTH, SUITES, Group, format_value, measure
+from thinwire.lab.suite import LOWBANDWIDTH, SUITES, Group, format_value, measure
 
 LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
 SHAPED_MBIT = 100.0
@@ -84,8 +84,8 @@ def claims(out: Path, groups: tuple[Group, ...] = LOWBANDWIDTH, task: str = "cha
     """The suite's rows, measured afresh from the runs in ``out`` (each group's runs in the
     order of its specs, as ``thinwire compare`` numbers them, less the peers that cannot
     run on ``task``)."""
+    from thinwire.lab.suite import cannot_run
     from thinwire.run.config import TrainConfig
-    from thinwire.run.suite import cannot_run
 
     rows = []
     for group in groups:

@@ -1,7 +1,7 @@
 """Relative error of fft, topk, randomk and qsgd at equal wire bytes, on real gradients.
 
 Inputs: one gradient of the mnist1d CNN and one of the charlm transformer (seed 0, first
-batch; ``thinwire.run.bench_codecs.model_gradient``). Every tensor goes the way the aggregator
+batch; ``thinwire.lab.bench_codecs.model_gradient``). Every tensor goes the way the aggregator
 sends it: a tensor the codec declines (1-D, or under ``min_numel`` = 1,024 elements; the rule
 is the same for all four codecs) travels as fp32, so those bytes and their zero error are
 common to every row. Errors are one shot, no error feedback (``ef=false``), at step 0:
@@ -50,8 +50,8 @@ def qsgd_spec(levels: int) -> str:
 # -- bytes and error -------------------------------------------------------------------------------
 def predicted_bytes(spec: str, items) -> int:
     """Wire bytes the codec's ``nbytes`` predicts for the whole set (declined tensors as fp32)."""
-    from thinwire.codecs.registry import build_codec
-    from thinwire.run.bench_codecs import codec_for_each
+    from thinwire.codecs.specs import build_codec
+    from thinwire.lab.bench_codecs import codec_for_each
 
     codecs = codec_for_each(build_codec(spec), items)
     return sum(c.nbytes(x.shape, x.dtype) for c, (_, x) in zip(codecs, items))
@@ -61,8 +61,8 @@ def measure(spec: str, items) -> dict:
     """One-shot roundtrip of a fresh codec: measured wire bytes and relative error."""
     import torch
 
-    from thinwire.codecs.registry import build_codec
-    from thinwire.run.bench_codecs import codec_for_each, rel_error, roundtrip
+    from thinwire.codecs.specs import build_codec
+    from thinwire.lab.bench_codecs import codec_for_each, rel_error, roundtrip
 
     codec = build_codec(spec)
     codecs = codec_for_each(codec, items)
@@ -159,7 +159,7 @@ def verdict(theta: float, budget: int, within: list[tuple[str, dict]]) -> str:
 
 def fp32_fallback(items) -> int:
     """Bytes of the tensors every codec here declines (1-D or under 1,024 elements)."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     codec = build_codec(fft_spec(THETAS[0]))
     return sum(4 * x.numel() for _, x in items if not codec.compresses(x.shape))
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
     import torch
 
-    from thinwire.run.bench_codecs import model_gradient
+    from thinwire.lab.bench_codecs import model_gradient
 
     tasks = QUICK_TASKS if args.quick else TASKS
     report = Report("Relative error at equal wire bytes (real gradients)",

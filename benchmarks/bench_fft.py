@@ -42,7 +42,7 @@ def vector(report: Report, quick: bool) -> None:
     import torch
 
     from thinwire.codecs.fft import fast_length
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     n = 2_000_000 if quick else N
     rounds = 5 if quick else 7
@@ -97,7 +97,7 @@ def gradient_set(report: Report, quick: bool) -> None:
     import torch
 
     from thinwire.codecs.fft import fast_length
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     rounds = 7 if quick else 15
     grads = resnet18_gradients()

@@ -106,8 +106,9 @@ def rank_main(model_name: str, warmup: int, blocks: int, arms: list[str], device
 
     import thinwire
     from _shaped_link import veth_counters
+    from thinwire.comm.layout import NodeLayout
     from thinwire.comm.meter import sent_bytes
-    from thinwire.comm.nodes import NodeLayout, build_hierarchy
+    from thinwire.comm.nodes import build_hierarchy
     from thinwire.comm.torch_dist import TorchComm
 
     torch.set_num_threads(1)
@@ -296,7 +297,7 @@ def run_rate(model: str, rate: int, warmup: int, blocks: int, arms: list[str]) -
 
 def measure(report: Report, model: str, arms: list[str], args) -> bool:
     from thinwire.comm.link import Link
-    from thinwire.run.cost import StepCost
+    from thinwire.lab.cost import StepCost
 
     label = {"resnet18": "ResNet-18 (11.2M), batch 32", "mnist1d": "mnist1d (the task's model and batches)"}[model]
     ok = True

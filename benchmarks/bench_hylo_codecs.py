@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
     import torch
 
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     twobit_shape = QUICK_TWOBIT if args.quick else TWOBIT_SHAPE
     kernels_shape = QUICK_KERNELS if args.quick else KERNELS_SHAPE

@@ -93,7 +93,7 @@ def step_bytes(model, choose, n: int) -> float:
 
 def matched_topk(model, n: int) -> tuple[str, float, float]:
     """The topk spec whose bytes per step come closest to hylo's without passing them."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
     from thinwire.policy import Policy
 
     assignment = Policy.preset("hylo").assign(model)

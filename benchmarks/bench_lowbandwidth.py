@@ -12,7 +12,7 @@
    code's). The value with the lowest final validation loss is chosen (ties: the paper's).
    Runs already kept under ``--keep DIR`` are read back, not rerun.
 2. ``thinwire compare --suite lowbandwidth --task text`` with the chosen values
-   (:func:`thinwire.run.suite.lowbandwidth`): 4 workers, tiny transformer over bytes, 4
+   (:func:`thinwire.lab.suite.lowbandwidth`): 4 workers, tiny transformer over bytes, 4
    windows of 64 bytes per worker and step, 3,000 steps (H = 30: 100 outer steps; 0.26
    epochs of the training text), AdamW at DiLoCo's chosen inner lr with 150 warm-up steps and
    cosine to 0.1 x,
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import Figure, Report, load_note, parser, table
-from thinwire.run import compare, suite
-from thinwire.run.config import TrainConfig
+from thinwire.lab import compare, suite
+from thinwire.run.config import TrainConfig, for_method
 
 LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
 OPS = {"loss": "<=", "peak": "<=", "step": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">=",
@@ -80,8 +80,8 @@ def base_config(steps: int | None) -> TrainConfig:
 
 def settings_lines(b: TrainConfig) -> str:
     o = b.task_options
-    lr = compare.for_method(b, "identity").resolve().lr  # the task's when the command gives none
-    return (f"Settings (the suite's, `thinwire.run.suite.LOWBANDWIDTH_SETTINGS`): task text (Python's stdlib "
+    lr = for_method(b, "identity").resolve().lr  # the task's when the command gives none
+    return (f"Settings (the suite's, `thinwire.lab.suite.LOWBANDWIDTH_SETTINGS`): task text (Python's stdlib "
             f"source, bytes), model tiny (2 layers, d_model 128, 431k parameters), context {o.get('context')}, "
             f"{b.batch_size} windows per worker and step, {b.workers} workers, {b.steps} steps, H = {suite.H} "
             f"({b.steps // suite.H} outer steps), {b.optimizer} lr {lr:g} with {b.warmup_steps} warm-up steps and "
@@ -122,7 +122,7 @@ def _pick(done: list[tuple[float | None, Any]], default: Any) -> Any:
 def _key(cfg: TrainConfig, spec: str) -> tuple:
     """What makes two sweep runs the same run: the task, workers, method (resolved), lr, steps,
     batch, schedule, task options, optimizer and seed."""
-    from thinwire.algorithms.registry import resolve_method
+    from thinwire.algorithms.methods import resolve_method
 
     return (cfg.task, cfg.workers, resolve_method(spec), cfg.lr, cfg.steps, cfg.batch_size, cfg.lr_schedule,
             cfg.warmup_steps, cfg.min_lr, json.dumps(cfg.task_options, sort_keys=True), cfg.optimizer, cfg.seed)
@@ -160,11 +160,11 @@ def sweep(out: Path, base: TrainConfig, inner_lrs: list[float], diloco_lrs: list
     t0 = time.perf_counter()
     valid = _valid(base)
     kept = _kept(out)
-    default_lr = compare.for_method(base, "identity").resolve().lr
+    default_lr = for_method(base, "identity").resolve().lr
 
     def one(lr: float, spec: str) -> tuple[list[str], float | None]:
         cfg = dataclasses.replace(valid, lr=lr)
-        r = kept.get(_key(compare.for_method(cfg, spec).resolve(), spec))
+        r = kept.get(_key(for_method(cfg, spec).resolve(), spec))
         if r is None:
             [r] = _race(cfg, [spec], out / f"{spec.split(':')[0]}-{_short(spec).partition(':')[2] or 'defaults'}"
                         f"-lr{lr:g}".replace(",", "-").replace("=", ""), launch, f"sweep: {spec} at lr {lr:g}")
@@ -199,15 +199,15 @@ def sweep(out: Path, base: TrainConfig, inner_lrs: list[float], diloco_lrs: list
 def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, launch: Any,
           minutes: dict[str, float], tuned: float | None = None) -> None:
     groups = suite.lowbandwidth(d, s, tuned)
-    base_lr = compare.for_method(base, "identity").resolve().lr
+    base_lr = for_method(base, "identity").resolve().lr
     prepared = suite.prepare(base, str(out), True, groups)
     t0 = time.perf_counter()
     results = suite.run(prepared, groups, launch=launch, show_progress=False, say=lambda x: print(x, flush=True))
     command = (f"thinwire compare --suite lowbandwidth --task text --link {' --link '.join(LINKS)} --out DIR"
                + (f" --steps {base.steps}" if base.steps != suite.LOWBANDWIDTH_SETTINGS["steps"] else "")
                + (f" --lr {base.lr:g}" if base.lr is not None else "")
-               + (f"  (from the sweep: thinwire.run.suite.lowbandwidth({d:g}, {s:g}, {tuned:g}))" if tuned else
-                  f"  (thinwire.run.suite.lowbandwidth({d:g}, {s:g}))"))
+               + (f"  (from the sweep: thinwire.lab.suite.lowbandwidth({d:g}, {s:g}, {tuned:g}))" if tuned else
+                  f"  (thinwire.lab.suite.lowbandwidth({d:g}, {s:g}))"))
     done = suite.finish(str(out), prepared, results, command, groups)
     total = (time.perf_counter() - t0) / 60
     rows = []
@@ -236,7 +236,7 @@ def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, laun
                          *[f"{sm['modeled_seconds_by_link'][x]:.0f}" for x in LINKS],
                          "-" if epoch is None else f"{epoch:.3f}", "-" if mins is None else f"{mins:.1f}"])
     claims = done["rows"]
-    lr = compare.for_method(base, "identity").resolve().lr
+    lr = for_method(base, "identity").resolve().lr
     report.add(f"### 2. The suite's races (inner lr {lr:g}; outer lrs: DiLoCo {d:g}, SparseLoCo {s:g})\n\n`{command}` "
                f"({total:.1f} min; each race's report in DIR/<race>/report.md)\n\n"
                + table(["method", "inner optimizer", "lr", "final test loss", "bpc", "MB sent / worker",

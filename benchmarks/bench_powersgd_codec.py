@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 def load_codec_class(path: str):
     """The ``PowerSGD`` class of another ``powersgd.py`` (kept out of the codec registry)."""
-    import thinwire.codecs.registry as registry
+    import thinwire.codecs.specs as registry
 
     spec = importlib.util.spec_from_file_location("_baseline_powersgd", path)
     module = importlib.util.module_from_spec(spec)

@@ -375,7 +375,7 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
         predictions = []
         for arm, c in r.get("cost", {}).items():  # thinwire cost's model against the measured step
             from thinwire.comm.link import Link
-            from thinwire.run.cost import StepCost
+            from thinwire.lab.cost import StepCost
 
             link = Link.parse(f"{rate}mbit,{LATENCY}")
             model_cost = StepCost(method=arm, compute_s=floor, codec_s=c["codec_s"], bytes=sent[arm],

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
-from thinwire.run.suite import SEEDS, format_value
+from thinwire.lab.suite import SEEDS, format_value
 
 TARGET_SECONDS = 30 * 60
 

@@ -72,7 +72,7 @@ def count_fallbacks(codec, x, k: int) -> str:
 def measure(x, repeats: int) -> dict:
     import torch
 
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     exact = build_codec(f"topk:ratio={RATIO},select=exact")
     fast = build_codec(f"topk:ratio={RATIO},select=sampled")

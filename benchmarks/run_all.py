@@ -106,7 +106,7 @@ def run_bench(name: str, quick: bool, tmp: Path, extra: list[str] | None = None)
 
 def run_codecs(quick: bool, tmp: Path) -> dict:
     out = tmp / "codecs"
-    cmd = [sys.executable, "-m", "thinwire.run.bench_codecs", "--threads", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "thinwire.lab.bench_codecs", "--threads", "1", "--out", str(out)]
     cmd += ["--quick"] if quick else []
     print("\n===== thinwire bench codecs =====", flush=True)
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def run_codecs(quick: bool, tmp: Path) -> dict:
         code = "timeout"
     md = out / "codecs.md"
     return {
-        "command": "thinwire bench codecs" + (" --quick" if quick else "") + " (python -m thinwire.run.bench_codecs "
+        "command": "thinwire bench codecs" + (" --quick" if quick else "") + " (python -m thinwire.lab.bench_codecs "
                    "--threads 1" + (" --quick" if quick else "") + ")",
         "table": md.read_text() if md.exists() else f"(failed: exit code {code})",
         "ok": md.exists(), "wall_seconds": time.perf_counter() - t0,

@@ -34,17 +34,18 @@ from thinwire.aggregate import Aggregator
 from thinwire.algorithms.ab import ABTraining
 from thinwire.algorithms.attach import Attached, attach
 from thinwire.algorithms.base import Method
+from thinwire.algorithms.build import method_optimizer
 from thinwire.algorithms.dasgd import DaSGD
 from thinwire.algorithms.diloco import DiLoCo
 from thinwire.algorithms.gossip import DPSGD
 from thinwire.algorithms.local_sgd import LocalSGD
+from thinwire.algorithms.methods import METHODS
 from thinwire.algorithms.powergossip import PowerGossip
-from thinwire.algorithms.registry import METHODS, method_optimizer
 from thinwire.algorithms.sparseloco import SparseLoCo
 from thinwire.algorithms.streaming_diloco import StreamingDiLoCo
 from thinwire.algorithms.sync import SyncReducer
-from thinwire.codecs.registry import available as available_codecs
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import available as available_codecs
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.fingerprint import ParameterMismatch
 from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter

@@ -20,14 +20,13 @@ contents, whose sizes are fixed by ``wire_spec``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from thinwire.buckets import Bucket, Flight, Slot, bucket_buffer
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator, Handle
@@ -37,48 +36,6 @@ from thinwire.payload import Aggregation, Payload, as_bytes, from_bytes, spec_nb
 from thinwire.timing import Timing
 
 CodecChooser = Callable[[str, torch.Tensor], Codec]
-
-
-@dataclass
-class _Slot:
-    name: str
-    shape: torch.Size
-    numel: int
-    offset: int  # element offset inside a fused bucket's flat input
-
-
-@dataclass
-class _Flight:
-    """One bucket's step in progress: inputs, current payloads, the collective in flight."""
-
-    us: list[tuple[str, torch.Tensor]]  # (key, compensated input)
-    payloads: list[Payload]
-    wire: torch.Tensor | None = None  # SUM: the summed buffer; GATHER: (n, row_bytes) bytes
-    handle: Handle | None = None
-    # seconds spent on this bucket so far, added to the aggregator's timing when it lands (so
-    # a bucket launched on one thread and landed on another never races on the totals)
-    codec_seconds: float = 0.0
-    comm_seconds: float = 0.0
-    started_at: float = 0.0  # perf_counter() when round 0's collective was started
-
-
-@dataclass
-class _Bucket:
-    codec: Codec
-    fused: bool  # element-wise codec without EF: encode the whole flat bucket once
-    slots: list[_Slot]
-    # byte offsets of each slot's wire tensors inside one rank's gather row, per slot (this step)
-    layout: list[list[tuple[int, tuple[int, ...], torch.dtype]]] = field(default_factory=list)
-    row_bytes: int = 0
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return self.slots[0].name if len(self.slots) == 1 else f"{self.slots[0].name}..{self.slots[-1].name}"
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
 
 
 class Aggregator:
@@ -91,20 +48,13 @@ class Aggregator:
     collectives are in flight. ``feedback`` may be shared between aggregators over disjoint
     names (DDP buckets). ``as_given``: every tensor goes through the codec chosen for it,
     however small or one-dimensional (no fp32 fallback): for a flat vector such as a whole
-    model's state, which :meth:`flat` builds.
+    model's state, which :func:`thinwire.hierarchical.flat_aggregator` builds.
 
-    Over a world whose ``comm.hierarchy`` is set (ranks grouped into nodes), constructing an
-    ``Aggregator`` gives a :class:`~thinwire.hierarchical.HierarchicalAggregator`: the same
-    buckets, averaged uncompressed inside each node and through the codec between nodes.
+    Over a world whose ``comm.hierarchy`` is set (ranks grouped into nodes),
+    :func:`thinwire.hierarchical.build_aggregator` gives a
+    :class:`~thinwire.hierarchical.HierarchicalAggregator` instead: the same buckets, averaged
+    uncompressed inside each node and through the codec between nodes.
     """
-
-    def __new__(cls, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, comm: Communicator,
-                **kwargs: object) -> Aggregator:
-        if cls is Aggregator and getattr(comm, "hierarchy", None) is not None:
-            from thinwire.hierarchical import HierarchicalAggregator
-
-            return super().__new__(HierarchicalAggregator)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -140,37 +90,29 @@ class Aggregator:
             codec.rank = comm.rank
             _check_pair(codec)
 
-    @classmethod
-    def flat(cls, name: str, like: torch.Tensor, codec: Codec, comm: Communicator, *,
-             feedback: ErrorFeedback | None = None) -> Aggregator:
-        """An aggregator of one flat tensor (``like``'s shape) through ``codec`` as it is, in
-        one bucket: a model-averaging method's model state or delta."""
-        return cls([(name, like)], lambda _name, _t: codec, comm, bucket_mb=max(1.0, 4 * like.numel() / 2**20),
-                   feedback=feedback, as_given=True)
-
     # -- construction ----------------------------------------------------------------------
-    def _plan(self, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, cap: int) -> list[_Bucket]:
+    def _plan(self, named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, cap: int) -> list[Bucket]:
         """One open bucket per codec, filled in parameter order until ``cap`` bytes (fp32).
 
         Weights and biases usually alternate between a compressing codec and the fp32
         fallback; keeping a bucket open per codec (instead of cutting at every change)
         gives one collective per codec per round for a typical model, not one per tensor.
         """
-        buckets: list[_Bucket] = []
-        open_: dict[int, _Bucket] = {}  # id(codec) -> the bucket being filled
+        buckets: list[Bucket] = []
+        open_: dict[int, Bucket] = {}  # id(codec) -> the bucket being filled
         for name, t in named:
             codec = codec_for(name, t)
             if not self.as_given and (not codec.compresses(t.shape) or codec.is_identity):
                 codec = self._fallback  # plain fp32 shares one bucket, whichever codec chose it
             b = open_.get(id(codec))
             if b is None or 4 * (b.numel + t.numel()) > codec.bucket_cap(cap) and b.slots:
-                b = open_[id(codec)] = _Bucket(codec, codec.fusable and not codec.config.ef, [])
+                b = open_[id(codec)] = Bucket(codec, codec.fusable and not codec.config.ef, [])
                 buckets.append(b)
-            b.slots.append(_Slot(name, t.shape, t.numel(), b.numel))
+            b.slots.append(Slot(name, t.shape, t.numel(), b.numel))
         return buckets
 
     @staticmethod
-    def _layout(b: _Bucket) -> None:
+    def _layout(b: Bucket) -> None:
         """Byte offsets of every wire tensor in one rank's row (GATHER buckets), at the codec's
         current step: a codec's wire size may follow a schedule (FFT's theta), the same on
         every rank at the same step."""
@@ -228,7 +170,7 @@ class Aggregator:
         return Reduction(self, launched, tensors)
 
     def launch(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None, *,
-               in_place: bool = True) -> list[tuple[_Bucket, _Flight]]:
+               in_place: bool = True) -> list[tuple[Bucket, Flight]]:
         """Encode the chosen buckets' first round (with error feedback) and start their
         collectives; :meth:`land` finishes them. The step counter is read, not advanced.
         ``in_place``: ``tensors`` is also where :meth:`land` writes the means.
@@ -240,7 +182,7 @@ class Aggregator:
         chosen = self.buckets if buckets is None else [self.buckets[i] for i in buckets]
         return [(b, self._launch(b, tensors, in_place)) for b in chosen]
 
-    def land(self, launched: list[tuple[_Bucket, _Flight]], tensors: Mapping[str, torch.Tensor]) -> None:
+    def land(self, launched: list[tuple[Bucket, Flight]], tensors: Mapping[str, torch.Tensor]) -> None:
         """Every later round (in bucket order), then wait, decode and write the means into
         ``tensors`` (the buckets' names: the inputs, or tensors of their shapes)."""
         for r in range(1, max((b.codec.rounds for b, _ in launched), default=1)):
@@ -266,7 +208,7 @@ class Aggregator:
         own inputs, the codec's state and the step."""
         self.land(self.launch(tensors, [i], in_place=tensors is out), out)
 
-    def _launch(self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> _Flight:
+    def _launch(self, b: Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool = True) -> Flight:
         """Encode round 0 (with error feedback) and start its collective. ``in_place``: the
         tensors are also where the means go, so a fused bucket may work on them directly."""
         t0 = time.perf_counter()
@@ -276,12 +218,12 @@ class Aggregator:
         items = self._inputs(b, tensors, in_place)
         ef = b.codec.config.ef
         us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
-        flight = _Flight(us, [b.codec.encode(u, key=k) for k, u in us])
+        flight = Flight(us, [b.codec.encode(u, key=k) for k, u in us])
         in_comm = self._start(b, flight, 0)
         flight.codec_seconds += time.perf_counter() - t0 - in_comm
         return flight
 
-    def _start(self, b: _Bucket, f: _Flight, r: int) -> float:
+    def _start(self, b: Bucket, f: Flight, r: int) -> float:
         """Pack, start the collective, then (after the final round's encode) error feedback.
 
         Returns the seconds spent inside the communicator's call (counted as communication).
@@ -297,11 +239,11 @@ class Aggregator:
         else:
             device = f.us[0][1].device
             self._layout(b)
-            send = _buffer(b, "send", (b.row_bytes,), torch.uint8, device)
+            send = bucket_buffer(b, "send", (b.row_bytes,), torch.uint8, device)
             for entries, p in zip(b.layout, f.payloads):
                 for (off, _, _), t in zip(entries, p.tensors):
                     send[off : off + t.numel() * t.element_size()].copy_(as_bytes(t))
-            f.wire = _buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
+            f.wire = bucket_buffer(b, "recv", (self.comm.world_size, b.row_bytes), torch.uint8, device)
             t0 = time.perf_counter()
             f.started_at = f.started_at or t0
             f.handle = self.comm.all_gather(send, f.wire, async_op=True)
@@ -314,7 +256,7 @@ class Aggregator:
         f.comm_seconds += in_comm
         return in_comm
 
-    def _account(self, b: _Bucket, payloads: list[Payload]) -> None:
+    def _account(self, b: Bucket, payloads: list[Payload]) -> None:
         """Add each tensor's share of this collective to ``sent_bytes`` (a fused payload's
         bytes shared in proportion to size, as in :meth:`plan`)."""
         op = "all_reduce" if b.codec.aggregation is Aggregation.SUM else "all_gather"
@@ -328,13 +270,13 @@ class Aggregator:
         for s, nbytes in zip(b.slots, shares):
             self.sent_bytes[s.name] += sent_bytes(op, nbytes, n)
 
-    def _wait(self, f: _Flight) -> None:
+    def _wait(self, f: Flight) -> None:
         t0 = time.perf_counter()
         assert f.handle is not None  # set by _start with the collective
         f.handle.wait()
         f.comm_seconds += time.perf_counter() - t0
 
-    def _next_round(self, b: _Bucket, f: _Flight, r: int) -> None:
+    def _next_round(self, b: Bucket, f: Flight, r: int) -> None:
         self._wait(f)
         t0 = time.perf_counter()
         assert f.wire is not None  # set by _start with the collective
@@ -343,7 +285,7 @@ class Aggregator:
         in_comm = self._start(b, f, r)
         f.codec_seconds += time.perf_counter() - t0 - in_comm
 
-    def _land(self, b: _Bucket, f: _Flight, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _land(self, b: Bucket, f: Flight, tensors: Mapping[str, torch.Tensor]) -> None:
         """Wait for the last round, decode and write the means into ``tensors`` (the bucket's
         names; the inputs themselves, or tensors of their shapes)."""
         self._wait(f)
@@ -369,24 +311,24 @@ class Aggregator:
         self.timing.comm_seconds += f.comm_seconds
 
     def _inputs(
-        self, b: _Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool
+        self, b: Bucket, tensors: Mapping[str, torch.Tensor], in_place: bool
     ) -> list[tuple[str, torch.Tensor]]:
         if not b.fused:
             return [(s.name, tensors[s.name]) for s in b.slots]
         flat = _adjacent(b, tensors) if in_place else None
         if flat is not None:
             return [(b.key, flat)]  # DDP's bucket gradients: already one flat buffer, no copy
-        flat = _buffer(b, "flat", (b.numel,), torch.float32, tensors[b.slots[0].name].device)
+        flat = bucket_buffer(b, "flat", (b.numel,), torch.float32, tensors[b.slots[0].name].device)
         for s in b.slots:
             flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
         return [(b.key, flat)]
 
-    def _pack_sum(self, b: _Bucket, r: int, payloads: list[Payload]) -> torch.Tensor:
+    def _pack_sum(self, b: Bucket, r: int, payloads: list[Payload]) -> torch.Tensor:
         wires = [t for p in payloads for t in p.tensors]
         if b.fused and len(wires) == 1:
             return wires[0]  # a buffer of our own (the fused flat input or a fresh cast)
         numel = sum(t.numel() for t in wires)
-        buf = _buffer(b, f"sum{r}", (numel,), wires[0].dtype, wires[0].device)
+        buf = bucket_buffer(b, f"sum{r}", (numel,), wires[0].dtype, wires[0].device)
         off = 0
         for t in wires:
             buf[off : off + t.numel()].copy_(t.reshape(-1))
@@ -404,7 +346,7 @@ class Aggregator:
             out.append(p.with_tensors(tuple(parts)))
         return out
 
-    def _gathered_means(self, b: _Bucket, f: _Flight, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _gathered_means(self, b: Bucket, f: Flight, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every rank's payload decoded from the gathered bytes and summed into the output
         tensor (in place when it is contiguous fp32), then divided by n."""
         n = self.comm.world_size
@@ -416,7 +358,7 @@ class Aggregator:
             if direct and out is not None:
                 acc = out
             else:
-                acc = _buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, wire.device)
+                acc = bucket_buffer(b, f"acc:{key}", tuple(shape_in), torch.float32, wire.device)
             payloads = [  # wire tensors only: meta is local to the rank that encoded
                 Payload(tuple(from_bytes(wire[i], off, shape, dtype) for off, shape, dtype in entries),
                         shape_in, own.dtype)
@@ -431,7 +373,7 @@ class Aggregator:
                 out.copy_(acc)
 
     @staticmethod
-    def _write(b: _Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:
+    def _write(b: Bucket, tensors: Mapping[str, torch.Tensor], results: list[torch.Tensor]) -> None:
         if b.fused:
             flat = results[0].reshape(-1)
             out = _adjacent(b, tensors)
@@ -475,7 +417,7 @@ class Aggregator:
 class Reduction:
     """An :meth:`Aggregator.start` in flight: :meth:`wait` lands it (once)."""
 
-    def __init__(self, agg: Aggregator, launched: list[tuple[_Bucket, _Flight]],
+    def __init__(self, agg: Aggregator, launched: list[tuple[Bucket, Flight]],
                  tensors: Mapping[str, torch.Tensor]) -> None:
         self._agg, self._launched, self._tensors = agg, launched, tensors
         self.done = False
@@ -503,7 +445,7 @@ class Reduction:
         self.done = True
 
 
-def _units(b: _Bucket) -> list[tuple[str, torch.Size]]:
+def _units(b: Bucket) -> list[tuple[str, torch.Size]]:
     """(key, shape) of each payload of a bucket: one flat unit when fused, else its slots."""
     if b.fused:
         return [(b.key, torch.Size([b.numel]))]
@@ -544,17 +486,7 @@ def _check_pair(codec: Codec) -> None:
         raise ValueError(f"codec {codec.name}: aggregation must be SUM or GATHER, got {codec.aggregation!r}")
 
 
-def _buffer(b: _Bucket, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer reused across steps (fresh large allocations cost several copies' time): a
-    view of a kept flat store, regrown only when a step needs more (e.g. FFT's theta falls)."""
-    numel = math.prod(shape)
-    store = b.buffers.get(key)
-    if store is None or store.numel() < numel or store.dtype != dtype or store.device != device:
-        store = b.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-    return store[:numel].view(shape)
-
-
-def _adjacent(b: _Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+def _adjacent(b: Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """A fused bucket's tensors as one flat fp32 view when they already lie back to back in
     one storage, in slot order (the gradients of a DDP bucket do); else None."""
     first = tensors[b.slots[0].name]

@@ -351,16 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compare":
             return _compare(args, list(argv) if argv is not None else sys.argv[1:])
         if args.command == "bench" and args.bench == "codecs":
-            from thinwire.run.bench_codecs import main as bench_codecs
+            from thinwire.lab.bench_codecs import main as bench_codecs
 
             return bench_codecs(quick=args.quick, methods=args.methods, repeats=args.repeats)
         if args.command == "bench" and args.bench == "consensus":
-            from thinwire.run.bench_consensus import main as bench_consensus
+            from thinwire.lab.bench_consensus import main as bench_consensus
 
             return bench_consensus(quick=args.quick, methods=args.methods, workers=args.workers, size=args.size,
                                    topology=args.topology, max_steps=args.max_steps, out=args.out)
         if args.command == "bench" and args.bench == "memory":
-            from thinwire.run.bench_memory import main as bench_memory
+            from thinwire.lab.bench_memory import main as bench_memory
             from thinwire.run.config import check_workers
 
             if args.workers < 1 or args.steps < 1:
@@ -561,7 +561,7 @@ def _given(args: argparse.Namespace, fields: Sequence[str]) -> dict[str, Any]:
 
 
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:
-    from thinwire.run import compare
+    from thinwire.lab import compare
 
     if bool(args.methods) == bool(args.suite):
         raise BadInput("compare needs exactly one of --methods and --suite")
@@ -570,7 +570,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
                        "(each suite race sets its own)")
     if args.suite and args.seeds != 1:
         raise BadInput("--seeds applies to --methods races (a suite's claims are read on one seed)")
-    from thinwire.run import suite
+    from thinwire.lab import suite
 
     workers = args.workers if args.workers is not None else (suite.SUITE_WORKERS if args.suite else 2)
     base = _config(args, COMPARE_FIELDS, workers=workers)
@@ -593,7 +593,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _compare_locked(args: argparse.Namespace, argv: list[str], races: list[Any]) -> int:
-    from thinwire.run import compare
+    from thinwire.lab import compare
 
     warning = _warn_load("thinwire compare")
     for each in races:
@@ -614,7 +614,7 @@ def _compare_locked(args: argparse.Namespace, argv: list[str], races: list[Any])
 
 
 def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
-    from thinwire.run import compare, suite
+    from thinwire.lab import compare, suite
 
     groups = suite.SUITES[args.suite]
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -630,8 +630,8 @@ def _suite(args: argparse.Namespace, argv: list[str], races) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from thinwire.run import cost
-    from thinwire.run.compare import DEFAULT_LINKS, resolve_methods, split_methods
+    from thinwire.lab import cost
+    from thinwire.lab.compare import DEFAULT_LINKS, resolve_methods, split_methods
 
     if args.probe_steps < 2:
         raise BadInput(f"probe-steps must be >= 2, got {args.probe_steps}")
@@ -701,7 +701,7 @@ def _given_compute(args: argparse.Namespace) -> tuple[float, dict[str, Any] | No
             raise BadInput(f"--compute-ms must be a finite number of milliseconds > 0, got {args.compute_ms}")
         return args.compute_ms / 1e3, None
     if args.compute_from is not None:
-        from thinwire.run.cost import compute_from_run
+        from thinwire.lab.cost import compute_from_run
 
         try:
             seconds, summary = compute_from_run(args.compute_from)
@@ -714,7 +714,7 @@ def _given_compute(args: argparse.Namespace) -> tuple[float, dict[str, Any] | No
 def _check_compute_run(summary: dict[str, Any], base: Any, where: str) -> None:
     """A ``--compute-from`` run must have computed this probe's step: the same task, task
     options and batch size per worker, and a method that runs the task's plain step."""
-    from thinwire.algorithms.registry import own_compute
+    from thinwire.algorithms.methods import own_compute
 
     config: dict[str, Any] = summary["config"] if isinstance(summary.get("config"), dict) else {}
     ran = {"task": summary.get("task", config.get("task")), "task options": config.get("task_options") or {},
@@ -731,13 +731,13 @@ def _check_compute_run(summary: dict[str, Any], base: Any, where: str) -> None:
 
 
 def _sigterm_interrupts() -> Any:
-    """SIGTERM raises :class:`thinwire.run.cost.ProbeInterrupted` (as SIGINT raises
+    """SIGTERM raises :class:`thinwire.lab.cost.ProbeInterrupted` (as SIGINT raises
     KeyboardInterrupt) until the returned undo is called; a launch in flight takes both
     signals itself meanwhile. Nothing off the main thread."""
     import signal
     import threading
 
-    from thinwire.run.cost import ProbeInterrupted
+    from thinwire.lab.cost import ProbeInterrupted
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -756,7 +756,7 @@ class _CostTable:
     def __init__(self, args: argparse.Namespace, base: Any, resolved: list[str], names: list[str],
                  given_s: float | None) -> None:
         from thinwire.comm.link import Link
-        from thinwire.run import cost
+        from thinwire.lab import cost
 
         self.args, self.base, self.resolved, self.given_s = args, base, resolved, given_s
         self.names = dict(zip(resolved, names, strict=True))  # rows named as typed: two variants stay apart
@@ -765,13 +765,14 @@ class _CostTable:
         self.repeats = args.repeats
 
     def _compute(self, runs: dict[str, list[Any]]) -> Any:
-        from thinwire.run import cost
+        from thinwire.lab import cost
 
         return cost.shared_compute(runs, lambda spec: self.shares[spec])
 
     def rows(self, runs: dict[str, list[Any]]) -> tuple[list[str], list[list[str]]]:
         """The columns and a row per method of ``runs`` (the reference among them)."""
-        from thinwire.run import cost
+        from thinwire.lab import cost
+        from thinwire.lab.tables import spread
 
         shared = self._compute(runs)
         ref_spec = self.resolved[0]
@@ -787,7 +788,7 @@ class _CostTable:
             c = cost.median_cost(each)
 
             def ms(of: Any, each: list[Any] = each) -> str:
-                return cost.spread([1e3 * of(x) for x in each])
+                return spread([1e3 * of(x) for x in each])
 
             if self.given_s is not None:
                 beats = cost.verdict(c, cost.median_cost(at[ref_spec]), latency) if spec != ref_spec \
@@ -890,7 +891,7 @@ def print_cost(console: Any, title: str, caption: str, columns: list[str], rows:
 def _warn_load(command: str) -> str | None:
     """One line on stderr when the machine is busy before ``command`` times anything; the
     warning, or None."""
-    from thinwire.run.load import load_warning
+    from thinwire.lab.load import load_warning
 
     warning = load_warning(command)
     if warning:
@@ -928,7 +929,7 @@ def _nodes_resolved(base):
 
 def _check_task(cfg) -> None:
     """Build the task once here so a missing or corrupt data directory fails before any rank starts."""
-    from thinwire.algorithms.registry import check_model
+    from thinwire.algorithms.methods import check_model
     from thinwire.tasks import get as get_task
 
     try:
@@ -1031,8 +1032,8 @@ def _methods(imports: list[str], markdown: bool = False, names: Sequence[str] = 
     """Every method and knob, or only those of ``names`` (an unknown name: BadInput)."""
     from rich.console import Console
 
-    from thinwire.algorithms.registry import METHODS, method_names
-    from thinwire.codecs.registry import CODECS
+    from thinwire.algorithms.methods import METHODS, method_names
+    from thinwire.codecs.specs import CODECS
     from thinwire.policy import PRESETS
     from thinwire.run.config import import_modules
 
@@ -1048,7 +1049,7 @@ def _methods(imports: list[str], markdown: bool = False, names: Sequence[str] = 
                        f"known: {', '.join(known)}")
     shown = set(wanted or known)
     if markdown:
-        from thinwire.algorithms.registry import markdown_table
+        from thinwire.algorithms.methods import markdown_table
 
         print(markdown_table(shown if wanted else None), end="")
         return 0
@@ -1100,7 +1101,7 @@ def _method(console, name: str, kind: str, summary: str, config_cls: type) -> No
     """One method's heading and its knob table: knob, default, allowed range, meaning."""
     from rich.table import Table
 
-    from thinwire.codecs.registry import knob_table
+    from thinwire.codecs.specs import knob_table
 
     console.print(f"[bold cyan]{name}[/bold cyan]  ({kind})  {summary}")
     table = Table(show_header=True, box=None, padding=(0, 2), pad_edge=True)

@@ -1,7 +1,7 @@
 """Two-level averaging: uncompressed inside a node, through the codec between nodes.
 
 An :class:`~thinwire.aggregate.Aggregator` built over a world communicator that carries a
-:class:`~thinwire.comm.nodes.Hierarchy` is a :class:`HierarchicalAggregator`. It plans the
+:class:`~thinwire.comm.base.Hierarchy` is a :class:`HierarchicalAggregator`. It plans the
 same buckets as a flat one (the same codec choices, fp32 fallback and order) and averages
 each bucket in three stages:
 
@@ -30,10 +30,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from thinwire.aggregate import Aggregator, CodecChooser, _Bucket, _buffer, _Flight
+from thinwire.aggregate import Aggregator, CodecChooser
+from thinwire.buckets import Bucket, Flight, bucket_buffer
+from thinwire.codecs.base import Codec
+from thinwire.comm.base import Communicator
 from thinwire.comm.meter import sent_bytes
 from thinwire.comm.nodes import check_intra_dtype
 from thinwire.feedback import ErrorFeedback
@@ -99,7 +103,7 @@ class _Stage:
 
 
 @dataclass
-class _Leg(_Flight):
+class _Leg(Flight):
     """A bucket in flight: its node means (``mine``), the shard's flight between nodes."""
 
     stage: _Stage | None = None
@@ -124,7 +128,7 @@ class _Handles:
 class HierarchicalAggregator(Aggregator):
     """An :class:`~thinwire.aggregate.Aggregator` over a world with nodes (see the module).
 
-    Built by ``Aggregator(...)`` itself when ``comm.hierarchy`` is set; the same API. Buckets
+    Built by :func:`build_aggregator` when ``comm.hierarchy`` is set; the same API. Buckets
     are not pipelined across threads (:attr:`pipelines` is False): each bucket's stages run
     on the thread that lands it.
     """
@@ -148,7 +152,7 @@ class HierarchicalAggregator(Aggregator):
         for codec in self.codecs:
             codec.rank = hierarchy.inter.rank  # its peers between nodes average the same shard
 
-    def _stage(self, b: _Bucket, bucket_mb: float) -> _Stage:
+    def _stage(self, b: Bucket, bucket_mb: float) -> _Stage:
         h = self.hierarchy
         shards = shard([(s.name, s.shape) for s in b.slots], h.layout.ranks_per_node, b.codec.elementwise)
         segment = max(max((p.offset + p.numel for p in pieces), default=0) for pieces in shards)
@@ -169,14 +173,14 @@ class HierarchicalAggregator(Aggregator):
 
     # -- work ------------------------------------------------------------------------------
     def launch(self, tensors: Mapping[str, torch.Tensor], buckets: Sequence[int] | None = None, *,
-               in_place: bool = True) -> list[tuple[_Bucket, _Flight]]:
+               in_place: bool = True) -> list[tuple[Bucket, Flight]]:
         """Stage 1 of the chosen buckets (blocking), then stage 2's first round launched."""
         for codec in self.codecs:
             codec.step = self.step
         chosen = range(len(self.buckets)) if buckets is None else buckets
         return [(self.buckets[i], self._start_leg(self.buckets[i], self.stages[i], tensors)) for i in chosen]
 
-    def _start_leg(self, b: _Bucket, st: _Stage, tensors: Mapping[str, torch.Tensor]) -> _Leg:
+    def _start_leg(self, b: Bucket, st: _Stage, tensors: Mapping[str, torch.Tensor]) -> _Leg:
         t0 = time.perf_counter()
         missing = [s.name for s in b.slots if s.name not in tensors]
         if missing:
@@ -184,7 +188,7 @@ class HierarchicalAggregator(Aggregator):
         h = self.hierarchy
         ranks = h.layout.ranks_per_node
         device = tensors[b.slots[0].name].device
-        send = _buffer(b, "node:send", (ranks * st.segment,), self.dtype, device)
+        send = bucket_buffer(b, "node:send", (ranks * st.segment,), self.dtype, device)
         for r, pieces in enumerate(st.shards):
             base = r * st.segment
             for p in pieces:
@@ -198,7 +202,7 @@ class HierarchicalAggregator(Aggregator):
                     dst.div_(ranks)
             end = max((p.offset + p.numel for p in pieces), default=0)
             send[base + end : base + st.segment].zero_()  # padding: the same zeros on every rank
-        mine = _buffer(b, "node:mine", (st.segment,), self.dtype, device)
+        mine = bucket_buffer(b, "node:mine", (st.segment,), self.dtype, device)
         t1 = time.perf_counter()
         h.intra.reduce_scatter(send, mine)
         t2 = time.perf_counter()
@@ -207,7 +211,7 @@ class HierarchicalAggregator(Aggregator):
         if st.inner is not None:
             means = mine
             if self.dtype != torch.float32:  # the codec gets fp32
-                means = _buffer(b, "node:means", (st.segment,), torch.float32, device)
+                means = bucket_buffer(b, "node:means", (st.segment,), torch.float32, device)
                 means.copy_(mine)
                 leg.codec_seconds += time.perf_counter() - t2
             leg.means = means
@@ -219,7 +223,7 @@ class HierarchicalAggregator(Aggregator):
             leg.started_at = min([t1] + [f.started_at for _, f in leg.inner_launched if f.started_at])
         return leg
 
-    def land(self, launched: list[tuple[_Bucket, _Flight]], tensors: Mapping[str, torch.Tensor]) -> None:
+    def land(self, launched: list[tuple[Bucket, Flight]], tensors: Mapping[str, torch.Tensor]) -> None:
         """Stage 2's later rounds and decode, then stage 3, writing the means into ``tensors``."""
         for b, leg in launched:
             assert isinstance(leg, _Leg) and leg.stage is not None and leg.mine is not None
@@ -230,7 +234,7 @@ class HierarchicalAggregator(Aggregator):
                     leg.mine.copy_(leg.means)
             t0 = time.perf_counter()
             ranks = self.hierarchy.layout.ranks_per_node
-            gathered = _buffer(b, "node:gathered", (ranks, st.segment), self.dtype, leg.mine.device)
+            gathered = bucket_buffer(b, "node:gathered", (ranks, st.segment), self.dtype, leg.mine.device)
             self.hierarchy.intra.all_gather(leg.mine, gathered)
             t1 = time.perf_counter()
             self._write_back(b, st, gathered, tensors)
@@ -240,7 +244,7 @@ class HierarchicalAggregator(Aggregator):
             self.timing.comm_seconds += leg.comm_seconds
             leg.codec_seconds = leg.comm_seconds = 0.0
 
-    def _wait(self, f: _Flight) -> None:
+    def _wait(self, f: Flight) -> None:
         assert isinstance(f, _Leg)
         if f.stage is not None and f.stage.inner is not None:
             for _, inner in f.inner_launched:
@@ -248,7 +252,7 @@ class HierarchicalAggregator(Aggregator):
                     f.stage.inner._wait(inner)
 
     @staticmethod
-    def _write_back(b: _Bucket, st: _Stage, gathered: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _write_back(b: Bucket, st: _Stage, gathered: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
         parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         for r, pieces in enumerate(st.shards):
             for p in pieces:
@@ -263,7 +267,7 @@ class HierarchicalAggregator(Aggregator):
             elif written:
                 out.copy_(torch.cat([values for _, values in written]).view(out.shape))
 
-    def _account_intra(self, b: _Bucket, st: _Stage, ranks: int) -> None:
+    def _account_intra(self, b: Bucket, st: _Stage, ranks: int) -> None:
         """The node stages' bytes (a reduce_scatter and an all_gather of the buckets'
         segments, in the node's dtype) shared among the bucket's tensors in proportion to size."""
         size = torch.finfo(self.dtype).bits // 8
@@ -288,3 +292,20 @@ class HierarchicalAggregator(Aggregator):
                              "rank(s): residuals are per shard, so resume with the same --ranks-per-node")
         check_intra_dtype(state.get("intra_dtype"), self.hierarchy.dtype_name)
         super().load_state_dict(state)
+
+
+def build_aggregator(named: Sequence[tuple[str, torch.Tensor]], codec_for: CodecChooser, comm: Communicator,
+                     **options: Any) -> Aggregator:
+    """The aggregator for ``comm``: a :class:`HierarchicalAggregator` over a world whose
+    ``comm.hierarchy`` is set (ranks grouped into nodes), else a flat
+    :class:`~thinwire.aggregate.Aggregator`; ``options`` are the aggregator's keywords."""
+    kind = HierarchicalAggregator if getattr(comm, "hierarchy", None) is not None else Aggregator
+    return kind(named, codec_for, comm, **options)
+
+
+def flat_aggregator(name: str, like: torch.Tensor, codec: Codec, comm: Communicator, *,
+                    feedback: ErrorFeedback | None = None) -> Aggregator:
+    """An aggregator (:func:`build_aggregator`) of one flat tensor (``like``'s shape) through
+    ``codec`` as it is, in one bucket: a model-averaging method's model state or delta."""
+    return build_aggregator([(name, like)], lambda _name, _t: codec, comm, bucket_mb=max(1.0, 4 * like.numel() / 2**20),
+                            feedback=feedback, as_given=True)

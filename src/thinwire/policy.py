@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import CODECS, build_codec, build_config, parse_spec
+from thinwire.codecs.specs import CODECS, build_codec, build_config, parse_spec
 from thinwire.knobs import describe_config, knob, read_user_file, require
 from thinwire.registry import Registry
 
@@ -333,6 +333,11 @@ class HyloConfig:
             build_codec(spec)  # the sub-codecs validate their own knobs
 
 
+# policy presets by name: each builds its rules from its config (this module's functions)
+PRESETS: Registry[Callable[[Any], list[Rule]]] = Registry(
+    "policy preset", builtins=("thinwire.policy",), taken=lambda name: "a codec" if name in CODECS else None)
+
+
 def _hylo_specs(cfg: HyloConfig) -> tuple[str, str]:
     ef = str(cfg.ef).lower()
     kernels = (f"kernels:ef={ef},min_numel=0,granularity={cfg.granularity},score={cfg.score},"
@@ -343,6 +348,9 @@ def _hylo_specs(cfg: HyloConfig) -> tuple[str, str]:
     return kernels, twobit
 
 
+@PRESETS.register(name="hylo", Config=HyloConfig,
+                  summary="Hylo: top kernels for conv weights > t_conv, adaptive 2-bit for linear weights > t_fc, "
+                          "fp32 for the rest")
 def _hylo_rules(cfg: HyloConfig) -> list[Rule]:
     kernels, twobit = _hylo_specs(cfg)
     return [
@@ -350,14 +358,6 @@ def _hylo_rules(cfg: HyloConfig) -> list[Rule]:
         Rule(twobit, module=("linear",), ndim=(2,), min_numel=cfg.t_fc + 1, where="hylo rule 2 (linear)"),
         Rule("identity", where="hylo rule 3 (the rest)"),
     ]
-
-
-# policy presets by name: each builds its rules from its config
-PRESETS: Registry[Callable[[Any], list[Rule]]] = Registry(
-    "policy preset", taken=lambda name: "a codec" if name in CODECS else None)
-PRESETS.add("hylo", _hylo_rules, Config=HyloConfig,
-            summary="Hylo: top kernels for conv weights > t_conv, adaptive 2-bit for linear weights > t_fc, "
-                    "fp32 for the rest", builtin=True)
 
 
 def as_policy(method: Any) -> Policy | None:

@@ -1,21 +1,26 @@
 """Names to things: the one registry type behind codecs, methods, presets, tasks and topologies.
 
-Every entry has a name, the thing it names (a class or a builder), the frozen dataclass of
-its knobs (``Config``; :class:`NoKnobs` for none) and a one-line summary. ``thinwire
-methods`` and the documentation tables are generated from the entries.
+Every entry has a name, the thing it names (a class or a builder function), the frozen
+dataclass of its knobs (``Config``; :class:`NoKnobs` for none) and a one-line summary.
+``thinwire methods`` and the documentation tables are generated from the entries.
 
-A registry may be filled lazily: ``load`` runs once, under a lock, before the first lookup
-(ranks simulated on threads may ask at the same time), and imports the modules whose
-entries register themselves. An entry added from outside (a user's module) waits for the
-built-in ones, so it is listed after them and cannot take a built-in name.
+One way to register, for every registry: the decorator :meth:`Registry.register` on the class
+(name, ``Config`` and ``summary`` read from it) or on the builder function (given as
+keywords). The built-in entries are found one way too: a registry names the modules and
+packages that hold them (``builtins``), and the first lookup imports them all, under a lock
+(ranks simulated on threads may ask at the same time), so their decorators run. An entry
+registered from outside (a user's module) waits for the built-in ones, so it is listed after
+them and cannot take a built-in name.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 
 class _Named(Protocol):
@@ -27,6 +32,7 @@ class _Named(Protocol):
 
 T = TypeVar("T")
 V = TypeVar("V", bound=_Named)
+U = TypeVar("U")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,21 +57,36 @@ class Registry(Generic[T]):
     change, so a built-in module that registers while another thread loads never waits for
     that load (which may be waiting to import the same module)."""
 
-    def __init__(self, kind: str, load: Callable[[], None] | None = None, package: str = "",
+    def __init__(self, kind: str, *, builtins: tuple[str, ...] = (), load: Callable[[], None] | None = None,
                  taken: Callable[[str], str | None] | None = None,
-                 order: Callable[[Entry[T]], Any] | None = None) -> None:
+                 order: Callable[[Entry[T]], Any] | None = None,
+                 check: Callable[[Any], None] | None = None) -> None:
         self.kind = kind
-        self.package = package  # classes defined under it are built-in: they never wait for ``load``
+        # modules and packages whose entries are built in: imported on the first lookup, and an
+        # entry defined under one of them never waits for that (it is being imported)
+        self.builtins = builtins
         self.taken = taken
-        # the built-in entries' listing order after ``load`` (stable: ties keep registration order),
+        self.check = check  # raises naming what a value lacks, before it is registered
+        # the built-in entries' listing order after loading (stable: ties keep registration order),
         # so that it does not depend on which module a program happened to import first
         self._order = order
         self._builtin: set[str] = set()
         self._entries: dict[str, Entry[T]] = {}
-        self._load = load
-        self._state = "empty" if load is not None else "loaded"  # empty -> loading -> loaded
+        self._load = load if load is not None else (self._import_builtins if builtins else None)
+        self._state = "empty" if self._load is not None else "loaded"  # empty -> loading -> loaded
         self._load_lock = threading.RLock()
         self._entries_lock = threading.Lock()
+
+    def _import_builtins(self) -> None:
+        """Import every module of :attr:`builtins` (a package: each of its modules, by name)."""
+        for name in self.builtins:
+            module = importlib.import_module(name)
+            for info in sorted(pkgutil.iter_modules(getattr(module, "__path__", [])), key=lambda m: m.name):
+                importlib.import_module(f"{name}.{info.name}")
+
+    def _is_builtin(self, value: object) -> bool:
+        module = getattr(value, "__module__", "") or ""
+        return any(module == b or module.startswith(b + ".") for b in self.builtins)
 
     def add(self, name: str, value: T, *, Config: type = NoKnobs, summary: str = "",  # noqa: N803
             builtin: bool = False) -> T:
@@ -86,13 +107,30 @@ class Registry(Generic[T]):
                 self._builtin.add(name)
         return value
 
-    def register(self, value: V) -> V:
-        """Class decorator: register a class by its ``name``, ``Config`` and ``summary``."""
-        module = getattr(value, "__module__", "")
-        builtin = bool(self.package) and (module == self.package or module.startswith(self.package + "."))
-        # a V is the registry's T (a type variable cannot be bounded by another one)
-        self.add(value.name, cast(T, value), Config=getattr(value, "Config", NoKnobs),
-                 summary=getattr(value, "summary", ""), builtin=builtin)
+    @overload
+    def register(self, value: V, /) -> V: ...
+
+    @overload
+    def register(self, value: None = None, /, *, name: str | None = None, Config: type | None = None,  # noqa: N803
+                 summary: str | None = None) -> Callable[[U], U]: ...
+
+    def register(self, value: Any = None, /, *, name: str | None = None, Config: type | None = None,  # noqa: N803
+                 summary: str | None = None) -> Any:
+        """Decorator: ``@REG.register`` on a class registers it by its ``name``, ``Config`` and
+        ``summary``; ``@REG.register(name=..., Config=..., summary=...)`` on a class or a
+        builder function gives them as keywords (a function's name defaults to its own).
+        Returns what it decorates, unchanged."""
+        if value is None:
+            return lambda v: self._register(v, name, Config, summary)
+        return self._register(value, name, Config, summary)
+
+    def _register(self, value: Any, name: str | None, Config: type | None, summary: str | None) -> Any:  # noqa: N803
+        if self.check is not None:
+            self.check(value)
+        key = name if name is not None else getattr(value, "name", None) or value.__name__
+        self.add(key, cast(T, value), Config=Config if Config is not None else getattr(value, "Config", NoKnobs),
+                 summary=summary if summary is not None else getattr(value, "summary", ""),
+                 builtin=self._is_builtin(value))
         return value
 
     def remove(self, name: str) -> None:

@@ -138,6 +138,11 @@ def _unreached(w: torch.Tensor) -> list[int]:
 
 
 # -- built-in graphs ----------------------------------------------------------------------------
+# the built-in graphs by name: each builds the topology of n workers (this module's functions)
+TOPOLOGIES: Registry[Callable[[int], Topology]] = Registry("topology", builtins=("thinwire.topology",))
+
+
+@TOPOLOGIES.register(summary="each worker and its two neighbours weigh 1/3")
 def ring(n: int) -> Topology:
     _check_n(n)
     w = torch.zeros(n, n, dtype=torch.float64)
@@ -162,6 +167,7 @@ def torus_shape(n: int) -> tuple[int, int]:
     return best
 
 
+@TOPOLOGIES.register(summary="a rows x cols grid (both >= 3) wrapped at the edges; five weights of 1/5")
 def torus(n: int) -> Topology:
     _check_n(n)
     rows, cols = torus_shape(n)
@@ -174,11 +180,13 @@ def torus(n: int) -> Topology:
     return Topology(w, "torus")
 
 
+@TOPOLOGIES.register(summary="every worker talks to every other, all weights 1/n")
 def complete(n: int) -> Topology:
     _check_n(n)
     return Topology(torch.full((n, n), 1 / n, dtype=torch.float64), "complete")
 
 
+@TOPOLOGIES.register(summary="worker i talks to i +- 2^k (mod n), Metropolis-Hastings weights")
 def exponential(n: int) -> Topology:
     _check_n(n)
     adj = torch.zeros(n, n, dtype=torch.bool)
@@ -201,15 +209,6 @@ def metropolis(adjacency: torch.Tensor) -> torch.Tensor:
     return w
 
 
-# the built-in graphs by name: each builds the topology of n workers
-TOPOLOGIES: Registry[Callable[[int], Topology]] = Registry("topology")
-for _build, _summary in (
-    (ring, "each worker and its two neighbours weigh 1/3"),
-    (torus, "a rows x cols grid (both >= 3) wrapped at the edges; five weights of 1/5"),
-    (complete, "every worker talks to every other, all weights 1/n"),
-    (exponential, "worker i talks to i +- 2^k (mod n), Metropolis-Hastings weights"),
-):
-    TOPOLOGIES.add(_build.__name__, _build, summary=_summary, builtin=True)
 NAMES = tuple(TOPOLOGIES)
 
 

@@ -24,7 +24,7 @@ def _batch(rank: int, step: int):
 
 
 def _train(comm, steps: int):
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
 
     model = copy.deepcopy(_base())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

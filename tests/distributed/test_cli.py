@@ -162,7 +162,7 @@ def test_bad_input_from_the_shell_has_no_traceback():
 
 
 def test_methods_lists_every_codec_and_knob(capsys):
-    from thinwire.codecs.registry import available
+    from thinwire.codecs.specs import available
 
     assert main(["methods"]) == 0
     text = capsys.readouterr().out
@@ -174,7 +174,7 @@ def test_methods_lists_every_codec_and_knob(capsys):
 
 
 def test_methods_lists_only_the_names_given(capsys):
-    from thinwire.algorithms.registry import markdown_table
+    from thinwire.algorithms.methods import markdown_table
 
     assert main(["methods", "topk", "dasgd:period=4"]) == 0  # a whole spec names its method
     text = capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_methods_lists_only_the_names_given(capsys):
 
 
 def test_methods_refuses_an_unknown_name_in_one_line(capsys):
-    from thinwire.algorithms.registry import method_names
+    from thinwire.algorithms.methods import method_names
 
     assert main(["methods", "topk", "zip"]) == 2
     captured = capsys.readouterr()

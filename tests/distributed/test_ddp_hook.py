@@ -80,7 +80,7 @@ def test_ddp_hook_matches_ddp_default_and_torch_compress_hooks():
 
 def _overlap_equals_in_hook(rank, world):
     import thinwire.integrations.ddp as tw_ddp
-    from thinwire.codecs.registry import available
+    from thinwire.codecs.specs import available
 
     differs = []
     # every codec on two ranks; on four (where gloo's sum order follows a value's place in the

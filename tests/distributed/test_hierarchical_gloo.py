@@ -18,9 +18,10 @@ from test_resume_gloo import SMALL, _same
 
 from spawn import free_port, run_ranks
 from thinwire.aggregate import Aggregator
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
+from thinwire.comm.layout import NodeLayout
 from thinwire.comm.meter import sent_bytes
-from thinwire.comm.nodes import NodeLayout, build_hierarchy
+from thinwire.comm.nodes import build_hierarchy
 from thinwire.comm.torch_dist import TorchComm
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig

@@ -16,7 +16,7 @@ from torch import nn
 pytest.importorskip("detonation", reason="detonation is not installed (pip install detonation mltiming)")
 
 from spawn import run_ranks  # noqa: E402
-from thinwire.integrations.detonation_demo import PeerDeMo, PeerDeMoConfig  # noqa: E402
+from thinwire.peers.detonation_demo import PeerDeMo, PeerDeMoConfig  # noqa: E402
 
 LR = 0.05
 STEPS = 5
@@ -270,7 +270,7 @@ def test_trainer_runs_and_resumes_it(tmp_path):
     ({"chunk": "1.5"}, "chunk must be an integer"),
 ])
 def test_bad_knob_is_one_line(knobs, needle):
-    from thinwire.codecs.registry import build_config
+    from thinwire.codecs.specs import build_config
 
     with pytest.raises(ValueError) as e:
         build_config(PeerDeMoConfig, knobs, "peer-demo")

@@ -25,7 +25,7 @@ def _base() -> nn.Module:
 
 
 def _train(comm, spec: str, steps: int):
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
 
     model = copy.deepcopy(_base())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -84,7 +84,7 @@ def test_identity_training_equals_single_process_on_union_of_batches(world):
 def _compressed_step(rank, world, spec):
     """One real gloo step of a compressing codec (min_numel=0: every matrix is compressed),
     next to this rank's own decode, so the parent can form the reference mean."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
     from thinwire.comm.torch_dist import TorchComm
 
     model = _model()

@@ -68,7 +68,7 @@ FOUR_RANKS = ["identity", "bf16", "powersgd:rank=2", "topk:ratio=0.05", "fft", "
 
 
 def _overlap_equals_reduce_time(rank, world):
-    from thinwire.codecs.registry import available
+    from thinwire.codecs.specs import available
 
     differs = []
     specs = [*available(), "powersgd:rank=2", "topk:ratio=0.05", "hylo"] if world == 2 else FOUR_RANKS

@@ -22,7 +22,7 @@ def _batch(rank: int, step: int):
 
 
 def _train(rank, world, spec):
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
     from thinwire.comm.torch_dist import TorchComm
 
     model = copy.deepcopy(_base())
@@ -76,7 +76,7 @@ def test_torch_ddp_equals_identity_and_the_hooks_are_metered():
 
 def _unavailable(rank, world):
     from thinwire.comm.torch_dist import TorchComm
-    from thinwire.integrations.torch_builtins import TorchBF16
+    from thinwire.peers.torch_builtins import TorchBF16
 
     try:
         TorchBF16(copy.deepcopy(_base()), None, TorchComm())

@@ -11,7 +11,7 @@ from torch import nn
 
 import tiny
 from spawn import run_ranks
-from thinwire.integrations.torchft_diloco import torchft_available
+from thinwire.peers.torchft_diloco import torchft_available
 
 # not imported here: the method imports torchft itself, after quieting its servers' logs
 pytestmark = pytest.mark.skipif(not torchft_available(), reason="torchft is not installed (pip install torchft)")
@@ -30,7 +30,7 @@ def _batch(rank: int, step: int):
 
 
 def _train(rank, spec, inner):
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
     from thinwire.comm.torch_dist import TorchComm
 
     model = copy.deepcopy(_base())
@@ -113,8 +113,8 @@ def test_bad_knob_is_one_line(spec, needle, capsys):
 
 
 def test_without_torchft_the_error_names_the_fix(monkeypatch):
-    from thinwire.algorithms.registry import check_world
-    from thinwire.integrations.torchft_diloco import TorchFTDiLoCo
+    from thinwire.algorithms.methods import check_world
+    from thinwire.peers.torchft_diloco import TorchFTDiLoCo
 
     for name in [m for m in sys.modules if m == "torchft" or m.startswith("torchft.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -127,7 +127,7 @@ def test_without_torchft_the_error_names_the_fix(monkeypatch):
 
 
 def test_resume_is_refused():
-    from thinwire.integrations.torchft_diloco import TorchFTDiLoCo
+    from thinwire.peers.torchft_diloco import TorchFTDiLoCo
 
     with pytest.raises(ValueError, match="resume is not supported for torch-diloco"):
         TorchFTDiLoCo.load_state_dict(object.__new__(TorchFTDiLoCo), {})

@@ -83,7 +83,7 @@ def test_a_module_that_cannot_be_imported_is_one_line_and_exit_2(command, capsys
 
 @pytest.mark.parametrize("body, needle", [
     ("raise RuntimeError('no GPU here')\n", "--import {path}: RuntimeError: no GPU here"),
-    ("from thinwire.codecs.identity import Identity\nfrom thinwire.codecs.registry import register\n\n\n"
+    ("from thinwire.codecs.identity import Identity\nfrom thinwire.codecs.specs import register\n\n\n"
      "@register\nclass Mine(Identity):\n    name = 'topk'\n",
      "--import {path}: ValueError: codec 'topk' registered twice"),
     (None, "--import {path}: ImportError: no such file {path}"),

@@ -192,7 +192,7 @@ def _every_method(rank: int, world: int, methods: list[str], amp: bool):
 
 @pytest.mark.timeout(300)
 def test_the_plain_loop_example_runs_every_listed_method_on_two_ranks():
-    from thinwire.algorithms.registry import method_names
+    from thinwire.algorithms.methods import method_names
 
     methods = method_names()
     assert {"dasgd", "hylo", "ab", "localsgd", "torch-ddp", "powergossip"} <= set(methods)

@@ -9,7 +9,7 @@ import torch
 
 from thinwire.aggregate import Aggregator
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import available, build_codec
+from thinwire.codecs.specs import available, build_codec
 from thinwire.comm.local import LocalWorld
 from thinwire.comm.meter import sent_bytes
 from thinwire.payload import Aggregation
@@ -281,7 +281,7 @@ def test_registry_loads_safely_from_many_threads():
 
     code = (
         "from thinwire.comm.local import LocalWorld\n"
-        "from thinwire.codecs.registry import build_codec\n"
+        "from thinwire.codecs.specs import build_codec\n"
         "print(LocalWorld(4).run(lambda c: build_codec('terngrad').name))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from thinwire.codecs.registry import build_codec
-from thinwire.run.bench_codecs import main, split_specs
+from thinwire.codecs.specs import build_codec
+from thinwire.lab.bench_codecs import main, split_specs
 from thinwire.tasks.mnist1d import cnn
 
 SPECS = "identity;topk:ratio=0.01"

@@ -3,7 +3,7 @@
 import csv
 
 from thinwire.cli import main
-from thinwire.run.bench_consensus import curve, first_below
+from thinwire.lab.bench_consensus import curve, first_below
 
 
 def test_uncompressed_gossip_reaches_consensus_and_powergossip_falls():

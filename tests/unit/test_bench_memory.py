@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from thinwire.comm.local import LocalWorld
-from thinwire.run import bench_memory
+from thinwire.lab import bench_memory
 from thinwire.run.config import TrainConfig
 from thinwire.run.trainer import train_rank
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinwire.algorithms.registry import method_names
+from thinwire.algorithms.methods import method_names
 from thinwire.comm.local import LocalWorld
-from thinwire.integrations.detonation_demo import detonation_available
+from thinwire.peers.detonation_demo import detonation_available
 from thinwire.run import checkpoint, outdir
 from thinwire.run.checkpoint import CheckpointError
 from thinwire.run.config import RunFinished, TrainConfig, from_options, merge_saved

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from thinwire.codecs.registry import available, build_codec
+from thinwire.codecs.specs import available, build_codec
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Aggregation
 
@@ -378,7 +378,7 @@ def test_decode_to_writes_exactly_what_decode_returns(spec):
 
 def test_only_stateless_one_round_sum_codecs_launch_in_backward():
     from thinwire.aggregate import pipelines
-    from thinwire.codecs.registry import available
+    from thinwire.codecs.specs import available
 
     launched = {name for name in available() if pipelines(make(name))}
     assert launched == {"identity", "bf16", "fp16"}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.run import compare, outdir
+from thinwire.lab import compare
+from thinwire.run import outdir
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import RunFailed
 
@@ -333,8 +334,8 @@ def test_one_seed_that_does_not_beat_the_runner_up_by_10_percent_is_a_tie(tmp_pa
     """The CLI over a stand-in launcher: the same bytes for bf16 and identity make a tie; a busy
     machine is one line on stderr and in the report."""
     from thinwire import cli
+    from thinwire.lab import load
     from thinwire.run import launch as launch_module
-    from thinwire.run import load
 
     def same_bytes(cfg, show_progress=True):
         return _fake_launch("none")(dataclasses.replace(cfg, method=cfg.method.replace("bf16", "identity")))

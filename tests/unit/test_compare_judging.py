@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from clicheck import refused
-from thinwire.run import compare, outdir
-from thinwire.run.compute import summarize, window_blocks
+from thinwire.lab import compare
+from thinwire.lab.compute import summarize, window_blocks
+from thinwire.run import outdir
 from thinwire.run.config import TrainConfig
 
 L = "1gbit,50us"

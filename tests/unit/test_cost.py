@@ -8,15 +8,8 @@ import random
 import pytest
 
 from thinwire.comm.link import Link
-from thinwire.run.cost import (
-    StepCost,
-    crossings_Bps,
-    crossover_Bps,
-    from_rows,
-    from_summary,
-    overlap_hidden_seconds,
-    verdict,
-)
+from thinwire.comm.overlap import overlap_hidden_seconds
+from thinwire.lab.cost import StepCost, crossings_Bps, crossover_Bps, from_rows, from_summary, verdict
 
 # bf16: 10 ms compute, 1 ms codec, 1 MB and 6 messages per step; a compressor: 10 ms compute,
 # 5 ms codec, 0.1 MB and 6 messages
@@ -303,8 +296,8 @@ def _probe_launch(fail: str = "", overlap: bool = False):
 
 
 def test_probe_times_only_the_steps_after_its_warm_up():
+    from thinwire.lab.cost import probe
     from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe
 
     costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16"], 4, launch=_probe_launch(),
                           say=lambda line: None)
@@ -316,8 +309,8 @@ def test_probe_times_only_the_steps_after_its_warm_up():
 
 
 def test_probe_reads_the_overlap_of_the_timed_steps():
+    from thinwire.lab.cost import probe
     from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe
 
     costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16"], 4, launch=_probe_launch(overlap=True),
                           say=lambda line: None)
@@ -326,8 +319,8 @@ def test_probe_reads_the_overlap_of_the_timed_steps():
 
 
 def test_a_failed_probe_is_reported_and_the_others_run():
+    from thinwire.lab.cost import probe
     from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe
 
     costs, failed = probe(TrainConfig(task="synthetic", steps=4), ["bf16", "topk:ratio=0.1", "identity"], 4,
                           launch=_probe_launch(fail="topk"), say=lambda line: None)
@@ -340,7 +333,7 @@ def test_a_failed_probe_is_reported_and_the_others_run():
     ("streaming-diloco:period=50,fragments=4", 60, 100), ("dpsgd", 7, 7), ("hylo", 9, 9), ("diloco:period=1", 3, 3),
 ])
 def test_a_periodic_method_is_probed_over_whole_periods(spec, steps, want):
-    from thinwire.run.cost import probe_steps
+    from thinwire.lab.cost import probe_steps
 
     assert probe_steps(spec, steps) == want
 
@@ -348,8 +341,8 @@ def test_a_periodic_method_is_probed_over_whole_periods(spec, steps, want):
 def test_a_probe_of_diloco_spreads_its_sync_over_the_period_and_reads_its_peak():
     """Real ranks: diloco with period 6 probed with 4 steps runs 6 + 6, one sync in the timed
     steps: its bytes per step are one pseudo-gradient all_reduce over 6 steps."""
+    from thinwire.lab.cost import probe
     from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe
 
     base = TrainConfig(task="synthetic", workers=2, task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64,
                                                                    "test_samples": 16}, batch_size=8).resolve()
@@ -369,8 +362,8 @@ def test_a_probe_of_diloco_spreads_its_sync_over_the_period_and_reads_its_peak()
 
 # -- repeats: rounds, medians, and the verdict's bandwidths over the repeats ----------------------
 def test_repeats_probe_in_rounds_and_a_method_that_fails_once_is_not_probed_again():
+    from thinwire.lab.cost import probe_repeats
     from thinwire.run.config import TrainConfig
-    from thinwire.run.cost import probe_repeats
 
     calls: list[str] = []
     fails = _probe_launch(fail="topk")
@@ -390,7 +383,7 @@ def test_repeats_probe_in_rounds_and_a_method_that_fails_once_is_not_probed_agai
 
 
 def test_the_median_cost_takes_each_figure_s_median():
-    from thinwire.run.cost import median_cost
+    from thinwire.lab.cost import median_cost
 
     a = StepCost("m", 0.010, 0.001, 100.0, 6, wait_s=0.003, window_s=0.002, early_share=0.5,
                  leads=((0.01, 0.5),), peak_bytes=300.0, probe_steps=20)
@@ -414,7 +407,8 @@ SMALLS = [dataclasses.replace(SMALL, compute_s=c, codec_s=k) for c, k in ((0.010
 
 
 def test_the_verdict_s_bandwidths_come_with_their_range_over_the_repeats():
-    from thinwire.run.cost import bound_ranges, bounds_text, median_cost, spread
+    from thinwire.lab.cost import bound_ranges, bounds_text, median_cost
+    from thinwire.lab.tables import spread
 
     # medians: codec 5 ms against 1 ms, the crossing at 0.9 MB / 4 ms = 225 MB/s = 1.8 Gbit/s; per repeat
     # 0.9 MB / 3 ms = 300 MB/s (2.4 Gbit/s), 225 MB/s and 0.9 MB / 4.5 ms = 200 MB/s (1.6 Gbit/s)
@@ -438,7 +432,7 @@ def test_cost_repeats_prints_medians_ranges_and_warns_of_a_busy_machine(monkeypa
     figure the two methods share, over the blocks of every round), the verdict from the
     medians with its bandwidths' range, and one line on stderr for the load."""
     from thinwire import cli
-    from thinwire.run import cost, load
+    from thinwire.lab import cost, load
 
     rounds = iter(range(3))
 
@@ -471,7 +465,7 @@ def test_cost_repeats_prints_medians_ranges_and_warns_of_a_busy_machine(monkeypa
 
 
 def test_the_load_check_every_timing_command_shares():
-    from thinwire.run.load import high_load, load_warning
+    from thinwire.lab.load import high_load, load_warning
 
     assert high_load(2.0, 2) == 2.0 and high_load(1.99, 2) is None and high_load(0.5, 1) is None
     assert load_warning("thinwire compare", load=3.5, ncores=2) == (

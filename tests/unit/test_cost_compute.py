@@ -12,10 +12,9 @@ import pytest
 
 from clicheck import refused
 from thinwire.comm.link import Link
-from thinwire.run import cost
-from thinwire.run.compute import SharedCompute
-from thinwire.run.config import TrainConfig
-from thinwire.run.cost import (
+from thinwire.lab import cost
+from thinwire.lab.compute import SharedCompute
+from thinwire.lab.cost import (
     Pace,
     StepCost,
     at_compute,
@@ -26,6 +25,7 @@ from thinwire.run.cost import (
     verdict,
     with_compute,
 )
+from thinwire.run.config import TrainConfig
 
 MS = 1e-3
 

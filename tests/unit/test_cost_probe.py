@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.run import cost
+from thinwire.lab import cost
 from thinwire.run.config import TrainConfig
 
 TINY = {"dim": 8, "hidden": 8, "classes": 2, "samples": 64, "test_samples": 16}

@@ -204,7 +204,7 @@ def _earlier_layout(state: dict, codec: str) -> dict:
     """``state`` as DaSGD saved it before its averages went through an Aggregator: its own
     error feedback, and an average of deltas in flight as its summed wire (the buffer then
     held no mean yet)."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     old = {k: v for k, v in state.items() if k not in ("pending_coded", "coded")}
     old["feedback"] = state["coded"]["feedback"] if state["coded"] is not None else {}

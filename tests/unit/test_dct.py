@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from thinwire.codecs.dct import position_dtype
-from thinwire.codecs.registry import build_codec
-from thinwire.numerics import dct, rangefloat
+from thinwire.codecs.specs import build_codec
+from thinwire.numerics import dct_basis, range_format
 from thinwire.payload import Payload, PayloadError
 
 SHAPES = [(1,), (10,), (130,), (7, 9), (64, 60), (200, 65), (3, 5, 7), (16, 3, 3, 3)]
@@ -22,7 +22,7 @@ def _x(shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _definition(x: torch.Tensor, t: dct.Tiling) -> torch.Tensor:
+def _definition(x: torch.Tensor, t: dct_basis.Tiling) -> torch.Tensor:
     """(chunks, size) fp64 coefficients by the DCT-II's definition, block by block, on the
     zero-padded matrix: X[k1, k2] = s_k1 s_k2 sum x[n1, n2] cos(pi (2 n1 + 1) k1 / 2 b1) cos(...)."""
     def d(b):
@@ -46,35 +46,35 @@ def _definition(x: torch.Tensor, t: dct.Tiling) -> torch.Tensor:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_transform_is_the_definition_orthonormal_and_round_trips(shape, chunk):
     x = _x(shape)
-    t = dct.tiling(shape, chunk)
-    c = dct.forward(x, t)
+    t = dct_basis.tiling(shape, chunk)
+    c = dct_basis.forward(x, t)
     assert c.shape == (t.chunks, t.size) and t.b2 <= chunk and t.b1 <= chunk
     torch.testing.assert_close(c.double(), _definition(x, t), rtol=0, atol=2e-6 * max(1.0, x.abs().max().item()))
     # Parseval: the padding adds zeros, so the coefficients hold exactly the tensor's energy
     assert c.double().norm().item() == pytest.approx(x.double().norm().item(), rel=1e-6)
-    back = dct.inverse(c, t)
+    back = dct_basis.inverse(c, t)
     assert back.shape == x.shape
     torch.testing.assert_close(back, x, rtol=0, atol=2e-6 * max(1.0, x.abs().max().item()))
 
 
 @pytest.mark.parametrize("b", [1, 2, 16, 64, 256])
 def test_the_basis_is_orthogonal(b):
-    d = dct.basis(b).double()
+    d = dct_basis.basis(b).double()
     torch.testing.assert_close(d @ d.T, torch.eye(b, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
 def test_block_sides_shrink_to_small_tensors_and_pad_to_whole_blocks():
-    assert dct.tiling((10,), 64) == dct.Tiling((10,), 1, 10, 1, 16)  # 16: the next power of two
-    t = dct.tiling((200, 65), 64)
+    assert dct_basis.tiling((10,), 64) == dct_basis.Tiling((10,), 1, 10, 1, 16)  # 16: the next power of two
+    t = dct_basis.tiling((200, 65), 64)
     assert (t.b1, t.b2, t.grid, t.chunks, t.size) == (64, 64, (4, 2), 8, 4096)
-    t = dct.tiling((16, 3, 3, 3), 64)  # a conv weight: 16 x 27
+    t = dct_basis.tiling((16, 3, 3, 3), 64)  # a conv weight: 16 x 27
     assert (t.rows, t.cols, t.b1, t.b2, t.chunks) == (16, 27, 16, 32, 1)
 
 
 @pytest.mark.parametrize("k", [1, 5, 64])
 def test_top_per_chunk_keeps_exactly_k_of_each_row_the_largest(k):
     c = _x((9, 64), seed=3)
-    pos, vals = dct.top_per_chunk(c, k)
+    pos, vals = dct_basis.top_per_chunk(c, k)
     assert pos.shape == vals.shape == (9, k)
     assert bool((pos[:, 1:] > pos[:, :-1]).all())  # ascending, so distinct
     assert torch.equal(vals, c.gather(1, pos))
@@ -91,7 +91,7 @@ def test_fp32_values_with_every_coefficient_kept_are_lossless():
 
 def _kept(codec, x):
     t = codec.tiling(x.shape)
-    return dct.top_per_chunk(dct.forward(x, t), codec.kept(t))
+    return dct_basis.top_per_chunk(dct_basis.forward(x, t), codec.kept(t))
 
 
 def test_each_value_format_decodes_to_its_reference():
@@ -101,8 +101,8 @@ def test_each_value_format_decodes_to_its_reference():
     refs = {
         "fp32": flat,
         "bf16": flat.to(torch.bfloat16).float(),
-        "rangefloat": rangefloat.decode(rangefloat.encode(flat, 3, 4, rangefloat.exponent_max(flat)), 3, 4,
-                                        rangefloat.exponent_max(flat)),
+        "rangefloat": range_format.decode(range_format.encode(flat, 3, 4, range_format.exponent_max(flat)), 3, 4,
+                                        range_format.exponent_max(flat)),
         "sign": flat.abs().mean() * torch.where(flat < 0, -1.0, 1.0),  # one bit each, the mean magnitude
     }
     for values, want in refs.items():
@@ -112,7 +112,7 @@ def test_each_value_format_decodes_to_its_reference():
         assert torch.equal(got.reshape(-1), want), values
         dense = torch.zeros(8 // 2, 4096)
         dense.scatter_(1, pos, want.view(pos.shape))
-        torch.testing.assert_close(codec.decode(codec.encode(x)), dct.inverse(dense, codec.tiling(x.shape)))
+        torch.testing.assert_close(codec.decode(codec.encode(x)), dct_basis.inverse(dense, codec.tiling(x.shape)))
 
 
 @pytest.mark.parametrize("spec,shape,layout,nbytes", [

@@ -17,10 +17,11 @@ from torch import nn
 
 import thinwire
 import tiny
-from thinwire.algorithms.registry import build_method, resolve_method
+from thinwire.algorithms.build import build_method
+from thinwire.algorithms.methods import resolve_method
 from thinwire.comm.local import LocalWorld
 from thinwire.comm.meter import sent_bytes
-from thinwire.numerics import dct
+from thinwire.numerics import dct_basis
 from thinwire.optim import DeMo
 
 BASE = tiny.net(5, 40, 3)  # tensors (40, 5), (40,), (3, 40), (3,)
@@ -82,18 +83,18 @@ def _by_hand(n, steps, *, chunk, topk, decay, lr, wd, sign):
             mine = []
             for mom, p in zip(moms[r], m.parameters()):
                 mom.mul_(decay).add_(p.grad)
-                t = dct.tiling(tuple(p.shape), chunk)
-                c = dct.forward(mom, t)
+                t = dct_basis.tiling(tuple(p.shape), chunk)
+                c = dct_basis.forward(mom, t)
                 k = min(topk, t.size)
                 idx = c.abs().topk(k, dim=1).indices
                 kept = torch.zeros_like(c).scatter_(1, idx, c.gather(1, idx))
                 mine.append(kept)
-                mom.sub_(dct.inverse(kept, t))
+                mom.sub_(dct_basis.inverse(kept, t))
             sent.append(mine)
         with torch.no_grad():
             for i, p0 in enumerate(BASE.parameters()):
-                t = dct.tiling(tuple(p0.shape), chunk)
-                delta = dct.inverse(sum(s[i] for s in sent), t) / n
+                t = dct_basis.tiling(tuple(p0.shape), chunk)
+                delta = dct_basis.inverse(sum(s[i] for s in sent), t) / n
                 step_dir = delta.sign() if sign else delta
                 for m in models:
                     p = list(m.parameters())[i]
@@ -120,7 +121,7 @@ def test_every_rank_ends_with_the_same_bits_and_sends_what_the_layout_says(value
     assert all(torch.equal(out[0][0], f) for f, _ in out[1:])
     assert not torch.equal(out[0][0], tiny.flat(BASE))
     # bytes: every step, one all_gather of each tensor's payload (as the dct codec lays it out)
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     codec = build_codec(f"dct:chunk=16,topk=8,values={values}")
     per_step = sum(sent_bytes("all_gather", codec.nbytes(p.shape, torch.float32), 3) for p in BASE.parameters())
@@ -187,7 +188,7 @@ def test_attach_with_another_optimizer_or_none_names_the_one_call_that_works():
 
 def test_the_method_steps_with_its_optimizer_and_reports_its_seconds():
     def run(comm):
-        from thinwire.algorithms.registry import method_config
+        from thinwire.algorithms.methods import method_config
 
         model = copy.deepcopy(BASE)
         cls, config = method_config("demo:chunk=8,topk=2")

@@ -12,7 +12,7 @@ import torch
 import tiny
 from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
-from thinwire.algorithms.registry import resolve_method
+from thinwire.algorithms.methods import resolve_method
 from thinwire.comm.local import LocalWorld
 
 TOL = 1e-6  # fp32: theta - mean(theta - theta_i) against mean(theta_i), the same sums in another order

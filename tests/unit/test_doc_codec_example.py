@@ -28,7 +28,7 @@ import types
 import pytest
 import torch
 
-from thinwire.codecs import registry
+from thinwire.codecs import specs
 
 # the generic checks: the same modules pytest collects (it puts tests/unit on sys.path; so does this
 # line, for --import-mode=importlib)
@@ -42,7 +42,7 @@ import test_payload_rules  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "adding_a_codec.md"
-BUILTIN = dict(registry.available())  # before the example registers
+BUILTIN = dict(specs.available())  # before the example registers
 GENERIC_MODULES = {test_codecs: ("spec",), test_fuzz_codecs: ("spec",), test_payload_rules: ("name",)}
 # checks that walk every registered codec at run time (no parameter to substitute)
 EVERY_REGISTERED = [test_aggregate.test_every_codec_decodes_from_wire_tensors_alone,
@@ -68,11 +68,7 @@ def _doc_bounds() -> dict:
 
 
 def _unregister(name: str) -> None:
-    codecs = getattr(registry, "CODECS", None)
-    if codecs is not None and hasattr(codecs, "remove"):
-        codecs.remove(name)
-    else:  # a registry that is a plain dict
-        registry._CODECS.pop(name, None)
+    specs.CODECS.remove(name)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +80,14 @@ def example():
     added: set[str] = set()
     try:
         exec(compile(_codec_block(), str(DOC), "exec"), module.__dict__)  # noqa: S102
-        added = set(registry.available()) - set(BUILTIN)
+        added = set(specs.available()) - set(BUILTIN)
         assert len(added) == 1, f"the example registered {sorted(added)}, expected one codec"
-        yield registry.available()[next(iter(added))]
+        yield specs.available()[next(iter(added))]
     finally:
         for name in added:
             _unregister(name)
         sys.modules.pop(module.__name__, None)
-        assert set(registry.available()) == set(BUILTIN), "the example's codec is still registered"
+        assert set(specs.available()) == set(BUILTIN), "the example's codec is still registered"
 
 
 @pytest.fixture

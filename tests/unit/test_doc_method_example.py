@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import tiny
+from thinwire.algorithms.build import build_method
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
-from thinwire.algorithms.registry import METHODS, build_method, resolve_method
+from thinwire.algorithms.methods import METHODS, resolve_method
 from thinwire.comm.local import LocalWorld
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "adding_a_method.md"

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from thinwire.algorithms.registry import markdown_table, method_names
+from thinwire.algorithms.methods import markdown_table, method_names
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

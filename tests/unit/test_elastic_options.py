@@ -7,7 +7,7 @@ import pytest
 
 from clicheck import refused
 from spawn import free_port
-from thinwire.algorithms.registry import elastic_refusal, resolve_method
+from thinwire.algorithms.methods import elastic_refusal, resolve_method
 
 
 @pytest.mark.parametrize("spec", ["identity", "powersgd", "topk:ratio=0.01", "qsgd", "randomk", "hylo", "localsgd",

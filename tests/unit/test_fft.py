@@ -7,7 +7,7 @@ import torch
 
 from thinwire.aggregate import Aggregator
 from thinwire.codecs.fft import fast_length
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.local import LocalWorld
 
 

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from thinwire.codecs.registry import available, build_codec
+from thinwire.codecs.specs import available, build_codec
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Payload, PayloadError
 

@@ -6,12 +6,12 @@ meter's two links."""
 import pytest
 import torch
 
-from thinwire.aggregate import Aggregator
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
+from thinwire.comm.layout import NodeLayout, layout_for
 from thinwire.comm.local import LocalWorld
 from thinwire.comm.meter import sent_bytes
-from thinwire.comm.nodes import NodeLayout, build_hierarchy, layout_for
-from thinwire.hierarchical import HierarchicalAggregator, shard
+from thinwire.comm.nodes import build_hierarchy
+from thinwire.hierarchical import HierarchicalAggregator, build_aggregator, shard
 
 # a conv kernel, matrices, odd sizes (element pieces of unequal length) and 1-D tensors (fp32)
 SHAPES = {"conv.weight": (16, 8, 3, 3), "conv.bias": (16,), "fc.weight": (41, 63), "fc.bias": (41,),
@@ -42,9 +42,9 @@ def test_identity_equals_flat_exactly(nodes, per_node):
 
     def fn(comm):
         flat_g, hier_g = _grads(comm.rank, integer=True), _grads(comm.rank, integer=True)
-        Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm).reduce_(flat_g)
+        build_aggregator(_named(), lambda _n, _t: build_codec("identity"), comm).reduce_(flat_g)
         _world(comm, per_node)
-        agg = Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
+        agg = build_aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
         assert isinstance(agg, HierarchicalAggregator)
         agg.reduce_(hier_g)
         return flat_g, hier_g
@@ -76,7 +76,7 @@ def test_each_codec_averages_the_node_means_between_nodes(spec, nodes, per_node)
     def hier(comm):
         _world(comm, per_node)
         codecs = {}
-        agg = Aggregator(_named(), lambda name, _t: codecs.setdefault("c", build_codec(spec)), comm)
+        agg = build_aggregator(_named(), lambda name, _t: codecs.setdefault("c", build_codec(spec)), comm)
         outs = []
         for step in range(steps):
             g = _grads(comm.rank, step)
@@ -99,7 +99,7 @@ def test_each_codec_averages_the_node_means_between_nodes(spec, nodes, per_node)
 
             def flat(comm, pieces=pieces, codec_spec=spec, bucket=b):
                 codec = build_codec(codec_spec) if not bucket.codec.is_identity else bucket.codec
-                ref = Aggregator([(p.name, torch.zeros(p.shape)) for p in pieces], lambda _n, _t: codec, comm,
+                ref = build_aggregator([(p.name, torch.zeros(p.shape)) for p in pieces], lambda _n, _t: codec, comm,
                                  as_given=True)
                 outs = []
                 for step in range(steps):
@@ -120,7 +120,7 @@ def test_one_node_averages_without_the_codec():
     def fn(comm):
         _world(comm, 3)
         g = _grads(comm.rank)
-        Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.01"), comm).reduce_(g)
+        build_aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.01"), comm).reduce_(g)
         return g, comm.meter.link_bytes("inter")
 
     ref = _node_means(1, 3, 0)[0]
@@ -158,7 +158,7 @@ def test_shards_cover_every_tensor_once(ranks):
 def test_residuals_are_per_parameter_and_resume_exactly():
     def fn(comm):
         _world(comm, 2)
-        make = lambda: Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
+        make = lambda: build_aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
         agg = make()
         for step in range(2):
             agg.reduce_(_grads(comm.rank, step))
@@ -185,7 +185,7 @@ def test_residuals_are_per_parameter_and_resume_exactly():
 
 def test_a_hierarchical_state_does_not_load_into_a_flat_run():
     def fn(comm):
-        build = lambda: Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
+        build = lambda: build_aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)  # noqa: E731
         flat = build()
         _world(comm, 2)
         hier = build()
@@ -206,11 +206,11 @@ def test_a_state_loads_only_with_the_intra_dtype_it_was_saved_with():
         build_hierarchy(comm, NodeLayout(4, 2), intra_dtype="bf16")
         model = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        agg = Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
+        agg = build_aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
         local = LocalSGD(model, opt, comm, LocalSGDConfig(period=2, warmup=0), overlap=False)
         saved, saved_local = agg.state_dict(), local.state_dict()
         build_hierarchy(comm, NodeLayout(4, 2))  # fp32 inside the node
-        fresh = Aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
+        fresh = build_aggregator(_named(), lambda _n, _t: build_codec("topk:ratio=0.05"), comm)
         with pytest.raises(ValueError, match="saved with --intra-dtype bf16, this run has fp32"):
             fresh.load_state_dict(saved)
         with pytest.raises(ValueError, match="saved with --intra-dtype bf16, this run has fp32"):
@@ -227,7 +227,7 @@ def test_the_meter_counts_each_link(nodes, per_node):
 
     def fn(comm):
         _world(comm, per_node)
-        agg = Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
+        agg = build_aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
         agg.reduce_(_grads(comm.rank))
         return comm.meter, agg, comm.rank % per_node
 
@@ -289,7 +289,7 @@ def test_bf16_inside_the_node_rounds_once_and_halves_the_node_bytes(spec):
         def fn(comm):
             build_hierarchy(comm, NodeLayout(comm.world_size, 2), intra_dtype=dtype)
             grads = _grads(comm.rank)
-            agg = Aggregator(_named(), lambda _n, _t: build_codec(spec), comm)
+            agg = build_aggregator(_named(), lambda _n, _t: build_codec(spec), comm)
             agg.reduce_(grads)
             return grads, comm.meter.link_bytes("intra")
 
@@ -321,7 +321,7 @@ def test_half_precision_gradients_average_in_two_levels_and_keep_their_dtype():
     def fn(comm):
         _world(comm, 2)
         t = grads(comm.rank)
-        Aggregator([("w", torch.zeros(7, 5, dtype=torch.bfloat16))], lambda _n, _t: build_codec("identity"),
+        build_aggregator([("w", torch.zeros(7, 5, dtype=torch.bfloat16))], lambda _n, _t: build_codec("identity"),
                    comm).reduce_(t)
         return t["w"]
 
@@ -494,7 +494,7 @@ def test_dasgd_hides_each_averages_traffic_between_nodes():
 
 
 def test_methods_that_run_flat_only_refuse_a_communicator_with_nodes():
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
 
     def fn(comm):
         _world(comm, 2)
@@ -540,7 +540,7 @@ def test_modeled_seconds_time_each_link_and_share_the_nodes_link():
 
 def test_cost_rows_time_the_intra_node_collectives_apart():
     from thinwire.comm.link import Link
-    from thinwire.run.cost import from_rows
+    from thinwire.lab.cost import from_rows
 
     first = {"step": 2, "compute_seconds": 1.0, "codec_seconds": 0.0, "comm_seconds": 0.0, "bytes_sent": 0.0,
              "messages": 0, "intra_bytes": 0.0, "intra_messages": 0, "inter_share": 2}
@@ -557,7 +557,7 @@ def test_cost_rows_time_the_intra_node_collectives_apart():
 def test_cost_from_a_summary_times_the_intra_node_bytes_apart_too():
     """Without two metrics records, the summary's per-link counts give the same split."""
     from thinwire.comm.link import Link
-    from thinwire.run.cost import from_summary
+    from thinwire.lab.cost import from_summary
 
     summary = {"steps": 2, "compute_seconds": 0.2, "codec_seconds": 0.0, "comm_seconds": 0.0,
                "bytes_sent_per_worker": 3e6, "messages_per_worker": 10, "ranks_per_node": 2,

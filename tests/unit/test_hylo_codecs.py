@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.feedback import ErrorFeedback
 from thinwire.numerics.bitpack import pack
 from thinwire.policy import Policy

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from thinwire.cli import _summary_tables, spaced
-from thinwire.run.bench_consensus import table as consensus_table
+from thinwire.lab.bench_consensus import table as consensus_table
 from thinwire.run.config import TrainConfig
 from thinwire.run.labels import labels, short, slug
 from thinwire.run.progress import ProgressView, bar_label
@@ -134,9 +134,9 @@ def test_bench_consensus_names_each_variant_whole_at_80_columns():
 
 
 def test_thinwire_methods_fits_80_columns_and_keeps_every_choice_whole(monkeypatch, capsys):
-    from thinwire.algorithms.registry import METHODS
+    from thinwire.algorithms.methods import METHODS
     from thinwire.cli import main
-    from thinwire.codecs.registry import CODECS, knob_table
+    from thinwire.codecs.specs import CODECS, knob_table
 
     monkeypatch.setenv("COLUMNS", "80")
     assert main(["methods"]) == 0

@@ -1,7 +1,8 @@
 """The import layers of docs/design.md, checked on the source: every ``thinwire`` import (module
 level or inside a function, absolute or relative, ``importlib.import_module`` of a literal
-name too) goes to the importer's own layer or a lower one, and every top-level module of the
-package has a layer.
+name too) goes to the importer's own layer or a lower one, every top-level module of the
+package has a layer, and no module imports itself through others (no cycle, inside a layer
+either; an import under ``if TYPE_CHECKING:`` counts too).
 
 (That codecs never import ``torch.distributed`` is checked in tests/unit/test_aggregate.py.)
 """
@@ -17,11 +18,13 @@ PACKAGE = SRC / "thinwire"
 # Top to bottom: a module may import its own layer and the layers below it. The names are the
 # top-level modules and packages of thinwire/ ("__init__" is the package root, `thinwire`).
 LAYERS: list[set[str]] = [
-    {"cli", "__main__", "__init__", "lightning", "accelerate"},
+    {"cli", "__main__"},
+    {"lab"},  # the harness: races, predictions, benchmarks, suites; nothing below imports it
+    {"__init__", "lightning", "accelerate"},
     {"run", "tasks"},
-    {"algorithms", "integrations", "optim", "elastic"},
+    {"algorithms", "integrations", "optim", "elastic", "peers"},
     {"aggregate", "hierarchical", "scatter", "policy", "nn"},
-    {"feedback", "codecs", "comm", "topology", "figures"},
+    {"buckets", "feedback", "codecs", "comm", "topology", "figures"},
     {"numerics"},
     {"payload", "knobs", "registry", "timing", "version", "jsonfile"},  # leaves: they import no thinwire module
 ]
@@ -169,3 +172,76 @@ def test_the_checker_sees_every_kind_of_import():
     ]
     assert [_top(t) for _, t in found] == ["run", "__init__", "payload", "aggregate", "codecs", "cli", "policy",
                                            "codecs"]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the thinwire modules it imports (itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        name, _ = _module_name(path)
+        graph.setdefault(name, set()).update(t for _, t, _ in _imports(path) if t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph.get(step, ())))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    graph = _graph()
+    cycles = _cycles(graph)
+    lines = [" <-> ".join(c) + ": " + "; ".join(f"{a} imports {', '.join(sorted(graph[a] & set(c)))}" for a in c)
+             for c in cycles]
+    assert not cycles, f"{len(cycles)} import cycle(s):\n" + "\n".join(lines)
+
+
+def test_the_cycle_finder_finds_cycles_and_only_them():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set(), "f": {"g"}, "g": {"f"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c"], ["f", "g"]]
+    assert _cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_the_lab_is_imported_by_the_command_line_only():
+    """The library runs without its harness: only ``thinwire.cli`` (and the lab itself) imports
+    ``thinwire.lab``."""
+    outside = [f"{name} imports {t}" for name, targets in _graph().items() for t in sorted(targets)
+               if _top(t) == "lab" and _top(name) not in ("lab", "cli")]
+    assert not outside, "\n".join(outside)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from thinwire.codecs.base import distinct
-from thinwire.codecs.registry import available, build_codec
+from thinwire.codecs.specs import available, build_codec
 from thinwire.payload import Payload, PayloadError
 
 CODECS = available()

@@ -14,7 +14,7 @@ import torch
 
 from thinwire.codecs.base import generator_for
 from thinwire.codecs.powersgd import PowerSGD, PowerSGDConfig
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.feedback import ErrorFeedback
 from thinwire.payload import Aggregation, Payload, PayloadError
 

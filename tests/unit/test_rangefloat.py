@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from thinwire.codecs.registry import build_codec
-from thinwire.numerics import rangefloat
+from thinwire.codecs.specs import build_codec
+from thinwire.numerics import range_format
 
 
 def _reference(v: float, e: int, m: int, e_max: int) -> float:
@@ -31,8 +31,8 @@ def _reference(v: float, e: int, m: int, e_max: int) -> float:
 @pytest.mark.parametrize("e_max", [-7, 0, 5])
 def test_every_code_round_trips(e, m, e_max):
     codes = torch.arange(2 ** (1 + e + m), dtype=torch.int32)
-    values = rangefloat.decode(codes, e, m, e_max)
-    again = rangefloat.encode(values, e, m, e_max)
+    values = range_format.decode(codes, e, m, e_max)
+    again = range_format.encode(values, e, m, e_max)
     expcode = (codes >> m) & (2**e - 1)
     # every non-zero code is its own value's code; exponent code 0 is zero, which encodes as 0
     assert torch.equal(again[expcode != 0], codes[expcode != 0])
@@ -44,8 +44,8 @@ def test_every_code_round_trips(e, m, e_max):
 def test_rounding_matches_a_scalar_reference(e, m):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2000, generator=g) * torch.exp(3 * torch.randn(2000, generator=g))
-    e_max = rangefloat.exponent_max(x)
-    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    e_max = range_format.exponent_max(x)
+    got = range_format.decode(range_format.encode(x, e, m, e_max), e, m, e_max)
     want = torch.tensor([_reference(v, e, m, e_max) for v in x.tolist()])
     assert torch.equal(got, want)
 
@@ -53,7 +53,7 @@ def test_rounding_matches_a_scalar_reference(e, m):
 def test_window_saturates_at_the_top_and_flushes_below():
     e, m, e_max = 2, 2, 3  # window exponents 1..3: values 2 .. 14
     x = torch.tensor([15.9, 14.0, 2.0, 1.99, 0.5, -15.9, 0.0])
-    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    got = range_format.decode(range_format.encode(x, e, m, e_max), e, m, e_max)
     # 15.9 rounds up to 16 = 2^4, above the window: the top code 1.75 * 2^3 = 14
     # 1.99 rounds up to 2.0 = 2^1 (a carry into the window); 0.5 lies below it
     assert got.tolist() == [14.0, 14.0, 2.0, 2.0, 0.0, -14.0, 0.0]
@@ -62,19 +62,19 @@ def test_window_saturates_at_the_top_and_flushes_below():
 def test_non_finite_inputs_and_negative_zero_have_stated_codes():
     e, m = 3, 4
     x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), -0.0, 0.25])
-    e_max = rangefloat.exponent_max(x)
+    e_max = range_format.exponent_max(x)
     assert e_max == 0  # the window follows the finite values only
-    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    got = range_format.decode(range_format.encode(x, e, m, e_max), e, m, e_max)
     top = (2 - 2.0**-m) * 2.0**e_max  # the top code
     assert got.tolist() == [1.0, top, -top, 0.0, 0.0, 0.25]
-    assert rangefloat.encode(torch.tensor([-0.0]), e, m, e_max).item() == 0
+    assert range_format.encode(torch.tensor([-0.0]), e, m, e_max).item() == 0
 
 
 def test_relative_error_inside_the_window_is_at_most_half_an_ulp():
     e, m = 3, 4
     x = torch.linspace(1.0, 2.0**3, 5000)
-    e_max = rangefloat.exponent_max(x)
-    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    e_max = range_format.exponent_max(x)
+    got = range_format.decode(range_format.encode(x, e, m, e_max), e, m, e_max)
     assert ((got - x).abs() / x).max().item() <= 2.0 ** -(m + 1)
 
 
@@ -116,29 +116,29 @@ def test_bit_arithmetic_path_equals_the_definition(e, m):
     x = _hard_values(3000, seed=e * 16 + m)
     lowest = -126 + (1 << e) - 2  # the e_max whose window bottom is fp32's smallest normal exponent
     for e_max in (lowest, lowest + 1, -3, 0, 29, 127):
-        codes = rangefloat.encode(x, e, m, e_max)
-        assert torch.equal(codes, rangefloat._encode_reference(x, e, m, e_max)), e_max
-        assert torch.equal(rangefloat.decode(codes, e, m, e_max), rangefloat._decode_reference(codes, e, m, e_max))
+        codes = range_format.encode(x, e, m, e_max)
+        assert torch.equal(codes, range_format._encode_reference(x, e, m, e_max)), e_max
+        assert torch.equal(range_format.decode(codes, e, m, e_max), range_format._decode_reference(codes, e, m, e_max))
 
 
 def test_chunked_passes_cover_every_element_and_write_into_out():
-    x = _hard_values(rangefloat._CPU_CHUNK * 2 + 12345, seed=3)  # three chunks, the last partial
-    e_max = rangefloat.exponent_max(x)
-    want = rangefloat._encode_reference(x, 3, 4, e_max)
+    x = _hard_values(range_format._CPU_CHUNK * 2 + 12345, seed=3)  # three chunks, the last partial
+    e_max = range_format.exponent_max(x)
+    want = range_format._encode_reference(x, 3, 4, e_max)
     out = torch.empty(x.numel(), dtype=torch.uint8)
-    assert rangefloat.encode(x, 3, 4, e_max, out=out) is not None
+    assert range_format.encode(x, 3, 4, e_max, out=out) is not None
     assert torch.equal(out.to(torch.int32), want)
     values = torch.empty(x.numel())
-    rangefloat.decode(out, 3, 4, e_max, out=values)
-    assert torch.equal(values, rangefloat._decode_reference(want, 3, 4, e_max))
+    range_format.decode(out, 3, 4, e_max, out=values)
+    assert torch.equal(values, range_format._decode_reference(want, 3, 4, e_max))
     with pytest.raises(ValueError, match="out holds 5 codes"):
-        rangefloat.encode(x, 3, 4, e_max, out=torch.empty(5, dtype=torch.int32))
+        range_format.encode(x, 3, 4, e_max, out=torch.empty(5, dtype=torch.int32))
 
 
 def test_windows_reaching_below_normal_floats_use_the_definition():
     e, m, e_max = 4, 3, -125  # window bottom 2^-139: subnormal fp32 values are inside it
     x = torch.tensor([2.0**-130, -(2.0**-139), 1.5 * 2.0**-126, 2.0**-140, 2.0**-125])
-    got = rangefloat.decode(rangefloat.encode(x, e, m, e_max), e, m, e_max)
+    got = range_format.decode(range_format.encode(x, e, m, e_max), e, m, e_max)
     want = torch.tensor([_reference(v, e, m, e_max) for v in x.tolist()])
     assert torch.equal(got, want)
     assert got[0].item() == 2.0**-130 and got[3].item() == 0.0

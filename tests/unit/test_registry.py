@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import METHODS
+from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import CODECS
+from thinwire.codecs.specs import CODECS
 from thinwire.policy import PRESETS
 from thinwire.registry import NoKnobs, Registry
 from thinwire.tasks import TASKS
@@ -132,7 +132,7 @@ def test_presets_and_topologies_are_registries_too():
 
 
 def test_a_codec_named_like_a_method_is_refused_where_it_would_be_ambiguous():
-    from thinwire.algorithms.registry import kind_of
+    from thinwire.algorithms.methods import kind_of
     from thinwire.codecs.identity import Identity
 
     class Shadow(Identity):
@@ -162,7 +162,7 @@ def test_the_codec_listing_does_not_depend_on_which_codec_module_was_imported_fi
     import subprocess
     import sys
 
-    code = ("import {first}\nfrom thinwire.codecs.registry import available\nprint(','.join(available()))")
+    code = ("import {first}\nfrom thinwire.codecs.specs import available\nprint(','.join(available()))")
     plain, early = (subprocess.run([sys.executable, "-c", code.format(first=m)], capture_output=True, text=True,
                                    check=True).stdout for m in ("thinwire", "thinwire.codecs.dct"))
     assert plain == early and plain.startswith("identity,")

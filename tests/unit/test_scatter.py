@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thinwire.aggregate import Aggregator
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.local import LocalWorld
 from thinwire.comm.meter import sent_bytes
+from thinwire.hierarchical import flat_aggregator
 from thinwire.scatter import ScatterMean
 
 FOUR_BIT = "rangefloat:ef=false,min_numel=1024,bits=4,exp_bits=2,man_bits=1"
@@ -64,7 +64,7 @@ def test_four_bits_send_at_least_seven_times_fewer_bytes_than_fp32_all_reduce_on
         x = xs[comm.rank].clone()
         scatter = ScatterMean("model", x, build_codec(FOUR_BIT), comm)
         scatter.reduce_({"model": x})
-        gather = Aggregator.flat("model", x, build_codec(FOUR_BIT), comm)
+        gather = flat_aggregator("model", x, build_codec(FOUR_BIT), comm)
         gather.reduce_({"model": x.clone()})
         return scatter.sent_bytes["model"], gather.sent_bytes["model"]
 
@@ -108,7 +108,7 @@ def test_a_summed_codec_or_a_gather_state_is_refused_by_name():
         x = torch.zeros(8)
         with pytest.raises(ValueError, match="gathered codec"):
             ScatterMean("model", x, build_codec("identity"), comm)
-        gather = Aggregator.flat("model", x, build_codec(FOUR_BIT), comm)
+        gather = flat_aggregator("model", x, build_codec(FOUR_BIT), comm)
         with pytest.raises(ValueError, match="scatter=true"):
             ScatterMean("model", x, build_codec(FOUR_BIT), comm).load_state_dict(gather.state_dict())
         return True

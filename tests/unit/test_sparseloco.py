@@ -14,7 +14,7 @@ from torch import nn
 
 import tiny
 from thinwire.algorithms.local_sgd import LocalSGD, LocalSGDConfig
-from thinwire.algorithms.registry import resolve_method
+from thinwire.algorithms.methods import resolve_method
 from thinwire.algorithms.sparseloco import ChunkedTopK, ChunkedTopKConfig, SparseLoCo, SparseLoCoConfig
 from thinwire.comm.local import LocalWorld
 from thinwire.payload import PayloadError
@@ -315,7 +315,7 @@ def test_the_spec_fills_every_default():
 
 
 def test_nodes_are_refused():
-    from thinwire.algorithms.registry import flat_only
+    from thinwire.algorithms.methods import flat_only
 
     assert "cut" in (flat_only("sparseloco") or "")
 

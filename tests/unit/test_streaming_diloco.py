@@ -14,7 +14,7 @@ import torch
 
 import tiny
 from thinwire.algorithms.diloco import DiLoCo
-from thinwire.algorithms.registry import check_model, resolve_method
+from thinwire.algorithms.methods import check_model, resolve_method
 from thinwire.algorithms.streaming_diloco import StreamingDiLoCo, balanced_split
 from thinwire.comm.local import LocalWorld
 

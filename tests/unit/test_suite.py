@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.run import suite
+from thinwire.lab import suite
+from thinwire.lab.suite import Claim, Group
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import RunFailed
-from thinwire.run.suite import Claim, Group
 
 LINKS = ("1gbit,50us", "100mbit,1ms")
 BASE = TrainConfig(task="synthetic", workers=2, steps=12, eval_every=2, links=LINKS)  # dasgd averages at 12

@@ -10,7 +10,7 @@ import torch
 
 from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.payload import Aggregation, Payload
 
 

@@ -11,7 +11,7 @@ import os
 import signal
 
 from thinwire.codecs.identity import Identity
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 
 
 @register

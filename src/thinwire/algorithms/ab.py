@@ -64,6 +64,7 @@ import torch
 
 from thinwire.algorithms.averaging import GradientMean
 from thinwire.algorithms.base import Loss, Method
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.nn.factorized import Factorized, factorize_model, rank_for, resolve_exclude, unfactorize_model
@@ -118,6 +119,7 @@ def groups_of(config: ABConfig, workers: int) -> list[list[int]]:
     return [list(range(g * size, (g + 1) * size)) for g in range(count)]
 
 
+@METHODS.register
 class ABTraining(Method):
     """Factored weights trained in groups (A or B), synchronised every ``cycle`` steps."""
 

@@ -23,13 +23,8 @@ import torch
 
 from thinwire.algorithms.averaging import comm_or_world
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import (
-    build_method,
-    is_gradient_codec,
-    optimizer_method_help,
-    own_optimizer,
-    resolve_method,
-)
+from thinwire.algorithms.build import build_method, optimizer_method_help
+from thinwire.algorithms.methods import is_gradient_codec, own_optimizer, resolve_method
 from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
 from thinwire.figures import figures

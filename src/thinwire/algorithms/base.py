@@ -17,7 +17,7 @@ its schedule in counters that every rank advances alike.
 :class:`Method` is the base; :class:`PeriodicAveraging` (local SGD, DaSGD: a synchronous
 warm-up, then local steps and model averages every ``period`` steps) and :class:`Gossip`
 (D-PSGD, PowerGossip: neighbours on a graph, no all_reduce) hold what their families share.
-Methods are registered by name in :data:`thinwire.algorithms.registry.METHODS`.
+Methods are registered by name in :data:`thinwire.algorithms.methods.METHODS`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.link import Link
 from thinwire.comm.nodes import check_intra_dtype
-from thinwire.hierarchical import HierarchicalAggregator
+from thinwire.hierarchical import HierarchicalAggregator, flat_aggregator
 from thinwire.knobs import describe_config
 from thinwire.registry import NoKnobs
 from thinwire.scatter import ScatterMean
@@ -260,7 +260,7 @@ class PeriodicAveraging(Method):
         # with nodes: the local steps' gradient mean inside the node (every step past the warm-up)
         self.node = None
         if hierarchy is not None:
-            from thinwire.codecs.registry import build_codec
+            from thinwire.codecs.specs import build_codec
 
             cast = None if hierarchy.dtype == torch.float32 else build_codec(hierarchy.dtype_name)  # --intra-dtype
             self.node = GradientMean(trainable, hierarchy.intra, bucket_mb, overlap=overlap,
@@ -290,7 +290,7 @@ class PeriodicAveraging(Method):
             mean = ScatterMean("model", like, codec, self.comm)
             self.aggregators.append(mean)
             return mean
-        agg = Aggregator.flat("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
+        agg = flat_aggregator("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
         if isinstance(agg, HierarchicalAggregator):
             agg.dtype = torch.float32
         self.aggregators.append(agg)

@@ -54,7 +54,8 @@ import torch
 
 from thinwire.aggregate import Aggregator, Reduction, Watch
 from thinwire.algorithms.base import Loss, PeriodicAveraging
-from thinwire.codecs.registry import build_codec
+from thinwire.algorithms.methods import METHODS
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import ByteMeter
@@ -95,6 +96,7 @@ class DaSGDConfig:
         object.__setattr__(self, "codec", codec.describe().replace(",", ";"))  # nests inside a method spec
 
 
+@METHODS.register
 class DaSGD(PeriodicAveraging):
     """Delayed model averaging: launched every ``period`` steps, merged ``delay`` steps later."""
 

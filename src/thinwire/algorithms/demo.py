@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from thinwire.algorithms.base import Loss, Method
+from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.dct import DCTConfig
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
@@ -38,6 +39,7 @@ class DeMoConfig:
         DCTConfig(chunk=self.chunk, topk=self.topk, values=self.values)  # the codec's own rules, named as its
 
 
+@METHODS.register
 class DeMoMethod(Method):
     """DeMo: each rank's momentum, its top DCT coefficients all_gathered, a sign step."""
 
@@ -60,7 +62,7 @@ class DeMoMethod(Method):
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
                  overlap: bool = True, **knobs: Any) -> None:
         if not isinstance(optimizer, DeMo):
-            from thinwire.algorithms.registry import optimizer_method_help
+            from thinwire.algorithms.build import optimizer_method_help
 
             raise ValueError(optimizer_method_help("demo"))
         if comm is not None and comm is not optimizer.comm:

@@ -50,8 +50,9 @@ import torch
 
 from thinwire.aggregate import Aggregator, Reduction, Watch
 from thinwire.algorithms.base import PeriodicAveraging
+from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import ByteMeter
@@ -117,6 +118,7 @@ class Fragment:
     watch: Watch = field(default_factory=Watch)
 
 
+@METHODS.register
 class DiLoCo(PeriodicAveraging):
     """Local rounds of ``period`` inner steps; an outer optimizer step on the averaged
     pseudo-gradient ends each."""

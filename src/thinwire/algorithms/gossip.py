@@ -26,6 +26,7 @@ import torch
 
 from thinwire.algorithms.averaging import ModelState
 from thinwire.algorithms.base import Gossip, Loss
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.topology import NAMES
@@ -40,6 +41,7 @@ class DPSGDConfig:
         require(bool(self.topology.strip()), "topology must name a graph or a mixing matrix file")
 
 
+@METHODS.register
 class DPSGD(Gossip):
     """Gossip of the whole model with the topology's neighbours after every backward pass."""
 

@@ -54,6 +54,7 @@ from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
+from thinwire.hierarchical import build_aggregator
 from thinwire.timing import Timing
 
 MAX_SETS = 8  # distinct sets of parameters whose aggregators (and buffers) are kept
@@ -121,7 +122,7 @@ class GradientReducer:
         self._names = {id(p): n for n, p in self.named}
         self._params = dict(self.named)
         # cumulative; per launch position k: seconds from launch to reduce(), elements, steps
-        # (summed): the cost model's queue of buckets (run/cost.py)
+        # (summed): the cost model's queue of buckets (lab/cost.py)
         self.overlap_figures: dict[str, Any] = {"steps": 0, "window_seconds": 0.0, "blocked_seconds": 0.0,
                                                 "early_elements": 0, "elements": 0, "reduces": 0,
                                                 "lead_seconds": [], "lead_elements": [], "lead_steps": []}
@@ -167,7 +168,7 @@ class GradientReducer:
             params = dict(self.named)
             # buckets filled from the last parameter: backward computes gradients roughly in
             # reverse order, so the first buckets are ready first (DDP's order too)
-            agg = Aggregator([(n, params[n]) for n in reversed(names)], self.codec_for, self.comm,
+            agg = build_aggregator([(n, params[n]) for n in reversed(names)], self.codec_for, self.comm,
                              bucket_mb=self.bucket_mb, feedback=self.feedback)
             self._aggregators[names] = agg
             while len(self._aggregators) > MAX_SETS:

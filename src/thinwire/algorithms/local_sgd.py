@@ -29,6 +29,7 @@ import torch
 
 from thinwire.aggregate import Aggregator
 from thinwire.algorithms.base import PeriodicAveraging
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 
@@ -44,6 +45,7 @@ class LocalSGDConfig:
         require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
 
 
+@METHODS.register
 class LocalSGD(PeriodicAveraging):
     """Blocking periodic model averaging after ``warmup`` synchronous steps."""
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.base import Gossip, Loss
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.topology import NAMES
@@ -87,6 +88,7 @@ def _keep_live(product: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, previous, product)
 
 
+@METHODS.register
 class PowerGossip(Gossip):
     """Low-rank gossip of model differences with each graph neighbour, every step."""
 

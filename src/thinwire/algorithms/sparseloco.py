@@ -25,7 +25,7 @@ so every rank applies the same update and the ranks hold bit-identical models af
 sync. The decayed buffer stands in for DiLoCo's outer momentum (the paper's observation).
 
 **Chunks.** Each parameter tensor is seen as a matrix (``shape[0] × rest``; vectors as
-``1 × numel``) and tiled as the ``dct`` codec tiles it (:func:`thinwire.numerics.dct.tiling`):
+``1 × numel``) and tiled as the ``dct`` codec tiles it (:func:`thinwire.numerics.dct_basis.tiling`):
 ``chunk × chunk`` blocks (a side shorter than ``chunk`` rounds up to a power of two),
 vectors in runs of ``chunk``, each side zero-padded to whole blocks. Per block the ``k``
 entries of largest magnitude are kept (the whole block when it holds ``k`` or fewer; padding
@@ -77,11 +77,12 @@ from typing import Any, cast
 import torch
 
 from thinwire.algorithms.diloco import DiLoCo, Fragment
+from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec, in_range
 from thinwire.codecs.dct import position_dtype
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
-from thinwire.numerics import dct
+from thinwire.numerics import dct_basis
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 
@@ -145,7 +146,7 @@ class _Part:
 
     offset: int  # into the flat vector
     numel: int
-    tiling: dct.Tiling
+    tiling: dct_basis.Tiling
     kept: int  # entries kept per block
     codes_at: int  # its first kept entry among the payload's kept entries
     positions: torch.dtype | None  # None: its blocks travel whole, no positions
@@ -173,7 +174,7 @@ class ChunkedTopK(Codec):
         counts: dict[torch.dtype, int] = {}
         parts, offset, kept_total = [], 0, 0
         for shape in self.shapes:
-            t = dct.tiling(shape, config.chunk)
+            t = dct_basis.tiling(shape, config.chunk)
             kept = min(config.k, t.size)
             dtype = None if kept == t.size else position_dtype(t.size)
             at = 0
@@ -315,7 +316,7 @@ class ChunkedTopK(Codec):
         return payload.tensors[which][p.positions_at : p.positions_at + p.count].view(p.tiling.chunks, p.kept)
 
 
-def _blocks(x: torch.Tensor, t: dct.Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks(x: torch.Tensor, t: dct_basis.Tiling) -> tuple[torch.Tensor, torch.Tensor]:
     """The (chunks, size) blocks of the flat ``x`` (of ``t.shape``'s numel) and their
     magnitudes, padding marked -1 (never chosen before a real entry)."""
     p, q = t.grid
@@ -332,7 +333,7 @@ def _blocks(x: torch.Tensor, t: dct.Tiling) -> tuple[torch.Tensor, torch.Tensor]
     return cut(m), cut(mags)
 
 
-def _places(pos: torch.Tensor, t: dct.Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+def _places(pos: torch.Tensor, t: dct_basis.Tiling) -> tuple[torch.Tensor, torch.Tensor]:
     """For (chunks, kept) positions inside their blocks: each entry's index in the tensor
     (row-major over its matrix view) and whether it is a real entry (not padding)."""
     q = t.grid[1]
@@ -342,6 +343,7 @@ def _places(pos: torch.Tensor, t: dct.Tiling) -> tuple[torch.Tensor, torch.Tenso
     return row * t.cols + col, (row < t.rows) & (col < t.cols)
 
 
+@METHODS.register
 class SparseLoCo(DiLoCo):
     """DiLoCo's rounds with an error-feedback buffer per rank in place of outer momentum:
     every ``period`` inner steps the buffer's chunked top-k, quantized, is all_gathered and

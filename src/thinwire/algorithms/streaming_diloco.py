@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
+from thinwire.algorithms.methods import METHODS
 from thinwire.knobs import knob, require
 
 
@@ -75,6 +76,7 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
         require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1], got {self.alpha}")
 
 
+@METHODS.register
 class StreamingDiLoCo(DiLoCo):
     """DiLoCo synced fragment by fragment, each average overlapped with ``delay`` inner steps."""
 

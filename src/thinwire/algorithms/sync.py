@@ -18,9 +18,9 @@ import torch
 from thinwire.aggregate import CodecChooser
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.gradients import GradientReducer, refuse_sparse
-from thinwire.algorithms.registry import refuse_schedule
+from thinwire.algorithms.methods import refuse_schedule
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.policy import Assignment, Policy, as_policy
 from thinwire.registry import NoKnobs

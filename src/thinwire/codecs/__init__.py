@@ -1,1 +1,1 @@
-"""Codecs: one file each; see base.py for the protocol and registry.py for specs."""
+"""Codecs: one file each; see base.py for the protocol and specs.py for names, specs and registration."""

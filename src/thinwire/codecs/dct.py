@@ -1,6 +1,6 @@
 """Chunked DCT top-k: the strongest cosine coefficients of every chunk (DeMo's transform).
 
-Per tensor (:mod:`thinwire.numerics.dct`): an orthonormal DCT-II over ``chunk × chunk``
+Per tensor (:mod:`thinwire.numerics.dct_basis`): an orthonormal DCT-II over ``chunk × chunk``
 blocks of the tensor seen as a matrix (``shape[0] × rest``; 1-D tensors in chunks of
 ``chunk``), each side zero-padded to whole blocks; in every block the ``topk`` coefficients
 of largest magnitude are kept (all of them when a block holds fewer). DeMo (Peng,
@@ -15,7 +15,7 @@ Wire (GATHER, fixed size: ``chunks × k`` coefficients), in this order:
 * positions: a ``(chunks, k)`` array of each kept coefficient's place in its block, in the
   smallest integer type that holds a block's index (uint8 up to 256 coefficients per block,
   int16 up to 32,768, else int32), ascending within a block;
-* values: fp32, bf16, range floats of ``bits`` bits (``thinwire.numerics.rangefloat``: the
+* values: fp32, bf16, range floats of ``bits`` bits (``thinwire.numerics.range_format``: the
   FFT method's quantizer) or one sign bit each (1 = negative; zero is sent as +).
 
 GATHER: every rank adds every rank's coefficients into one dense block matrix, then runs
@@ -36,8 +36,8 @@ import torch
 from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range, not_negative
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
-from thinwire.codecs.registry import register
-from thinwire.numerics import dct, rangefloat
+from thinwire.codecs.specs import register
+from thinwire.numerics import dct_basis, range_format
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 
@@ -90,7 +90,7 @@ class DCT(Codec):
     def __init__(self, config: DCTConfig) -> None:
         super().__init__(config)
         assert config.man_bits is not None  # filled by resolve_layout
-        self.wire = rangefloat.Wire(config.bits, config.exp_bits, config.man_bits)
+        self.wire = range_format.Wire(config.bits, config.exp_bits, config.man_bits)
         self._work: dict[str, torch.Tensor] = {}  # scratch reused across tensors and steps
 
     def _scratch(self, role: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -101,10 +101,10 @@ class DCT(Codec):
             buf = self._work[role] = torch.empty(rows * cols, dtype=torch.float32, device=device)
         return buf[: rows * cols].view(rows, cols)
 
-    def tiling(self, shape: torch.Size | tuple[int, ...]) -> dct.Tiling:
-        return dct.tiling(tuple(shape), self.config.chunk)
+    def tiling(self, shape: torch.Size | tuple[int, ...]) -> dct_basis.Tiling:
+        return dct_basis.tiling(tuple(shape), self.config.chunk)
 
-    def kept(self, t: dct.Tiling) -> int:
+    def kept(self, t: dct_basis.Tiling) -> int:
         """Coefficients kept per block of this tiling."""
         return min(self.config.topk, t.size)
 
@@ -149,7 +149,7 @@ class DCT(Codec):
             return Payload(tuple(torch.zeros(s, dtype=d, device=x.device) for s, d in self.wire_spec(x.shape, x.dtype)),
                            x.shape, x.dtype)
         mags = self._scratch("mags", t.chunks, t.size, x.device)
-        pos, vals = dct.top_per_chunk(dct.forward(x, t), self.kept(t), mags)
+        pos, vals = dct_basis.top_per_chunk(dct_basis.forward(x, t), self.kept(t), mags)
         flat = vals.reshape(-1)  # (chunks * k,)
         values = self.config.values
         wire_pos = pos.to(position_dtype(t.size)).contiguous()
@@ -194,5 +194,5 @@ class DCT(Codec):
             return
         dense = self._scratch("dense", t.chunks, t.size, out.device).zero_()
         for p in payloads:
-            dct.scatter_add(dense, *self.coefficients(p))
-        dct.inverse(dense, t, out)
+            dct_basis.scatter_add(dense, *self.coefficients(p))
+        dct_basis.inverse(dense, t, out)

@@ -56,8 +56,8 @@ import torch
 from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, distinct, generator_for, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
-from thinwire.codecs.registry import register
-from thinwire.numerics import parallel, rangefloat
+from thinwire.codecs.specs import register
+from thinwire.numerics import parallel, range_format
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.numerics.select import SAMPLED_MIN, indices, sampled_scan, top_mask, top_mask_numpy
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
@@ -225,7 +225,7 @@ class FFT(Codec):
         self._best_loss: float | None = None  # ... and the best window mean loss so far
         self._theta_used: float | None = None  # by the last encode, for stats()
         self._theta_at: tuple[int | None, float] = (None, config.theta)  # (step, theta_at(step))
-        self.wire = rangefloat.Wire(config.bits, config.exp_bits, config.man_bits or 0)  # the kept parts' format
+        self.wire = range_format.Wire(config.bits, config.exp_bits, config.man_bits or 0)  # the kept parts' format
 
     @property
     def fusable(self) -> bool:  # type: ignore[override]
@@ -388,7 +388,7 @@ class FFT(Codec):
         return torch.from_numpy(np.array([e_max], np.int32)), torch.from_numpy(pos), values
 
     def _quantize_np(self, parts: np.ndarray, low: float, high: float) -> tuple[int, torch.Tensor]:
-        """:meth:`Wire.encode_numpy <thinwire.numerics.rangefloat.Wire.encode_numpy>` of the
+        """:meth:`Wire.encode_numpy <thinwire.numerics.range_format.Wire.encode_numpy>` of the
         kept parts, split across threads."""
         scratch = None if self.config.bits in (8, 32) else self._scratch("codes", parts.size, np.int32)
         return self.wire.encode_numpy(parts, low, high, _split, scratch)
@@ -491,11 +491,11 @@ class FFT(Codec):
             return part.view(np.complex64)
         out = work[: 2 * count]
         if cfg.bits == 8 and vals.size >= 2 * _PAIR_TABLE_MIN:
-            return rangefloat.decode_pairs_numpy(part, cfg.exp_bits, cfg.man_bits, e_max, out.view(np.complex64))
+            return range_format.decode_pairs_numpy(part, cfg.exp_bits, cfg.man_bits, e_max, out.view(np.complex64))
         if cfg.bits == 16:
             part = part.astype(np.int32)
             part += 1 << 15
-        return rangefloat.decode_numpy(part, cfg.exp_bits, cfg.man_bits, e_max, out).view(np.complex64)
+        return range_format.decode_numpy(part, cfg.exp_bits, cfg.man_bits, e_max, out).view(np.complex64)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         n = math.prod(payload.shape)

@@ -32,7 +32,7 @@ import torch
 
 from thinwire.codecs.base import Codec, distinct, generator_for, in_range, zero_
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.numerics.select import indices, top_mask
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec

@@ -45,7 +45,7 @@ import torch
 
 from thinwire.codecs.base import Codec, generator_for
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 _COLMAJOR_P_BELOW = 8  # round 0 computes P column-major below this rank, row-major from it

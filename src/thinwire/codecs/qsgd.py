@@ -41,7 +41,7 @@ import torch
 
 from thinwire.codecs.base import Codec, generator_for, in_range, not_negative
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 

@@ -27,7 +27,7 @@ import torch
 
 from thinwire.codecs.base import Codec, generator_for
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 

@@ -2,7 +2,7 @@
 
 Wire (GATHER): ``E_max`` as one int32, then one code per value: bit-packed MSB-first for
 ``bits <= 8`` (``4 + ceil(N * bits / 8)`` bytes), as 16-bit words for ``bits = 16``
-(``4 + 2N``). See :mod:`thinwire.numerics.rangefloat` for the format. Ranks have different
+(``4 + 2N``). See :mod:`thinwire.numerics.range_format` for the format. Ranks have different
 windows, so payloads are gathered, not summed. The default 8 bits = 1 + 3 + 4 is
 thinwire's own choice (the paper does not publish its layout).
 """
@@ -18,8 +18,8 @@ import torch
 
 from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
-from thinwire.numerics import rangefloat
+from thinwire.codecs.specs import register
+from thinwire.numerics import range_format
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 
@@ -81,9 +81,9 @@ class RangeFloat(Codec):
         in_range(self.name, "the exponent E_max", payload.tensors[0], E_MAX_LOW, E_MAX_HIGH)
 
     @functools.cached_property
-    def wire(self) -> rangefloat.Wire:
+    def wire(self) -> range_format.Wire:
         cfg = self.config
-        return rangefloat.Wire(cfg.bits, cfg.exp_bits, cfg.man_bits)
+        return range_format.Wire(cfg.bits, cfg.exp_bits, cfg.man_bits)
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         e_max, wire = self.wire.encode(x.reshape(-1))  # (N,) only read

@@ -23,7 +23,7 @@ import torch
 
 from thinwire.codecs.config import CodecConfig, knob
 from thinwire.codecs.qsgd import CHUNK, TableCodec, check_not_negative, table_decode
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 

@@ -34,7 +34,7 @@ import torch
 
 from thinwire.codecs.base import Codec, distinct, generator_for, in_range, zero_
 from thinwire.codecs.config import CodecConfig, knob, require
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.payload import Aggregation, Payload, WireSpec
 
 AUTO_SAMPLED_MIN = 1_000_000  # `select=auto` samples at and above this many elements

@@ -56,7 +56,7 @@ import torch
 from thinwire.codecs.base import Codec
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.qsgd import Scratch, check_not_negative, table_decode
-from thinwire.codecs.registry import register
+from thinwire.codecs.specs import register
 from thinwire.numerics.bitpack import pack, unpack
 from thinwire.payload import Aggregation, Payload, WireSpec
 

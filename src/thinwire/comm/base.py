@@ -9,14 +9,13 @@ keeps them from deadlocking); callers derive the order from the explicit step co
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from thinwire.comm.layout import INTRA_DTYPES, NodeLayout
 from thinwire.comm.meter import ByteMeter
-
-if TYPE_CHECKING:
-    from thinwire.comm.nodes import Hierarchy, NodeLayout
 
 
 class Handle(Protocol):
@@ -168,3 +167,26 @@ class Communicator:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass
+class Hierarchy:
+    """A world's node groups: ``intra`` (this rank's node, ranked by local rank) and ``inter``
+    (this local rank on every node, ranked by node)."""
+
+    layout: NodeLayout
+    intra: Communicator
+    inter: Communicator
+    dtype: torch.dtype = torch.float32  # of the collectives inside the node
+
+    @property
+    def dtype_name(self) -> str:
+        return next(k for k, v in INTRA_DTYPES.items() if v == self.dtype)
+
+    @property
+    def node(self) -> int:
+        return self.inter.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.intra.rank

@@ -157,7 +157,7 @@ class ElasticWorker:
                  replica: int, min_workers: int, timeout_s: float = TIMEOUT_S, wait_s: float = WAIT_S,
                  bucket_mb: float = 25.0, extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
                  host: str = "127.0.0.1", start_workers: int | None = None) -> None:
-        from thinwire.algorithms.registry import elastic_refusal, parse_spec, resolve_method
+        from thinwire.algorithms.methods import elastic_refusal, parse_spec, resolve_method
         from thinwire.version import __version__
 
         spec = resolve_method(spec)
@@ -173,7 +173,7 @@ class ElasticWorker:
         from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
 
-        from thinwire.integrations.torchft_diloco import _quiet_flight_recorder
+        from thinwire.peers.torchft_diloco import _quiet_flight_recorder
 
         _quiet_flight_recorder()
         # torchft reads a received state from a read-only buffer (the tensors are copied into place)
@@ -260,7 +260,8 @@ class ElasticWorker:
             raise
 
     def _new_quorum(self, seconds: float) -> None:
-        from thinwire.algorithms.registry import build_method, is_gradient_codec
+        from thinwire.algorithms.build import build_method
+        from thinwire.algorithms.methods import is_gradient_codec
 
         rank, size = self.manager.participating_rank(), self.manager.num_participants()
         self.comm.reconfigure(0 if rank is None else int(rank), max(1, int(size)))

@@ -46,14 +46,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.aggregate import Aggregator, pipelines
 from thinwire.algorithms.gradients import check_and_unscale, is_plain, loss_scale, refuse_sparse
-from thinwire.algorithms.registry import refuse_schedule
+from thinwire.algorithms.methods import refuse_schedule
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.figures import figures
+from thinwire.hierarchical import build_aggregator
 from thinwire.policy import Assignment, Policy, as_policy
 from thinwire.timing import Timing
 
@@ -147,7 +148,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         for old in [k for k in state.aggregators if set(k) & set(names)]:
             del state.aggregators[old]
         named = list(zip(names, grads))
-        agg = state.aggregators[names] = Aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
+        agg = state.aggregators[names] = build_aggregator(named, state.codec_for, state.comm, feedback=state.feedback)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     last, buffer = bucket.is_last(), bucket.buffer()
     if state.scaler is not None and state.scaler.is_enabled():

@@ -48,9 +48,10 @@ import torch
 
 from thinwire.aggregate import Aggregator
 from thinwire.codecs.dct import VALUES
-from thinwire.codecs.registry import build_codec
+from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.feedback import ErrorFeedback
+from thinwire.hierarchical import build_aggregator
 from thinwire.timing import Timing
 
 
@@ -113,8 +114,9 @@ class DeMo(torch.optim.Optimizer):
             if len(self._aggregators) >= 8:  # parameters without gradients vary from step to step: keep a few
                 self._aggregators.clear()
             codec = build_codec(self.codec_spec)
-            agg = self._aggregators[key] = Aggregator(live, lambda _n, _t: codec, self.comm, bucket_mb=self.bucket_mb,
-                                                      feedback=self.feedback, as_given=True)
+            agg = self._aggregators[key] = build_aggregator(live, lambda _n, _t: codec, self.comm,
+                                                            bucket_mb=self.bucket_mb, feedback=self.feedback,
+                                                            as_given=True)
         return agg
 
     @torch.no_grad()

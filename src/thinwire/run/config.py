@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinwire.algorithms.registry import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
+from thinwire.algorithms.methods import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
+from thinwire.run.memory_estimate import BYTES_PER_WORKER, check_batch
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "muon")  # --optimizer: sgd has momentum 0.9; muon: thinwire.optim.muon
 
@@ -56,7 +57,7 @@ class TrainConfig:
     # ranks per node (an int, or "auto": torchrun's LOCAL_WORLD_SIZE); None: flat, every rank its own node
     ranks_per_node: int | str | None = None
     intra_link: str | None = None  # the link inside a node (modeled, emulated); None: comm.nodes.INTRA_LINK
-    intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.nodes.INTRA_DTYPES)
+    intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.layout.INTRA_DTYPES)
     # TensorBoard event files beside metrics.jsonl: None when the tensorboard package is installed, True needs it
     tensorboard: bool | None = None
     # False: the evaluation steps write their records without test figures (thinwire cost's probes time
@@ -149,7 +150,7 @@ class TrainConfig:
                                 (self.replica, "--replica")):
                 require(given is None, f"{flag} needs --elastic")
             return None
-        from thinwire.algorithms.registry import elastic_refusal
+        from thinwire.algorithms.methods import elastic_refusal
 
         why = elastic_refusal(method)
         require(why is None, f"--elastic: {method.split(':')[0]} cannot run elastic: {why}")
@@ -186,8 +187,9 @@ class TrainConfig:
     def _nodes(self, facts: Facts) -> tuple[int | None, str | None, str | None]:
         """Ranks per node (torchrun's for ``auto``), the link inside a node and the dtype of
         the collectives there, checked."""
+        from thinwire.comm.layout import INTRA_DTYPES
         from thinwire.comm.link import Link
-        from thinwire.comm.nodes import INTRA_DTYPES, INTRA_LINK
+        from thinwire.comm.nodes import INTRA_LINK
 
         layout = facts.layout
         if layout is None:
@@ -252,7 +254,7 @@ class TrainConfig:
         checkpoint.check_steps(meta, settings["steps"])
 
     def method_spec(self) -> Any:
-        """What :func:`~thinwire.algorithms.registry.build_method` builds: the policy of a
+        """What :func:`~thinwire.algorithms.build.build_method` builds: the policy of a
         ``--policy`` file (its rules, read once), else the method spec."""
         if self.policy_rules:
             from thinwire.policy import Policy
@@ -303,7 +305,7 @@ def plan(cfg: TrainConfig) -> Facts:
     up the task, read the environment (torchrun's world, the collective timeout, the
     machine's room for local ranks), the ``--policy`` file, a ``--resume`` checkpoint's
     metadata and what ``--out`` holds. Raises ValueError naming what cannot be read."""
-    from thinwire.run.launch import collective_timeout
+    from thinwire.comm.torch_dist import collective_timeout
     from thinwire.tasks import get as get_task
 
     imports = tuple(_stored(name) for name in cfg.imports)
@@ -387,7 +389,7 @@ def check_own_outputs(out: str) -> None:
 def node_layout(ranks_per_node: int | str | None, world: int, torchrun: bool) -> Any:
     """The NodeLayout of ``--ranks-per-node`` over ``world`` ranks (under torchrun: checked
     against torchrun's own layout), or None."""
-    from thinwire.comm.nodes import layout_for
+    from thinwire.comm.layout import layout_for
 
     if isinstance(ranks_per_node, str) and ranks_per_node != "auto":
         try:
@@ -531,7 +533,6 @@ def file_module_name(path: str) -> str:
 
 # -- what this machine can run ------------------------------------------------------------------
 WORKERS_PER_CORE = 8  # local ranks per core at most (they share the cores; beyond this they only wait)
-BYTES_PER_WORKER = 500e6  # a rank's floor: the interpreter, torch and a small model
 
 
 def worker_limit() -> tuple[int, str]:
@@ -550,8 +551,6 @@ def worker_limit() -> tuple[int, str]:
 def check_batch_memory(cfg: TrainConfig, torchrun: bool) -> None:
     """Refuse a batch that cannot fit the memory this machine has available, for all its local
     ranks together (estimated from the task's model: :mod:`thinwire.run.memory_estimate`)."""
-    from thinwire.run.memory_estimate import check_batch
-
     check_batch(cfg, torchrun=torchrun, available=_available_memory())
 
 
@@ -601,3 +600,14 @@ def _holds_run(path: str) -> bool:
     root = checkpoint.root(path)
     return (root / checkpoint.LATEST).exists() or (root.is_dir() and any(
         checkpoint.STEP_NAME.fullmatch(p.name) for p in root.iterdir()))
+
+
+def for_method(base: TrainConfig, spec: str, **changes: Any) -> TrainConfig:
+    """``base`` running ``spec``: a method that is an optimizer itself (DeMo) replaces the
+    race's ``--optimizer`` (its runs say so in their summary), the others train with it."""
+    optimizer = spec.partition(":")[0].strip() if _owns(spec) else base.optimizer
+    return dataclasses.replace(base, method=spec, optimizer=optimizer, **changes)
+
+
+def _owns(spec: str) -> bool:
+    return own_optimizer(spec)  # False for a bad spec too: resolving it names the problem

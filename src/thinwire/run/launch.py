@@ -266,7 +266,8 @@ def _maybe_emulate(comm: Communicator, cfg: TrainConfig) -> Communicator:
 
         comm = EmulatedLink(comm, Link.parse(cfg.links[0]))
     if cfg.ranks_per_node is not None:
-        from thinwire.comm.nodes import NodeLayout, build_hierarchy
+        from thinwire.comm.layout import NodeLayout
+        from thinwire.comm.nodes import build_hierarchy
 
         build_hierarchy(comm, NodeLayout(comm.world_size, int(cfg.ranks_per_node)), cfg.intra_link,
                         intra_dtype=cfg.intra_dtype or "fp32")

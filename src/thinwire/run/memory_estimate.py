@@ -17,7 +17,7 @@ The estimate for one rank is
   storages, the parameters and the batch itself excepted) and forward hooks on every module
   record the largest output. The growth from the smaller batch to the larger one, per sample,
   is the figure, so what does not grow with the batch (a positional table) is not multiplied.
-* ``fixed`` = :data:`~thinwire.run.config.BYTES_PER_WORKER` (the interpreter, torch) + the
+* ``fixed`` = :data:`BYTES_PER_WORKER` (the interpreter, torch) + the
   parameters with their gradients and the optimizer's state (Adam: two tensors per
   parameter, SGD: one) + the task's data set, which every rank holds (the tensors the task
   object holds).
@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+BYTES_PER_WORKER = 500e6  # a rank's floor: the interpreter, torch and a small model
 BACKWARD_FACTOR = 2.0  # the largest module output's gradients while backward runs (of its output and input)
 PIPELINE_COPIES = 2.0  # the batch as built, plus the temporaries of building it
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter (SGD: momentum)
@@ -160,8 +161,6 @@ def _forward_bytes(task: Any, model: torch.nn.Module, batch: int, params: set[in
 
 def estimate(cfg: Any, shape: Footprint) -> Estimate:
     """The bytes one rank of ``cfg`` (resolved: batch size and optimizer filled) needs."""
-    from thinwire.run.config import BYTES_PER_WORKER
-
     slots = OPTIMIZER_SLOTS.get(str(cfg.optimizer), 2)
     fixed = BYTES_PER_WORKER + shape.parameter_bytes * (2 + slots) + shape.data_bytes
     per_sample = shape.kept_bytes + BACKWARD_FACTOR * shape.output_bytes + PIPELINE_COPIES * shape.sample_bytes

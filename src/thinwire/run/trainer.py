@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.base import Method
-from thinwire.algorithms.registry import build_method, method_optimizer
+from thinwire.algorithms.build import build_method, method_optimizer
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
 from thinwire.comm.link import Link, meter_seconds
@@ -618,8 +618,8 @@ def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None =
     """Modeled codec and communication seconds the method overlaps with computation on
     ``link``: what the method hides itself (DaSGD's averages behind whole steps) and the
     gradient buckets it averaged beside the backward pass
-    (:func:`thinwire.run.cost.overlap_hidden_seconds`)."""
-    from thinwire.run.cost import overlap_hidden_seconds
+    (:func:`thinwire.comm.overlap.overlap_hidden_seconds`)."""
+    from thinwire.comm.overlap import overlap_hidden_seconds
 
     hidden = method.hidden_seconds(link)
     o = method.overlap_report()

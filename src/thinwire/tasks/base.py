@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import math
 import numbers
 import threading
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from thinwire.knobs import convert
+from thinwire.registry import Entry, Registry
 
 
 class TaskError(ValueError):
@@ -255,3 +257,48 @@ def parse_options(task: str, options_cls: type, options: dict[str, Any]) -> Any:
         return options_cls(**values)
     except ValueError as e:
         raise TaskError(f"{task}: {e}") from None
+
+
+# -- the registry of tasks ------------------------------------------------------------------------
+METRICS = ("accuracy", "bpc")  # what a task's report leads with (Task.metric)
+
+
+def check_task_class(cls: Any) -> None:
+    """Raise :class:`TaskError` naming the first missing or malformed part of a task class."""
+    what = getattr(cls, "__name__", repr(cls))
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"{what} is not a thinwire.tasks.Task subclass")
+    name = getattr(cls, "name", None)
+    if not (isinstance(name, str) and name):
+        raise TaskError(f"task class {what} needs a name (a class attribute: name = 'mytask')")
+    if not isinstance(getattr(cls, "defaults", None), TaskDefaults):
+        raise TaskError(f"task {name} needs defaults = TaskDefaults(steps=..., batch_size=..., lr=..., ...)")
+    if getattr(cls, "metric", None) not in METRICS:
+        raise TaskError(f"task {name} needs metric, one of {', '.join(METRICS)} (the figure its report leads with), "
+                        f"got {getattr(cls, 'metric', None)!r}")
+    config = getattr(cls, "Config", None) or cls.__dict__.get("Options")
+    if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+        raise TaskError(f"task {name} needs Config, a dataclass of its options (an empty one when it has none)")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise TaskError(f"task {name} does not define {missing}")
+
+
+# listing order of the bundled tasks, by module (the CLI's help, `thinwire methods`)
+_LISTING = ("mnist1d", "charlm", "text", "cifar10", "synthetic")
+
+
+def _listing(entry: Entry[type[Task]]) -> int:
+    module = entry.value.__module__.rpartition(".")[2]
+    return _LISTING.index(module) if module in _LISTING else len(_LISTING)
+
+
+# the bundled tasks: the modules of thinwire.tasks, each registering its own with @register
+TASKS: Registry[type[Task]] = Registry("task", builtins=("thinwire.tasks",), check=check_task_class, order=_listing)
+
+
+def register(cls: type[Task]) -> type[Task]:
+    """Class decorator: make a task available by ``cls.name``. A class that lacks a part of
+    the :class:`Task` contract is refused here, naming the part, so a task of the user's own
+    (``--import FILE.py``) fails at its import in one line, not in a rank."""
+    return TASKS.register(cls)

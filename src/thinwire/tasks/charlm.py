@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from thinwire.tasks.base import Task, TaskDefaults, TaskError, check_shard_args, generator
+from thinwire.tasks.base import Task, TaskDefaults, TaskError, check_shard_args, generator, register
 
 EVAL_BATCH = 64  # windows per evaluation batch
 
@@ -71,6 +71,7 @@ class CharLMOptions:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
+@register
 class CharLM(Task):
     """Next-character prediction on Python's help text with a 2-layer transformer (0.43M params),
     or with ``model=gpt-small`` an 8-layer one of width 512 (25.4M params)."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from thinwire.tasks.base import Task, TaskDefaults, TaskError, generator, index_batches
+from thinwire.tasks.base import Task, TaskDefaults, TaskError, generator, index_batches, register
 from thinwire.tasks.vision_models import resnet20, vgg_small
 
 TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
@@ -44,6 +44,7 @@ class CIFAR10Options:
     augment: bool = True  # random crop (pad 4) + horizontal flip on training images
 
 
+@register
 class CIFAR10(Task):
     """CIFAR-10 image classification (50,000 train / 10,000 test) from local binary files."""
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from thinwire.tasks.base import Task, TaskDefaults, TaskError, index_batches
+from thinwire.tasks.base import Task, TaskDefaults, TaskError, index_batches, register
 
 # (num_samples, generator seed) of each size; the test set is the last 20% of each.
 SIZES = {"default": (5000, 42), "large": (40000, 1234)}
@@ -43,6 +43,7 @@ class MNIST1DOptions:
     size: Literal["default", "large"] = "default"  # large = 10x the data, higher ceiling, slower to make
 
 
+@register
 class MNIST1D(Task):
     """MNIST-1D classification with a 3-conv 1-D CNN (~0.21M parameters)."""
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from thinwire.tasks.base import Task, TaskDefaults, TaskError, generator, index_batches
+from thinwire.tasks.base import Task, TaskDefaults, TaskError, generator, index_batches, register
 
 EVAL_BATCH = 1024
 
@@ -42,6 +42,7 @@ class SyntheticOptions:
             raise ValueError(f"classes must be >= 2, got {self.classes}")
 
 
+@register
 class Synthetic(Task):
     """Gaussian inputs, linear-teacher labels, an MLP of configurable size."""
 

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from thinwire.tasks.base import Task, TaskDefaults, TaskError, index_batches
+from thinwire.tasks.base import Task, TaskDefaults, TaskError, index_batches, register
 from thinwire.tasks.charlm import EVAL_BATCH, PRESETS, CharLMOptions, TinyTransformer
 
 CONTEXT = 128  # tokens per window unless `context` says otherwise (charlm's presets use 64)
@@ -113,6 +113,7 @@ class Corpus:
     facts: dict[str, Any]
 
 
+@register
 class Text(Task):
     """Byte-level (or token-file) causal transformer on your own text, or on Python's stdlib source."""
 

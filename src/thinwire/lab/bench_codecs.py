@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from thinwire.run.load import high_load, load_text
+from thinwire.lab.load import high_load, load_text
 
 if TYPE_CHECKING:
     from thinwire.codecs.base import Codec
@@ -93,7 +93,7 @@ def split_specs(text: str) -> list[str]:
 
 
 def default_specs() -> list[str]:
-    from thinwire.codecs.registry import available
+    from thinwire.codecs.specs import available
 
     names = list(available())
     specs = list(names)
@@ -181,7 +181,7 @@ def calibrate(fn: Callable[[], object], min_s: float) -> int:
 
 
 def measure(spec: str, items: list[Item], input_name: str, repeats: int, min_s: float) -> Row:
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     codec = build_codec(spec)  # fresh: the error is a one-shot figure at step 0
     codecs = codec_for_each(codec, items)
@@ -351,7 +351,7 @@ def _checked(quick: bool, methods: str | None, repeats: int | None, size: int | 
              inputs: Sequence[str] | None, threads: int | None) -> tuple[list[str], int, tuple[str, ...], int]:
     """``main``'s arguments checked, defaults filled in: (specs, repeats, inputs, floats in the
     large input). Raises ``ValueError`` naming the first bad one."""
-    from thinwire.codecs.registry import build_codec
+    from thinwire.codecs.specs import build_codec
 
     specs = split_specs(methods) if methods else default_specs()
     if not specs:
@@ -379,7 +379,7 @@ def _note(text: str) -> None:
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m thinwire.run.bench_codecs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m thinwire.lab.bench_codecs", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2M-float large input, 5 repeats, short samples")
     p.add_argument("--methods", help="codec specs separated by ';' (or by ',' between specs; see module doc)")
     p.add_argument("--repeats", type=int, help="timed (copy_, codec) pairs per row; the median is reported")

@@ -83,6 +83,7 @@ import torch
 import torch.distributed as torch_dist
 
 from thinwire.algorithms.base import Loss, Method
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator, Handle
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -226,6 +227,7 @@ def _check_shapes(named: list[tuple[str, torch.Tensor]]) -> None:
                 f"shape {tuple(p.shape)}")
 
 
+@METHODS.register
 class PeerDeMo(Method):
     """detonation's DeMo optimizer (``detonation.optim.demo.DeMo``), its all_gathers through
     thinwire's communicator; the method itself only counts steps and reports."""

@@ -37,7 +37,7 @@ class _Matrix(nn.Module):
 
 def curve(spec: str, workers: int, size: int, topology: str, max_steps: int) -> list[tuple[int, float, float]]:
     """(step, bits per worker, relative consensus error) after every step of ``spec``."""
-    from thinwire.algorithms.registry import build_method
+    from thinwire.algorithms.build import build_method
 
     name, _, knobs = spec.partition(":")
     full = f"{name}:topology={topology}" + (f",{knobs}" if knobs else "")
@@ -102,7 +102,7 @@ def main(quick: bool = False, methods: str | None = None, *, workers: int = 8, s
     """Run the consensus benchmark; returns an exit code (0 ok, 2 bad input)."""
     from rich.console import Console
 
-    from thinwire.algorithms.registry import check_world, resolve_method
+    from thinwire.algorithms.methods import check_world, resolve_method
 
     specs = [s.strip() for s in (methods.split(";") if methods else DEFAULT_METHODS) if s.strip()]
     steps = max_steps if max_steps is not None else (200 if quick else 3000)

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from thinwire.run import compare, outdir
-from thinwire.run.config import TrainConfig
+from thinwire.lab import compare
+from thinwire.run import outdir
+from thinwire.run.config import TrainConfig, for_method
 
 SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
 ACCURACY_NOISE_PTS = compare.ACCURACY_NOISE_PTS  # what one seed's final accuracy moves by here: allowed on top
@@ -314,7 +315,7 @@ def prepare(base: TrainConfig, out: str, overwrite: bool = False,
                              "so the suite would replace it; move it away or choose another --out")
     if [g.key for g in groups] == [g.key for g in LOWBANDWIDTH]:  # the suite, whatever its outer lrs
         base = lowbandwidth_settings(base)
-    steps = int(compare.for_method(base, "identity").resolve().steps or 0)  # --steps, or the task's budget
+    steps = int(for_method(base, "identity").resolve().steps or 0)  # --steps, or the task's budget
     for g in groups:
         for spec in g.specs:
             why = unreached_phase(spec, steps)
@@ -361,7 +362,7 @@ def unreached_phase(spec: str, steps: int) -> str | None:
     the DiLoCo family, post-local SGD) must leave it, and one with a ``period`` must average at
     least once after it (at step ``warmup + period``). A run that never does is synchronous
     training under another name: its ratios would read as measured."""
-    from thinwire.algorithms.registry import kind_of, method_config
+    from thinwire.algorithms.methods import kind_of, method_config
 
     if kind_of(spec) != "method":
         return None
@@ -380,7 +381,7 @@ def unreached_phase(spec: str, steps: int) -> str | None:
 def cannot_run(base: TrainConfig, specs: tuple[str, ...]) -> dict[str, str]:
     """The peers among ``specs`` whose method cannot run on the task's model or here at all,
     with why (detonation's DeMo on convolutions, or without the package)."""
-    from thinwire.algorithms.registry import check_model, check_world, resolve_method
+    from thinwire.algorithms.methods import check_model, check_world, resolve_method
     from thinwire.tasks import get as get_task
 
     model = None

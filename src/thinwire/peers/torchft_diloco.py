@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms.base import Loss, Method
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -109,6 +110,7 @@ def torchft_available() -> bool:
         return False
 
 
+@METHODS.register
 class TorchFTDiLoCo(Method):
     """torchft's DiLoCo over its own gloo process group, one replica group per rank; its
     allreduces are metered by thinwire's meter."""

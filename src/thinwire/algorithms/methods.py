@@ -1,28 +1,25 @@
 """Method specs: a training method's name with knobs, a policy preset, or any codec spec.
 
-``build_method("topk:ratio=0.01", model, optimizer, comm)`` gives a
-:class:`~thinwire.algorithms.sync.SyncReducer` over that codec; a policy preset
-(``"hylo"``) a :class:`~thinwire.algorithms.sync.SyncReducer` with a codec per parameter;
-a method of :data:`METHODS` (``"dasgd:period=4"``) that method. A name belongs to one
-registry: a name that two of them answer to is refused (:func:`kind_of`).
+:data:`METHODS` holds the training methods by name; a spec's name may also be a policy
+preset (``"hylo"``, :data:`thinwire.policy.PRESETS`) or a codec (``"topk:ratio=0.01"``,
+:data:`thinwire.codecs.specs.CODECS`). A name belongs to one registry: a name that two of
+them answer to is refused (:func:`kind_of`). The functions here resolve and check specs;
+:mod:`thinwire.algorithms.build` builds the method a spec names.
 
-The built-in methods are the classes in :data:`BUILTIN`, imported and registered on the
-first lookup (name, ``Config`` and summary are read from the class), in that order. A
-method of a user's own module registers with ``METHODS.register(cls)`` (or as a class
-decorator) and is listed after the built-in ones.
+The built-in methods are the classes decorated with ``@METHODS.register`` in the modules of
+:mod:`thinwire.algorithms` and :mod:`thinwire.peers`, imported on the first lookup. A method
+of a user's own module registers the same way and is listed after the built-in ones.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from thinwire.codecs.base import Codec
-from thinwire.codecs.registry import CODECS, build_codec, build_config, parse_spec
-from thinwire.comm.base import Communicator
+from thinwire.codecs.specs import CODECS, build_codec, build_config, parse_spec
 from thinwire.knobs import describe_config
 from thinwire.policy import PRESETS, Policy
 from thinwire.registry import Entry, Registry
@@ -30,39 +27,24 @@ from thinwire.registry import Entry, Registry
 if TYPE_CHECKING:
     from thinwire.algorithms.base import Method
 
-# the built-in methods ("module:class"), in listing order
-BUILTIN = (
-    "thinwire.algorithms.local_sgd:LocalSGD",
-    "thinwire.algorithms.dasgd:DaSGD",
-    "thinwire.algorithms.diloco:DiLoCo",
-    "thinwire.algorithms.streaming_diloco:StreamingDiLoCo",
-    "thinwire.algorithms.sparseloco:SparseLoCo",
-    "thinwire.algorithms.demo:DeMoMethod",
-    "thinwire.algorithms.gossip:DPSGD",
-    "thinwire.algorithms.powergossip:PowerGossip",
-    "thinwire.algorithms.ab:ABTraining",
-    "thinwire.integrations.torch_builtins:TorchBuiltin",
-    "thinwire.integrations.torch_builtins:TorchFP16",
-    "thinwire.integrations.torch_builtins:TorchBF16",
-    "thinwire.integrations.torch_builtins:TorchPowerSGD",
-    "thinwire.integrations.torch_builtins:TorchPostLocalSGD",
-    "thinwire.integrations.torchft_diloco:TorchFTDiLoCo",
-    "thinwire.integrations.detonation_demo:PeerDeMo",
-)
+# listing order of the built-in methods, by module (`thinwire methods`, docs/methods.md): the
+# methods first, then the peers that run another project's code
+_LISTING = ("local_sgd", "dasgd", "diloco", "streaming_diloco", "sparseloco", "demo", "gossip", "powergossip", "ab",
+            "torch_builtins", "torchft_diloco", "detonation_demo")
 
 
-def _load_builtin() -> None:
-    for path in BUILTIN:
-        module, _, name = path.partition(":")
-        METHODS.register(getattr(importlib.import_module(module), name))
+def _listing(entry: Entry[type[Method]]) -> int:
+    module = entry.value.__module__.rpartition(".")[2]
+    return _LISTING.index(module) if module in _LISTING else len(_LISTING)
 
 
 def _taken(name: str) -> str | None:
-    """What else a method's name would shadow (methods resolve first)."""
+    """What else in the package answers to a method's name (a codec or a preset)."""
     return "a codec" if name in CODECS else "a policy preset" if name in PRESETS else None
 
 
-METHODS: Registry[type[Method]] = Registry("method", load=_load_builtin, package="thinwire", taken=_taken)
+METHODS: Registry[type[Method]] = Registry("method", builtins=("thinwire.algorithms", "thinwire.peers"),
+                                            taken=_taken, order=_listing)
 
 
 def method_names() -> list[str]:
@@ -156,52 +138,12 @@ def own_compute(spec: str | Policy | Codec) -> bool:
     return bool(cls.own_compute or cls.replaces_optimizer)
 
 
-def optimizer_method_help(name: str) -> str:
-    """The one way to attach a method that is an optimizer itself (DeMo), for the errors that
-    meet a loop doing otherwise."""
-    return (f"{name} is an optimizer itself: build it in place of yours and attach that one, "
-            f"opt = thinwire.method_optimizer('{name}', model.parameters(), lr); "
-            f"thinwire.attach(model, opt, '{name}')")
-
-
-def method_optimizer(spec: str | Policy | Codec, params: Any, lr: float, *, weight_decay: float = 0.0,
-                     comm: Communicator | None = None) -> torch.optim.Optimizer | None:
-    """The optimizer of a method that is one (``demo``, ``peer-demo``), built on ``params`` in
-    place of yours; None for every other spec (train with your own optimizer). ``comm``: the
-    default ``torch.distributed`` group when None."""
-    if not own_optimizer(spec):
-        return None
-    assert isinstance(spec, str)  # own_optimizer holds for method specs only
-    cls, config = method_config(spec)
-    return cls.make_optimizer(config, list(params), lr, weight_decay, comm)
-
-
 def check_model(spec: str | Policy | Codec, model: torch.nn.Module) -> None:
     """Raise ``ValueError`` when a resolved method cannot run on ``model`` (AB-training's
     excluded layer names, for instance); a codec or policy runs on any model."""
     if isinstance(spec, str) and kind_of(spec) == "method":
         cls, config = method_config(spec)
         cls.check_model(config, model)
-
-
-def build_method(spec: str | Policy | Codec, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 comm: Communicator | None, *, bucket_mb: float = 25.0, overlap: bool = True,
-                 find_unused_parameters: bool = False) -> Method:
-    """The :class:`~thinwire.algorithms.base.Method` a spec (or a policy) names, built on
-    ``model``. ``overlap``: methods that average gradients do so while the backward pass
-    goes on (False: at ``after_backward``). ``find_unused_parameters`` applies to gradient
-    codecs and policies (see :class:`~thinwire.algorithms.sync.SyncReducer`)."""
-    from thinwire.algorithms.sync import SyncReducer
-
-    if isinstance(spec, str) and kind_of(spec) == "method":
-        if find_unused_parameters:
-            raise ValueError(f"find_unused_parameters applies to gradient codecs and policies, not to "
-                             f"{parse_spec(spec)[0]}: its averaging assumes every rank's gradients cover the "
-                             "same parameters")
-        cls, config = method_config(spec)
-        return cls(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap)
-    return SyncReducer(model, spec, comm, bucket_mb=bucket_mb, overlap=overlap,
-                       find_unused_parameters=find_unused_parameters)
 
 
 def refuse_schedule(spec: str, where: str) -> None:
@@ -220,7 +162,7 @@ def markdown_table(names: Collection[str] | None = None) -> str:
     """Every spec name (or those of ``names``) with its kind, summary and knobs (defaults), as
     a markdown table: the index in docs/methods.md (``thinwire methods --markdown`` prints it;
     a test keeps the page in step)."""
-    from thinwire.codecs.registry import knob_table
+    from thinwire.codecs.specs import knob_table
 
     rows = ["| name | kind | what it does | knobs (default) |", "|---|---|---|---|"]
     kinds: list[tuple[Entry[Any], str]] = [(e, f"codec ({e.value.aggregation.value})") for e in CODECS.entries()]

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.algorithms.base import Loss, Method
+from thinwire.algorithms.methods import METHODS
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -134,6 +135,7 @@ def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
     return metered
 
 
+@METHODS.register
 class TorchBuiltin(Method):
     """A model wrapped in DDP with one of PyTorch's communication hooks; the trainer runs
     forward and backward through the wrapper. ``hook`` names one of ``default_hooks`` for the
@@ -205,12 +207,14 @@ class TorchBuiltin(Method):
         self.step = int(state["step"])
 
 
+@METHODS.register
 class TorchFP16(TorchBuiltin):
     name = "torch-fp16"
     summary = "PyTorch DDP with fp16_compress_hook (gradients cast to fp16 for the all_reduce)"
     hook = "fp16_compress_hook"
 
 
+@METHODS.register
 class TorchBF16(TorchBuiltin):
     name = "torch-bf16"
     summary = ("PyTorch DDP with bf16_compress_hook (gradients cast to bf16 for the all_reduce); PyTorch "
@@ -226,6 +230,7 @@ class TorchBF16(TorchBuiltin):
                              "with CUDA 11+ and NCCL 2.10+ (or XPU and XCCL); use bf16 (thinwire's cast codec) here")
 
 
+@METHODS.register
 class TorchPowerSGD(TorchBuiltin):
     name = "torch-powersgd"
     Config = TorchPowerSGDConfig
@@ -348,6 +353,7 @@ class TorchPowerSGD(TorchBuiltin):
         self._layout = {int(index): list(names) for index, names in state["layout"].items()}
 
 
+@METHODS.register
 class TorchPostLocalSGD(TorchBuiltin):
     name = "torch-postlocalsgd"
     Config = TorchPostLocalSGDConfig

@@ -76,12 +76,12 @@ its row; on SIGINT or SIGTERM the probe in flight stops at its next step and the
 methods probed so far is printed.
 
 **One compute figure.** The methods that run the task's plain forward, backward and
-optimizer step (:func:`thinwire.algorithms.registry.own_compute` false: every codec and
+optimizer step (:func:`thinwire.algorithms.methods.own_compute` false: every codec and
 every method but AB-training and DeMo) do the same computation each step, so their probes'
 compute figures differ by this machine's noise alone. They share one figure
 (:func:`shared_compute`): each probe's timed span is a block, and the figure is the median
 of the blocks of every such probe (every repeat's), with the blocks' quartiles as its range
-(:func:`thinwire.run.compute.summarize`; the smallest and largest block for fewer than 4).
+(:func:`thinwire.lab.compute.summarize`; the smallest and largest block for fewer than 4).
 A method's predicted step is then that shared compute plus its own measured codec and wait
 seconds plus its modeled communication, less what its overlap hides (:func:`at_compute`; its
 overlap window and bucket leads, parts of its backward pass, scale with the compute put in
@@ -122,72 +122,13 @@ from typing import Any
 
 from thinwire import jsonfile
 from thinwire.comm.link import Link
-from thinwire.run.compute import SharedCompute
+from thinwire.comm.overlap import clamp_share, hidden_part, launch_groups, overlap_hidden_seconds, tail_shares
+from thinwire.lab.compute import SharedCompute
 from thinwire.run.config import TrainConfig
 
 DEFAULT_METHODS = "identity,bf16,topk:ratio=0.01,powersgd:rank=2,fft,hylo"
 REFERENCE = "bf16"
 _SAME = 1e-9  # relative distance under which two crossings (in x = 1/β) are one
-
-
-def overlap_hidden_seconds(link: Link, *, bytes: float, messages: float, codec_s: float, window_s: float,
-                           early_share: float, wait_s: float = 0.0,
-                           leads: tuple[tuple[float, float], ...] = (), intra_s: float = 0.0) -> float:
-    """Modeled seconds of codec and communication work hidden behind the backward pass on
-    ``link``: ``min(window_s, early_share · (codec_s + max(wait_s, messages · α + bytes / β)))``.
-
-    Pass run totals (bytes and messages sent by this rank, codec seconds, the summed overlap
-    window ``overlap_report()["window_seconds"]``) for the run's hidden seconds, or the same
-    figures per step for a step's: the formula is the same for both (every term scales with
-    the number of steps). ``early_share`` is ``overlap_report()["early_share"]``, the share of
-    averaged elements launched during backward, taken as the share of the codec time, bytes
-    and messages too. ``wait_s`` (default 0: the trainer's modeled time has no such floor) is
-    the collectives' own time with no link, as ``thinwire cost`` measures it. 0 when nothing
-    was launched in backward (``window_s`` 0 or ``early_share`` 0).
-
-    ``leads``, when given (per-step figures only), refines this: per launched bucket, in
-    launch order, (seconds from its launch to ``reduce()``, its share of the elements); the
-    buckets queue on the one background thread, so the part left at ``reduce()`` is
-    ``max(0, max_i(S_i · G − lead_i))`` with ``S_i`` the share of bucket ``i`` and those after
-    it, and the hidden part is ``early · G`` minus that (``leads`` = ((W, s),) is the formula
-    above). ``intra_s``: the seconds of the collectives inside a node, on their own link
-    (hierarchical runs; ``bytes`` and ``messages`` are then those between nodes).
-    """
-    busy = codec_s + max(wait_s, intra_s + messages * link.latency_s + bytes / link.bandwidth_Bps)
-    return _hidden(busy, _groups(leads, window_s, early_share))
-
-
-def _groups(leads: tuple[tuple[float, float], ...], window_s: float,
-            early_share: float) -> tuple[tuple[float, float], ...]:
-    """The launched buckets as (lead seconds, share), in launch order: ``leads`` when known,
-    else one group (the window, the early share), else none."""
-    if leads:
-        return tuple((max(float(lead), 0.0), _share(share)) for lead, share in leads)
-    if window_s > 0 and early_share > 0:
-        return ((float(window_s), _share(early_share)),)
-    return ()
-
-
-def _tails(groups: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
-    """(lead_i, S_i): each launched bucket's lead and the share of it and every bucket after it."""
-    out, after = [], 0.0
-    for lead, share in reversed(groups):
-        after += share
-        out.append((lead, after))
-    return out[::-1]
-
-
-def _hidden(busy: float, groups: tuple[tuple[float, float], ...]) -> float:
-    """Seconds of ``busy`` (a step's codec and communication work) hidden behind backward."""
-    if not groups:
-        return 0.0
-    early = min(sum(share for _, share in groups), 1.0)
-    left = max(0.0, *(tail * busy - lead for lead, tail in _tails(groups)))
-    return max(0.0, early * busy - left)
-
-
-def _share(early_share: float) -> float:
-    return min(max(early_share, 0.0), 1.0)
 
 
 @dataclass(frozen=True)
@@ -221,20 +162,20 @@ class StepCost:
     def _at(self, latency_s: float, x: float) -> float:
         """Step time at latency ``latency_s`` and ``x`` = 1 / bandwidth (seconds per byte)."""
         busy = self.codec_s + max(self.wait_s, self.intra_s + self.messages * latency_s + self.bytes * x)
-        return self.compute_s + busy - _hidden(busy, _groups(self.leads, self.window_s, self.early_share))
+        return self.compute_s + busy - hidden_part(busy, launch_groups(self.leads, self.window_s, self.early_share))
 
     def _lines(self, latency_s: float) -> list[tuple[float, float]]:
         """The step time at this latency as the largest of these lines in ``x``, each
         (value at x = 0, slope): ``compute + max((1 − early) · G, max_i((1 − early + S_i) · G −
         lead_i))`` with ``G`` = ``codec + max(wait, messages · α + bytes · x)`` (one group
         (window, early): ``compute + max((1 − early) · G, G − window)``)."""
-        groups = _groups(self.leads, self.window_s, self.early_share)
+        groups = launch_groups(self.leads, self.window_s, self.early_share)
         keep = 1.0 - min(sum(share for _, share in groups), 1.0)
         out = []
         for at0, slope in ((self.codec_s + self.wait_s, 0.0),
                            (self.codec_s + self.intra_s + self.messages * latency_s, self.bytes)):
             out.append((self.compute_s + keep * at0, keep * slope))
-            for lead, tail in _tails(groups):
+            for lead, tail in tail_shares(groups):
                 out.append((self.compute_s + (keep + tail) * at0 - lead, (keep + tail) * slope))
         return out
 
@@ -365,7 +306,7 @@ def probe_steps(spec: str, steps: int) -> int:
 
 def _period(spec: str) -> int:
     """The steps between two syncs of a periodic method (1 for every other spec)."""
-    from thinwire.algorithms.registry import kind_of, method_config
+    from thinwire.algorithms.methods import kind_of, method_config
 
     if kind_of(spec) != "method":
         return 1
@@ -413,7 +354,7 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
     n_first = first["step"] - (first.get("skipped_steps") or 0)
     n_last = last["step"] - (last.get("skipped_steps") or 0)
     s_first, s_last = first.get("overlap_early_share") or 0.0, last.get("overlap_early_share") or 0.0
-    share = _share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
+    share = clamp_share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
     nic = int(last.get("inter_share") or 1)  # a node's ranks share its link between nodes
     intra_bytes, intra_messages = delta("intra_bytes") / steps, delta("intra_messages") / steps
     inter_bytes = nic * ((last["bytes_sent"] - first["bytes_sent"]) / steps - intra_bytes)
@@ -437,7 +378,7 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
 def _steady(spec: str) -> str:
     """``spec`` as a probe runs it: the DiLoCo family without its end-of-run sync
     (``final_sync=false``), which is no step's cost."""
-    from thinwire.algorithms.registry import resolve_method
+    from thinwire.algorithms.methods import resolve_method
 
     try:
         resolved = resolve_method(spec)
@@ -550,7 +491,7 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, seconds: float | N
     by spec, and the error of each probe that failed (the others still run). ``on_result``
     hears each probe's costs (or error) as soon as it ends. A probe that a signal stopped
     raises :class:`ProbeInterrupted`."""
-    from thinwire.run.compare import for_method
+    from thinwire.run.config import for_method
 
     if launch is None:
         from thinwire.run.launch import launch as default_launch
@@ -640,19 +581,6 @@ def median_cost(costs: list[StepCost]) -> StepCost:
                     probe_steps=costs[0].probe_steps, intra_s=med("intra_s"))
 
 
-def spread(values: list[float], fmt: str = ".1f") -> str:
-    """``median [min–max]`` of ``values`` (one value: itself; none: ``-``; ``∞``: a run that
-    did not get there, in compare's times to the target)."""
-    def one(x: float) -> str:
-        return "∞" if x == math.inf else format(x, fmt)
-
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return one(values[0])
-    return f"{one(statistics.median(values))} [{one(min(values))}–{one(max(values))}]"
-
-
 def bound_ranges(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> list[tuple[float, float]] | None:
     """The range over the repeats of each bandwidth (bytes/s) where the median method and the
     median reference cross (:func:`crossings_Bps` of :func:`median_cost`'s): per crossing, the
@@ -686,8 +614,8 @@ def bounds_text(ms: list[StepCost], refs: list[StepCost], latency_s: float) -> s
 # -- one compute figure ------------------------------------------------------------------------
 def shares_compute(spec: str) -> bool:
     """Whether ``spec``'s steps run the task's plain forward, backward and optimizer step, and
-    so share the one compute figure (not :func:`thinwire.algorithms.registry.own_compute`)."""
-    from thinwire.algorithms.registry import own_compute
+    so share the one compute figure (not :func:`thinwire.algorithms.methods.own_compute`)."""
+    from thinwire.algorithms.methods import own_compute
 
     return not own_compute(spec)
 
@@ -696,9 +624,9 @@ def shared_compute(runs: dict[str, list[StepCost]],
                    shares: Callable[[str], bool] = shares_compute) -> SharedCompute | None:
     """The compute figure of the methods of ``runs`` that share it (``shares(spec)``): every
     probe's per-step compute over its timed span is a block, every repeat's too, and
-    :func:`thinwire.run.compute.summarize` gives their median and range; None where no such
+    :func:`thinwire.lab.compute.summarize` gives their median and range; None where no such
     method was probed."""
-    from thinwire.run.compute import summarize
+    from thinwire.lab.compute import summarize
 
     sharing = [spec for spec in runs if shares(spec)]
     return summarize([c.compute_s for spec in sharing for c in runs[spec]], tuple(sharing))

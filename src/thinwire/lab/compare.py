@@ -4,7 +4,7 @@ Every method runs as a full ``thinwire train`` run (same task, workers, steps, s
 one after the other, into ``OUT/runs/NN-name/``; a method that fails is reported as failed
 and the race goes on. Then ``OUT/results.csv`` (one row per run: the summary's figures
 and the time to the target accuracy at each link), ``OUT/report.md`` (the table, the winner
-per link in bold, or a tie) and the plots of :mod:`thinwire.run.plots`. An ``OUT`` already holding
+per link in bold, or a tie) and the plots of :mod:`thinwire.lab.plots`. An ``OUT`` already holding
 any of these files, or a non-empty ``runs/``, is refused unless ``--overwrite``.
 
 **The figure that judges** is the task's own (:attr:`thinwire.tasks.Task.metric`): a classifier's
@@ -17,7 +17,7 @@ plus the link's alpha-beta time for the bytes each worker sent (see ``thinwire t
 --link``). The time to the target interpolates linearly between the two evaluations that
 straddle it (:func:`crossing`).
 
-**One compute figure** (:mod:`thinwire.run.compute`). Methods that run the task's plain
+**One compute figure** (:mod:`thinwire.lab.compute`). Methods that run the task's plain
 forward, backward and optimizer step do the same work per step; the compute their runs
 measured differs only by the machine's noise, which would otherwise decide a race on a fast
 link. Their modeled times use one shared figure: the median per-step compute over every
@@ -58,10 +58,11 @@ from pathlib import Path
 from typing import Any
 
 from thinwire import jsonfile
+from thinwire.algorithms.methods import own_optimizer
+from thinwire.lab.compute import SharedCompute
+from thinwire.lab.tables import spread
 from thinwire.run import outdir
-from thinwire.run.compute import SharedCompute
-from thinwire.run.config import TrainConfig, check_out
-from thinwire.run.cost import spread
+from thinwire.run.config import TrainConfig, check_out, for_method
 from thinwire.run.labels import labels, slug
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
@@ -78,7 +79,7 @@ LOSS_NOISE = 0.01  # ours: one seed's final test loss moves by well under 1% at 
 LOSS_BAND = 0.02  # default target loss: the best final test loss + 2% (ours, as the suites' to-target claims)
 FIGURES = ("accuracy", "loss")  # what judges a race: the task's Task.metric ("accuracy"; "bpc" is a loss)
 # What a comparison writes at the top of --out (glob patterns; the plots' names are those of
-# thinwire.run.plots), besides the runs under runs/.
+# thinwire.lab.plots), besides the runs under runs/.
 OUTPUTS = ("report.md", "results.csv", "accuracy_vs_step.png", "accuracy_vs_bytes.png", "accuracy_vs_time_*.png",
            "loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time_*.png", "time_breakdown*.png")
 
@@ -182,8 +183,8 @@ def foreign_output(race: Race) -> None:
     """Refuse, before anything runs, a comparison that would replace a file thinwire did not
     write (:mod:`thinwire.run.outdir`): its report, CSV or plots, or a run's files in the run
     folders it writes."""
+    from thinwire.lab.plots import plot_names
     from thinwire.run.config import check_own_outputs
-    from thinwire.run.plots import plot_names
 
     own = outdir.owned(race.out) if race.out.is_dir() else set()
     for name in ["report.md", "results.csv", *plot_names(race.links, race.figure)]:
@@ -223,7 +224,7 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
     """``base`` with the task's defaults filled, and every spec resolved; raises
     ``ValueError`` for an unknown or bad spec, a duplicate, or a method that cannot run on
     the task's model or the workers."""
-    from thinwire.algorithms.registry import check_model
+    from thinwire.algorithms.methods import check_model
     from thinwire.tasks import get as get_task
 
     resolved: list[str] = []
@@ -237,7 +238,7 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
         resolved.append(cfg.method)
         # task defaults filled once (the optimizer by a method that is not one)
         base = dataclasses.replace(cfg, method=base.method, label=base.label,
-                                   optimizer=base.optimizer if _owns(spec) else cfg.optimizer)
+                                   optimizer=base.optimizer if own_optimizer(spec) else cfg.optimizer)
     task = get_task(base.task)(seed=base.seed, data_dir=base.data_dir, **base.task_options)
     for spec in resolved:
         try:
@@ -245,19 +246,6 @@ def resolve_methods(base: TrainConfig, specs: list[str]) -> tuple[TrainConfig, l
         except ValueError as e:
             raise ValueError(f"method {spec.split(':')[0]} cannot run on task {base.task}: {e}") from None
     return base, resolved
-
-
-def for_method(base: TrainConfig, spec: str, **changes: Any) -> TrainConfig:
-    """``base`` running ``spec``: a method that is an optimizer itself (DeMo) replaces the
-    race's ``--optimizer`` (its runs say so in their summary), the others train with it."""
-    optimizer = spec.partition(":")[0].strip() if _owns(spec) else base.optimizer
-    return dataclasses.replace(base, method=spec, optimizer=optimizer, **changes)
-
-
-def _owns(spec: str) -> bool:
-    from thinwire.algorithms.registry import own_optimizer
-
-    return own_optimizer(spec)  # False for a bad spec too: resolving it names the problem
 
 
 def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: bool = True,
@@ -370,15 +358,15 @@ def to_target(rows: list[dict[str, Any]], target: float | None, link: str,
 # -- one compute figure for the methods that run the same step ----------------------------------
 def shares_compute(result: dict[str, Any]) -> bool:
     """Whether a completed run's compute is the task's plain step (its figure the race's shared one)."""
-    from thinwire.algorithms.registry import own_compute
+    from thinwire.algorithms.methods import own_compute
 
     return result["status"] == "ok" and not own_compute(result["spec"])
 
 
 def shared_compute(results: list[dict[str, Any]]) -> SharedCompute | None:
-    """The race's shared per-step compute (:mod:`thinwire.run.compute`) over the evaluation
+    """The race's shared per-step compute (:mod:`thinwire.lab.compute`) over the evaluation
     windows of every run that shares it; None when no run recorded its compute."""
-    from thinwire.run.compute import summarize, window_blocks
+    from thinwire.lab.compute import summarize, window_blocks
 
     shared = [r for r in results if shares_compute(r)]
     blocks = [b for r in shared for b in window_blocks(r["rows"])]
@@ -766,7 +754,7 @@ def finish(race: Race, results: list[dict[str, Any]], command: str) -> dict[str,
     """Write results.csv, the plots (of the first seed's runs) and report.md; returns their
     paths, the winner per link (None on a tie: ``decisions`` holds the tied methods), the
     per-link :class:`Decision` and the shared compute figure (``compute``)."""
-    from thinwire.run.plots import plot_all, plot_names
+    from thinwire.lab.plots import plot_all, plot_names
 
     target_value = race.target if race.figure == "accuracy" else race.target_loss
     target = target_of(results, target_value, race.figure)

@@ -110,7 +110,7 @@ def table_md(rows: list[dict[str, Any]], params: int) -> str:
 
 
 def main(methods: str | None = None, workers: int = 2, steps: int = DEFAULT_STEPS, out: str | None = None) -> int:
-    from thinwire.algorithms.registry import method_names
+    from thinwire.algorithms.methods import method_names
     from thinwire.run import outdir
 
     if out:

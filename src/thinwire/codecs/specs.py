@@ -13,24 +13,13 @@ from thinwire.registry import Entry, Registry
 C = TypeVar("C", bound=type[Codec])
 
 
-def _load_builtin() -> None:
-    """Import every codec module of this package (each registers itself), in listing order."""
-    import importlib
-    import pkgutil
-
-    import thinwire.codecs as package
-
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: _ORDER.get(m.name, 99)):
-        if info.name not in _NOT_CODECS:
-            importlib.import_module(f"thinwire.codecs.{info.name}")
-
-
 def _listing(entry: Entry[type[Codec]]) -> tuple[int, str]:
     module = entry.value.__module__.rpartition(".")[2]
     return _ORDER.get(module, 99), module
 
 
-CODECS: Registry[type[Codec]] = Registry("codec", load=_load_builtin, package=__package__, order=_listing)
+# the built-in codecs: every module of this package registers its own with @register
+CODECS: Registry[type[Codec]] = Registry("codec", builtins=("thinwire.codecs",), order=_listing)
 
 
 def register(cls: C) -> C:
@@ -94,7 +83,6 @@ def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-_NOT_CODECS = {"base", "config", "registry"}
 # Listing order for `thinwire methods` (whatever module a program imported first): baselines first, then
 # the range-float quantizer, then the rest alphabetically.
 _ORDER = {"identity": 0, "cast": 1, "topk": 2, "randomk": 3, "qsgd": 4, "sign": 5, "terngrad": 6, "powersgd": 7,
