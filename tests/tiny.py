@@ -77,3 +77,47 @@ def train(comm, make, steps: int, base: nn.Module, *, cut: int | None = None, fi
     if finish:
         method.finish()
     return flat(model), method
+
+
+def rule_steps(comm, model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, method=None,
+               each_step=None) -> list[float]:
+    """``steps`` steps of this rank's :func:`rule_batch` (cross-entropy): zeroed gradients,
+    backward, ``method.after_backward()``, the optimizer's step, ``method.after_step()``
+    (without a method, an optimizer that averages itself: its step alone); ``each_step(step)``
+    after each. The losses, one per step."""
+    losses = []
+    for step in range(steps):
+        x, y = rule_batch(comm.rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if method is not None:
+            method.after_backward()
+        opt.step()
+        if method is not None:
+            method.after_step()
+        losses.append(loss.item())
+        if each_step is not None:
+            each_step(step)
+    return losses
+
+
+def on_gloo(rank: int, world: int, fn, *args):
+    """For ``run_ranks(on_gloo, n, fn, *args)``: ``fn(TorchComm(), *args)`` on this spawned rank
+    (``fn`` a module-level function, so that the spawned process can import it)."""
+    from thinwire.comm.torch_dist import TorchComm
+
+    return fn(TorchComm(), *args)
+
+
+def in_process(world: int, fn, *args) -> list:
+    """``fn(comm, *args)`` on ``world`` in-process ranks with one torch thread, the spawned gloo
+    ranks' kernels (a result can depend on the thread count): each rank's result."""
+    from thinwire.comm.local import LocalWorld
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return LocalWorld(world).run(lambda comm: fn(comm, *args))
+    finally:
+        torch.set_num_threads(threads)

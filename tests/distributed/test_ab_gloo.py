@@ -19,50 +19,24 @@ def _base() -> nn.Module:
                                      nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)))
 
 
-def _batch(rank: int, step: int):
-    return tiny.rule_batch(rank, step)
-
-
 def _train(comm, steps: int):
     from thinwire.algorithms.build import build_method
 
     model = copy.deepcopy(_base())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     method = build_method(SPEC, model, opt, comm)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        method.after_backward()
-        opt.step()
-        method.after_step()
-        losses.append(loss.item())
+    losses = tiny.rule_steps(comm, model, opt, steps, method=method)
     method.finish()
     flat = torch.cat([t.detach().reshape(-1) for n, t in [*model.named_parameters(), *model.named_buffers()]
                       if t.is_floating_point() and not n.endswith((".a", ".b"))])
     return flat, losses, method.report()
 
 
-def _gloo(rank, world, steps):
-    from thinwire.comm.torch_dist import TorchComm
-
-    return _train(TorchComm(), steps)
-
-
 @pytest.mark.timeout(180)
 def test_four_gloo_ranks_in_two_groups_learn_and_end_in_agreement():
-    from thinwire.comm.local import LocalWorld
-
     steps = 44  # ends inside a group phase: finish() syncs
-    gloo = run_ranks(_gloo, 4, steps)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        local = LocalWorld(4).run(lambda comm: _train(comm, steps))
-    finally:
-        torch.set_num_threads(threads)
+    gloo = run_ranks(tiny.on_gloo, 4, _train, steps)
+    local = tiny.in_process(4, _train, steps)
     for flat, losses, report in gloo:
         assert torch.equal(flat, gloo[0][0])  # one model on every rank after the final sync
         assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
@@ -79,7 +53,7 @@ def _readme(rank, world, steps):
     model = copy.deepcopy(_base())
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loss_fn = nn.functional.cross_entropy
-    loader = (_batch(rank, step) for step in range(steps))
+    loader = (tiny.rule_batch(rank, step) for step in range(steps))
     ab = thinwire.ABTraining(model, optimizer)
     for x, y in loader:
         optimizer.zero_grad()

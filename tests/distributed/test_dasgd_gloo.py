@@ -15,34 +15,14 @@ def _base() -> nn.Module:
     return tiny.seeded(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3)))
 
 
-def _batch(rank: int, step: int):
-    return tiny.rule_batch(rank, step)
-
-
 def _train(comm, spec: str, steps: int):
     from thinwire.algorithms.build import build_method
 
     model = copy.deepcopy(_base())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     method = build_method(spec, model, opt, comm)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        method.after_backward()
-        opt.step()
-        method.after_step()
-        losses.append(loss.item())
-    flat = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
-    return flat, losses, method.report()
-
-
-def _gloo(rank, world, spec, steps):
-    from thinwire.comm.torch_dist import TorchComm
-
-    return _train(TorchComm(), spec, steps)
+    losses = tiny.rule_steps(comm, model, opt, steps, method=method)
+    return tiny.flat(model), losses, method.report()
 
 
 @pytest.mark.timeout(180)
@@ -51,16 +31,9 @@ def _gloo(rank, world, spec, steps):
 def test_gloo_matches_the_in_process_result_and_learns(spec):
     """Two ranks: a sum of two values is the same in any order, so gloo's asynchronous
     all_reduce must give the in-process communicator's result bit for bit."""
-    from thinwire.comm.local import LocalWorld
-
     steps = 40
-    gloo = run_ranks(_gloo, 2, spec, steps)  # 1 torch thread per rank
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels as the ranks (results can depend on the thread count)
-    try:
-        local = LocalWorld(2).run(lambda comm: _train(comm, spec, steps))
-    finally:
-        torch.set_num_threads(threads)
+    gloo = run_ranks(tiny.on_gloo, 2, _train, spec, steps)  # 1 torch thread per rank
+    local = tiny.in_process(2, _train, spec, steps)
     for (a, losses, _report), (b, _, _) in zip(gloo, local):
         assert torch.equal(a, b)
         assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
@@ -76,7 +49,7 @@ def _blocking_agreement(rank, world):
     m = DaSGD(model, opt, TorchComm(), DaSGDConfig(period=2, delay="0", warmup=0))
     flats = []
     for step in range(6):
-        x, y = _batch(rank, step)
+        x, y = tiny.rule_batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()

@@ -15,45 +15,20 @@ def _base() -> nn.Module:
     return tiny.seeded(nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)))
 
 
-def _batch(rank: int, step: int):
-    return tiny.rule_batch(rank, step)
-
-
 def _train(comm, knobs: dict, steps: int):
     from thinwire.optim import DeMo
 
     model = copy.deepcopy(_base())
     opt = DeMo(model.named_parameters(), lr=0.01, comm=comm, **knobs)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat, losses, comm.meter.bytes_sent
-
-
-def _gloo(rank, world, knobs, steps):
-    from thinwire.comm.torch_dist import TorchComm
-
-    return _train(TorchComm(), knobs, steps)
+    losses = tiny.rule_steps(comm, model, opt, steps)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses, comm.meter.bytes_sent
 
 
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_match_the_in_process_result_and_learn():
-    from thinwire.comm.local import LocalWorld
-
     knobs, steps = {"chunk": 16, "topk": 8}, 40
-    gloo = run_ranks(_gloo, 2, knobs, steps)  # 1 torch thread per rank
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels as the ranks (results can depend on the thread count)
-    try:
-        local = LocalWorld(2).run(lambda comm: _train(comm, knobs, steps))
-    finally:
-        torch.set_num_threads(threads)
+    gloo = run_ranks(tiny.on_gloo, 2, _train, knobs, steps)  # 1 torch thread per rank
+    local = tiny.in_process(2, _train, knobs, steps)
     for (a, losses, sent), (b, _, sent_local) in zip(gloo, local):
         assert torch.equal(a, b) and sent == sent_local > 0
         assert sum(losses[-8:]) / 8 < 0.7 * sum(losses[:8]) / 8
@@ -62,7 +37,7 @@ def test_two_gloo_ranks_match_the_in_process_result_and_learn():
 
 @pytest.mark.timeout(180)
 def test_four_gloo_ranks_with_one_bit_values_agree_bit_for_bit_and_learn():
-    out = run_ranks(_gloo, 4, {"chunk": 16, "topk": 8, "values": "sign"}, 40)
+    out = run_ranks(tiny.on_gloo, 4, _train, {"chunk": 16, "topk": 8, "values": "sign"}, 40)
     assert all(torch.equal(out[0][0], flat) for flat, _, _ in out[1:])
     for _, losses, _ in out:
         assert sum(losses[-8:]) / 8 < 0.8 * sum(losses[:8]) / 8

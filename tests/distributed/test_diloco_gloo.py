@@ -19,36 +19,16 @@ def _base() -> nn.Module:
                                      nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)))
 
 
-def _batch(rank: int, step: int):
-    return tiny.rule_batch(rank, step)
-
-
 def _train(comm, spec: str, steps: int):
     from thinwire.algorithms.build import build_method
 
     model = copy.deepcopy(_base())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     method = build_method(spec, model, opt, comm)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        method.after_backward()
-        opt.step()
-        method.after_step()
-        losses.append(loss.item())
+    losses = tiny.rule_steps(comm, model, opt, steps, method=method)
     method.finish()
-    flat = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
     theta = torch.cat([t.detach().reshape(-1) for t in method.outer_params])
-    return flat, theta, losses, method.report()
-
-
-def _gloo(rank, world, spec, steps):
-    from thinwire.comm.torch_dist import TorchComm
-
-    return _train(TorchComm(), spec, steps)
+    return tiny.flat(model), theta, losses, method.report()
 
 
 @pytest.mark.timeout(180)
@@ -57,16 +37,9 @@ def _gloo(rank, world, spec, steps):
                                   "streaming-diloco:period=4,fragments=2,delay=1,codec=topk:ratio=0.2;ef=true",
                                   "diloco:period=5,codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"])
 def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
-    from thinwire.comm.local import LocalWorld
-
     steps = 40
-    gloo = run_ranks(_gloo, 2, spec, steps)  # 1 torch thread per rank
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels as the ranks (results can depend on the thread count)
-    try:
-        local = LocalWorld(2).run(lambda comm: _train(comm, spec, steps))
-    finally:
-        torch.set_num_threads(threads)
+    gloo = run_ranks(tiny.on_gloo, 2, _train, spec, steps)  # 1 torch thread per rank
+    local = tiny.in_process(2, _train, spec, steps)
     for (a, theta_a, losses, _), (b, theta_b, _, _) in zip(gloo, local):
         assert torch.equal(a, b) and torch.equal(theta_a, theta_b)
         assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
@@ -79,7 +52,7 @@ def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
 @pytest.mark.parametrize("scatter", ["", ",scatter=true"])  # all_gather, or reduce-scatter + all-gather
 def test_four_gloo_ranks_with_four_bit_pseudo_gradients_learn_and_agree_on_theta(scatter):
     spec = "streaming-diloco:period=6,fragments=2,delay=1,codec=rangefloat:bits=4;exp_bits=2" + scatter
-    out = run_ranks(_gloo, 4, spec, 36)
+    out = run_ranks(tiny.on_gloo, 4, _train, spec, 36)
     thetas = [theta for _, theta, _, _ in out]
     assert all(torch.equal(thetas[0], t) for t in thetas[1:])
     for _, _, losses, _ in out:

@@ -30,41 +30,23 @@ def _train(comm, spec: str, steps: int):
     model = copy.deepcopy(_base())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     method = build_method(spec, model, opt, comm)
-    losses, at_syncs = [], []
-    for step in range(steps):
-        x, y = tiny.rule_batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        method.after_backward()
-        opt.step()
-        method.after_step()
-        losses.append(loss.item())
+    at_syncs: list[torch.Tensor] = []
+
+    def after(step: int) -> None:
         if (step + 1) % method.config.period == 0:
             at_syncs.append(tiny.flat(model))
+
+    losses = tiny.rule_steps(comm, model, opt, steps, method=method, each_step=after)
     method.finish()
     theta = torch.cat([t.detach().reshape(-1) for t in method.outer_params])
     return tiny.flat(model), theta, losses, at_syncs, comm.meter.bytes_sent, method.report()
 
 
-def _gloo(rank, world, spec, steps):
-    from thinwire.comm.torch_dist import TorchComm
-
-    return _train(TorchComm(), spec, steps)
-
-
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_match_the_in_process_result_and_learn():
-    from thinwire.comm.local import LocalWorld
-
     steps = 42  # ten syncs and two local steps, then finish()'s sync
-    gloo = run_ranks(_gloo, 2, SPEC, steps)  # 1 torch thread per rank
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels as the ranks
-    try:
-        local = LocalWorld(2).run(lambda comm: _train(comm, SPEC, steps))
-    finally:
-        torch.set_num_threads(threads)
+    gloo = run_ranks(tiny.on_gloo, 2, _train, SPEC, steps)  # 1 torch thread per rank
+    local = tiny.in_process(2, _train, SPEC, steps)
     for (a, theta_a, losses, *_), (b, theta_b, *_) in zip(gloo, local):
         assert torch.equal(a, b) and torch.equal(theta_a, theta_b)
         assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
@@ -75,7 +57,7 @@ def test_two_gloo_ranks_match_the_in_process_result_and_learn():
 
 @pytest.mark.timeout(180)
 def test_four_gloo_ranks_agree_after_every_sync_and_send_exactly_the_layout():
-    out = run_ranks(_gloo, 4, SPEC, 26)  # six syncs, two local steps, finish()
+    out = run_ranks(tiny.on_gloo, 4, _train, SPEC, 26)  # six syncs, two local steps, finish()
     models, thetas = [o[0] for o in out], [o[1] for o in out]
     assert all(torch.equal(models[0], m) for m in models[1:]) and all(torch.equal(thetas[0], t) for t in thetas[1:])
     for i in range(6):  # parameters and BatchNorm statistics, right after each sync

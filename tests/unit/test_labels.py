@@ -9,9 +9,9 @@ import re
 import pytest
 from rich.console import Console
 
-from thinwire.cli import _summary_tables, spaced
 from thinwire.lab.bench_consensus import table as consensus_table
 from thinwire.run.config import TrainConfig
+from thinwire.run.console import spaced, summary_tables
 from thinwire.run.labels import labels, short, slug
 from thinwire.run.progress import ProgressView, bar_label
 
@@ -109,7 +109,7 @@ def _summary(**over):
 
 
 def test_the_summary_tables_fit_80_columns_and_say_which_loss():
-    text = _render(*_summary_tables(_summary()))
+    text = _render(*summary_tables(_summary()))
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines()
             if line.count("│") == 3}
     assert rows["final test loss"] == "1.4567" and rows["final test bpc"] == "2.1000"
@@ -151,7 +151,7 @@ def test_thinwire_methods_fits_80_columns_and_keeps_every_choice_whole(monkeypat
 
 
 def test_the_cost_table_on_an_80_column_terminal_is_a_block_per_method():
-    from thinwire.cli import print_cost
+    from thinwire.lab.commands import print_cost
 
     columns = ["method", "MB / step", "compute ms", "ms @ 100mbit,1ms", "beats bf16", "its bandwidths over the repeats"]
     rows = [["bf16", "0.624", "21.0 [20.3–25.8]", "75.4 [74.9–80.0]", "(the reference)", "-"],

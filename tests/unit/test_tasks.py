@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from thinwire import cli, tasks
+from thinwire import tasks
+from thinwire.run import arguments
 from thinwire.tasks import TaskError
 from thinwire.tasks.cifar10 import MEAN, RECORD, STD, augment, normalize
 
@@ -233,7 +234,7 @@ def test_charlm_default_model_is_the_tiny_preset_with_unchanged_weights():
 
 
 def test_charlm_gpt_small_preset_size_shape_and_overrides():
-    options = cli._options(["model=gpt-small"])  # `thinwire train --task charlm --option model=gpt-small`
+    options = arguments.parse_options(["model=gpt-small"])  # `thinwire train --task charlm --option model=gpt-small`
     task = tasks.get("charlm")(seed=0, **options)
     o = task.options
     assert (o.model, o.layers, o.d_model, o.heads, o.context) == ("gpt-small", 8, 512, 8, 64)
@@ -244,7 +245,8 @@ def test_charlm_gpt_small_preset_size_shape_and_overrides():
     with torch.no_grad():
         assert model(x[:, :8]).shape == (2, 8, len(task.vocab))
     # an explicit size knob (a CLI string) overrides the preset's value; the rest keep theirs
-    shallow = tasks.get("charlm")(seed=0, **cli._options(["model=gpt-small", "layers=1", "context=8"])).options
+    typed = arguments.parse_options(["model=gpt-small", "layers=1", "context=8"])
+    shallow = tasks.get("charlm")(seed=0, **typed).options
     assert (shallow.layers, shallow.d_model, shallow.heads, shallow.context) == (1, 512, 8, 8)
 
 

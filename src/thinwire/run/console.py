@@ -1,0 +1,90 @@
+"""What a finished run prints on the terminal: its figures, and with a policy the codec and bytes
+of every parameter (rich tables whose labels never split)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+
+def print_summary(s: dict[str, Any], out: str | None, console: Any = None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    for table in summary_tables(s):
+        console.print(table)
+    for warning in s.get("warnings") or []:
+        print(f"thinwire: warning: {warning}", file=sys.stderr)
+    if out:
+        console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl", markup=False, overflow="fold")
+
+
+def summary_tables(s: dict[str, Any]) -> list[Any]:
+    """The run's figures, and with a policy the per-parameter table: labels never split."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from thinwire.run.labels import short
+
+    label = short((s.get("config") or {}).get("label") or s["method"])
+    nodes = "" if (s.get("ranks_per_node") or 1) == 1 else f" ({s['workers'] // s['ranks_per_node']} nodes)"
+    table = Table(title=escape(f"{s['task']} · {label} · {s['workers']} workers{nodes} · {s['steps']} steps"))
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("method", escape(label))
+    table.add_row("resolved", escape(spaced(s["method"])))
+    for key in ("final_accuracy", "final_bpc", "final_loss"):
+        if s.get(key) is not None:
+            table.add_row(FIGURE_NAMES.get(key, key.replace("_", " ")), f"{s[key]:.4f}")
+    table.add_row("bytes sent per worker", size_text(s["bytes_sent_per_worker"]))
+    by_link = s.get("bytes_by_link_per_worker") or {}
+    if (s.get("ranks_per_node") or 1) > 1:
+        table.add_row(f"of which inside ({s.get('intra_dtype') or 'fp32'}) / between nodes",
+                      f"{size_text(by_link.get('intra', 0))} / {size_text(by_link.get('inter', 0))}")
+    table.add_row("fp32 all_reduce would send", size_text(s["fp32_bytes_per_worker"]))
+    if s.get("compression_ratio"):
+        table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")
+    table.add_row("wall / compute / codec / comm s",
+                  f"{s['wall_seconds']:.1f} / {s['compute_seconds']:.1f} / {s['codec_seconds']:.1f} / "
+                  f"{s['comm_seconds']:.1f}")
+    for link, sec in (s.get("modeled_seconds_by_link") or {}).items():
+        table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
+    tables = [table]
+    if (s.get("method_report") or {}).get("policy") and s.get("per_parameter"):
+        tables.append(_per_parameter_table(s["per_parameter"]))
+    return tables
+
+
+FIGURE_NAMES = {"final_accuracy": "final test accuracy", "final_bpc": "final test bpc",
+                "final_loss": "final test loss"}  # summary.json's final_* are the last evaluation's test figures
+
+
+def spaced(spec: str) -> str:
+    """A resolved spec with a space after each ``,`` and ``;`` (between knobs and rules), so
+    a narrow table wraps it between knobs, never inside one."""
+    return re.sub(r"([,;])(?=\S)", r"\1 ", spec)
+
+
+def _per_parameter_table(rows: list[dict[str, Any]]):
+    """The codec each parameter got and the bytes it cost (runs with a policy)."""
+    from rich.table import Table
+
+    from thinwire.run.labels import short
+
+    table = Table(title="per parameter: codec and bytes sent per worker over the run")
+    for col, right in (("parameter", False), ("shape", False), ("codec", False), ("sent", True), ("vs fp32", True)):
+        table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        ratio = r["fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else 0.0
+        table.add_row(short(r["name"]), "x".join(map(str, r["shape"])), r["codec"].split(":")[0],
+                      size_text(r["bytes_sent_per_worker"]), f"{ratio:.1f}x" if ratio else "-")
+    return table
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
