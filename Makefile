@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.thinwire-installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench bench-readme clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,12 +28,21 @@ run: $(STAMP)
 test: lint
 	$(PY) -m pytest -q tests
 
+# the unit tests that start no process (a test that does is marked `spawns`), for the edit-test loop
+test-fast: $(STAMP)
+	THINWIRE_TEST_FAST=1 $(PY) -m pytest -q -m "not spawns" tests/unit
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# the figures README.md states, measured again at one commit into benchmarks/results/readme.md (about 50 minutes
+# on 2 cores); the real shaped links need root (network namespaces and tc): run as root for them
+bench-readme: $(STAMP)
+	$(PY) benchmarks/bench_readme.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -93,17 +93,27 @@ def _train_parser(sub: Any) -> None:
     t.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
                    help="TensorBoard event files beside metrics.jsonl in --out (default: when the tensorboard package "
                         "is installed)")
-    t.add_argument("--checkpoint-every", type=int, metavar="K",
+    _checkpoint_options(t)
+    _elastic_options(t)
+    max_workers_option(t)
+    import_option(t)
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="write a checkpoint into OUT/checkpoints every K steps and at the last one (needs --out; "
                    "the newest two are kept; default: 0, none)")
-    t.add_argument("--resume", metavar="DIR", help="continue from a run directory's latest checkpoint (or from one "
+    p.add_argument("--resume", metavar="DIR", help="continue from a run directory's latest checkpoint (or from one "
                    "checkpoint directory) up to --steps, the total (default: the run's own); writes to --out, DIR "
                    "itself when omitted; a run that already finished there says so and exits 0")
-    t.add_argument("--on-nonfinite", choices=["raise", "skip"],
+    p.add_argument("--on-nonfinite", choices=["raise", "skip"],
                    help="a NaN/Inf gradient: stop naming the parameter and step (raise, the default), or skip that "
                    "step on every rank before anything is encoded (skip; counted as skipped_steps; a run that skipped "
                    "most of its steps ends with exit code 1)")
-    e = t.add_argument_group("elastic training (workers leave and join; docs/fault_tolerance.md)")
+
+
+def _elastic_options(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("elastic training (workers leave and join; docs/fault_tolerance.md)")
     e.add_argument("--elastic", action="store_true", default=None,
                    help="run elastic on torchft: a worker that ends does not end the job, one that starts joins it "
                    "and takes a present worker's state (without --lighthouse: a Lighthouse and --workers workers "
@@ -120,8 +130,6 @@ def _train_parser(sub: Any) -> None:
                    "a silent worker is dropped after this long (default: 4)")
     e.add_argument("--elastic-wait", type=float, metavar="S",
                    help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
-    max_workers_option(t)
-    import_option(t)
 
 
 def _lighthouse_parser(sub: Any) -> None:

@@ -217,6 +217,7 @@ def test_figures_from_before_the_export_are_kept():
 OPTIONS = {"dim": 24, "hidden": 32, "classes": 4, "samples": 256, "test_samples": 64}
 
 
+@pytest.mark.spawns
 def test_the_trainer_ends_with_a_plain_model_and_the_factor_figures():
     cfg = TrainConfig(task="synthetic", method="ab:warmup=2,cycle=6,full_steps=1", workers=2, steps=10,
                       eval_every=5, batch_size=16,
@@ -287,6 +288,7 @@ def test_a_saved_exported_run_loads_into_a_new_ab_training_and_trains_on(steps):
         assert torch.equal(value, states[1][key]), key
 
 
+@pytest.mark.spawns
 def test_the_trainer_extends_a_finished_run_from_its_last_checkpoint(tmp_path):
     cfg = TrainConfig(task="synthetic", method="ab:warmup=2,cycle=6,full_steps=1", workers=2, steps=10,
                       eval_every=5, batch_size=16, checkpoint_every=5, out=str(tmp_path / "a"),

@@ -275,6 +275,7 @@ def test_load_refuses_state_from_other_codecs():
     assert LocalWorld(1).run(fn) == [True]
 
 
+@pytest.mark.spawns
 def test_registry_loads_safely_from_many_threads():
     import subprocess
     import sys

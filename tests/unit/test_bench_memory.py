@@ -44,6 +44,7 @@ WEIGHTS, BIASES = 24 * 32 + 32 * 32 + 32 * 4, 32 + 32 + 4  # fc1, fc2, out
     ("topk:ratio=0.1,min_numel=1", WEIGHTS),  # a residual per compressed (matrix) tensor; biases travel as fp32
     ("dasgd:warmup=2", 2 * (WEIGHTS + BIASES)),  # snapshot + buffer of the whole model
 ])
+@pytest.mark.spawns
 def test_method_state_bytes_counts_what_the_method_keeps(spec, numel):
     cfg = TrainConfig(task="synthetic", method=spec, workers=2, steps=6, eval_every=6, batch_size=16,
                       task_options={"dim": 24, "hidden": 32, "classes": 4, "samples": 256,

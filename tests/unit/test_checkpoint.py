@@ -69,6 +69,7 @@ def _state(out: Path, step: int, rank: int) -> dict:
     return checkpoint.load_rank(checkpoint.step_dir(out, step), rank)
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", METHODS)
 def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_path):
@@ -95,6 +96,7 @@ def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_p
     assert [r["train_loss"] for r in rows(resumed_cfg.out)] == [r["train_loss"] for r in rows(cfg.out)]
 
 
+@pytest.mark.spawns
 def test_resume_into_its_own_directory_continues_there(tmp_path):
     cfg = _cfg(tmp_path, "topk:ratio=0.1", steps=K)
     _train(cfg)
@@ -107,6 +109,7 @@ def test_resume_into_its_own_directory_continues_there(tmp_path):
         f"step-{K:08d}", f"step-{2 * K:08d}"]  # the newest two are kept
 
 
+@pytest.mark.spawns
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     cfg = _cfg(tmp_path, "identity", steps=4 * K, checkpoint_every=K)
     _train(cfg)
@@ -114,6 +117,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert kept == [f"step-{3 * K:08d}", f"step-{4 * K:08d}"]
 
 
+@pytest.mark.spawns
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -126,6 +130,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(tmp_pa
     assert _train(older)[0]["resumed_from"] == K
 
 
+@pytest.mark.spawns
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -160,6 +165,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(tmp_path, mo
     assert checkpoint.load_rank(checkpoint.locate(cfg.out), 1)["step"] == 2 * K
 
 
+@pytest.mark.spawns
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -184,6 +190,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     ({"optimizer": "adam"}, "optimizer sgd (this run: adam)"),
     ({"lr": 0.5}, "learning rate 0.05 (this run: 0.5)"),
 ])
+@pytest.mark.spawns
 def test_a_checkpoint_from_another_run_says_what_differs(change, message, tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -228,6 +235,7 @@ def test_an_earlier_longer_runs_checkpoints_never_outlive_a_new_commit(tmp_path)
     assert (theirs / "meta.json").read_text() == "mine"
 
 
+@pytest.mark.spawns
 def test_resuming_in_place_from_an_older_checkpoint_needs_overwrite(tmp_path):
     cfg = _cfg(tmp_path, "identity")  # checkpoints at K and 2K, a summary of 2K steps
     _train(cfg)
@@ -243,6 +251,7 @@ def test_resuming_in_place_from_an_older_checkpoint_needs_overwrite(tmp_path):
     assert TrainConfig(**older, out=str(tmp_path / "elsewhere")).resolve().resume == older["resume"]
 
 
+@pytest.mark.spawns
 def test_resuming_elsewhere_replaces_the_old_checkpoints_there(tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -252,6 +261,7 @@ def test_resuming_elsewhere_replaces_the_old_checkpoints_there(tmp_path):
     assert sorted(p.name for p in (Path(other.out) / "checkpoints").glob("step-*")) == [f"step-{3 * K:08d}"]
 
 
+@pytest.mark.spawns
 def test_a_copied_checkpoint_needs_an_out(tmp_path):
     cfg = _cfg(tmp_path, "identity")
     _train(cfg)
@@ -266,6 +276,7 @@ def test_a_copied_checkpoint_needs_an_out(tmp_path):
     assert _train(ok)[0]["resumed_from"] == K
 
 
+@pytest.mark.spawns
 def test_a_fresh_run_over_an_old_one_starts_without_its_checkpoints(tmp_path):
     cfg = _cfg(tmp_path, "identity", steps=3 * K)
     _train(cfg)
@@ -280,6 +291,7 @@ SETTINGS = dict(task="synthetic", method="topk:ratio=0.1", workers=2, steps=K, e
                 checkpoint_every=2, on_nonfinite="skip")
 
 
+@pytest.mark.spawns
 def test_a_resume_takes_every_setting_not_given_from_its_checkpoint(tmp_path):
     first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
     _train(first)
@@ -301,6 +313,7 @@ def test_a_resume_takes_every_setting_not_given_from_its_checkpoint(tmp_path):
     ({"task_options": {"hidden": 32}}, "task_options", SMALL),  # merged into the run's own
     ({"method": "topk:ef=true,ratio=0.1"}, "method", None),  # written otherwise, resolves to the run's own spec
 ])
+@pytest.mark.spawns
 def test_an_option_given_again_on_a_resume_replaces_the_saved_one(given, field, value, tmp_path):
     first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
     _train(first)
@@ -316,6 +329,7 @@ def test_an_option_given_again_on_a_resume_replaces_the_saved_one(given, field, 
     ({"workers": 4}, "world size 2 (this run: 4)"),
     ({"steps": K}, "nothing left to train"),  # elsewhere (--out): the checkpoint is at the total already
 ])
+@pytest.mark.spawns
 def test_an_option_given_again_is_still_checked_against_the_checkpoint(given, message, tmp_path):
     first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
     _train(first)
@@ -336,6 +350,7 @@ def test_a_policy_run_resumes_with_its_rules_and_a_method_given_replaces_them():
         assert not {"method", "policy", "policy_rules"} - set(given) & set(merged), merged
 
 
+@pytest.mark.spawns
 def test_resuming_a_finished_run_in_place_is_nothing_to_do(tmp_path):
     first = from_options(dict(SETTINGS, out=str(tmp_path / "a"))).resolve()
     _train(first)
@@ -347,6 +362,7 @@ def test_resuming_a_finished_run_in_place_is_nothing_to_do(tmp_path):
     assert {p: p.read_bytes() for p in Path(first.out).rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.spawns
 def test_the_last_step_is_checkpointed_so_a_finished_run_extends_from_its_end(tmp_path):
     cfg = _cfg(tmp_path, "identity", steps=K + 1)  # every K: at K, and at the last step K + 1
     assert _train(cfg)[0]["checkpoints_written"] == 2
@@ -355,6 +371,7 @@ def test_the_last_step_is_checkpointed_so_a_finished_run_extends_from_its_end(tm
     assert longer["resumed_from"] == K + 1 and longer["steps_run"] == K - 1
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", METHODS)
 def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, tmp_path):

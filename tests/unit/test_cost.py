@@ -338,6 +338,7 @@ def test_a_periodic_method_is_probed_over_whole_periods(spec, steps, want):
     assert probe_steps(spec, steps) == want
 
 
+@pytest.mark.spawns
 def test_a_probe_of_diloco_spreads_its_sync_over_the_period_and_reads_its_peak():
     """Real ranks: diloco with period 6 probed with 4 steps runs 6 + 6, one sync in the timed
     steps: its bytes per step are one pseudo-gradient all_reduce over 6 steps."""

@@ -186,6 +186,7 @@ def test_without_a_budget_the_probe_runs_its_steps_whole():
     assert [(cfg.steps, cfg.eval_every) for cfg in seen] == [(12, 6)]
 
 
+@pytest.mark.spawns
 def test_a_run_without_evaluation_writes_its_records_without_test_figures(tmp_path):
     from thinwire.run.launch import launch
 

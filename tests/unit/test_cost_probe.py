@@ -24,6 +24,7 @@ def _base() -> TrainConfig:
     return TrainConfig(task="synthetic", workers=2, task_options=TINY, batch_size=8).resolve()
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(240)
 def test_a_budget_bounds_a_real_probe_and_a_periodic_one_keeps_its_sync():
     from thinwire.run.launch import launch
@@ -51,6 +52,7 @@ def test_a_budget_bounds_a_real_probe_and_a_periodic_one_keeps_its_sync():
     assert d.bytes == pytest.approx(sync / 6) and d.peak_bytes == pytest.approx(sync)
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(240)
 def test_probe_seconds_bounds_each_probe_of_the_command():
     r = subprocess.run([sys.executable, "-m", "thinwire", "cost", "--task", "synthetic", *OPTIONS, "--batch-size", "8",
@@ -68,6 +70,7 @@ def test_probe_seconds_bounds_each_probe_of_the_command():
     assert rows == ["bf16", "identity"]
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(240)
 def test_sigterm_prints_the_methods_probed_so_far_and_exits_143():
     p = subprocess.Popen([sys.executable, "-m", "thinwire", "cost", "--task", "synthetic", *OPTIONS, "--batch-size",

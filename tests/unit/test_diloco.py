@@ -188,6 +188,7 @@ def test_a_state_saved_before_fragments_resumes_exactly():
         assert torch.equal(a, b)
 
 
+@pytest.mark.spawns
 def test_a_run_shorter_than_its_period_says_so_in_its_summary():
     from thinwire.run.config import TrainConfig
     from thinwire.run.trainer import train_rank

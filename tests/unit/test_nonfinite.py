@@ -64,6 +64,7 @@ def test_a_finite_gradient_too_large_for_its_norm_counts_as_non_finite(poison, t
         LocalWorld(2).run(lambda comm: train_rank(_cfg(tmp_path), comm))
 
 
+@pytest.mark.spawns
 def test_a_stop_agreed_on_the_last_step_lets_the_run_finish(tmp_path, monkeypatch):
     monkeypatch.setattr("thinwire.run.trainer.STOP_POLL_SECONDS", 0.0)
     cfg = _cfg(tmp_path, steps=1, eval_every=1)
@@ -71,6 +72,7 @@ def test_a_stop_agreed_on_the_last_step_lets_the_run_finish(tmp_path, monkeypatc
     assert summary["stopped_at"] is None and (Path(cfg.out) / "summary.json").exists()
 
 
+@pytest.mark.spawns
 def test_skip_drops_the_step_on_every_rank_and_keeps_residuals_finite(poison, tmp_path):
     poison.steps.update({2, 5})
     cfg = _cfg(tmp_path, on_nonfinite="skip", checkpoint_every=6)
@@ -83,6 +85,7 @@ def test_skip_drops_the_step_on_every_rank_and_keeps_residuals_finite(poison, tm
     assert residuals and all(torch.isfinite(t).all() for t in residuals)  # error feedback never saw the NaN
 
 
+@pytest.mark.spawns
 def test_a_skipped_step_leaves_the_optimizer_untouched(poison, tmp_path):
     poison.steps.add(4)
     cfg = _cfg(tmp_path, method="identity", optimizer="adam", on_nonfinite="skip", checkpoint_every=6)
@@ -104,6 +107,7 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("method", ["topk:ratio=0.1", "ab:warmup=1,cycle=6,full_steps=1",
                                     "dasgd:warmup=1,period=3,delay=2"])
 def test_a_stop_request_checkpoints_and_the_resume_is_exact(method, tmp_path, monkeypatch):

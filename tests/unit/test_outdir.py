@@ -43,6 +43,7 @@ def _run(out: Path, **kw) -> None:
 
 
 # -- 1. a user's file is never deleted or replaced -------------------------------------------------
+@pytest.mark.spawns
 def test_a_users_event_file_survives_a_run_and_an_overwrite_while_thinwires_own_is_replaced(tmp_path):
     out = tmp_path / "d"
     out.mkdir()
@@ -98,6 +99,7 @@ def test_claim_records_before_writing_and_remove_touches_only_recorded_files(tmp
     assert not outdir.rmdir(out, "sub") and (made / "theirs.txt").exists()  # never a folder with others' files
 
 
+@pytest.mark.spawns
 def test_a_damaged_manifest_is_one_line_naming_it(tmp_path, capsys):
     out = tmp_path / "d"
     _run(out)
@@ -145,6 +147,7 @@ def test_what_stands_in_the_way_of_the_lock_or_the_outputs_is_one_line(make, nee
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+@pytest.mark.spawns
 def test_pruning_and_clearing_leave_a_checkpoint_named_folder_thinwire_did_not_make(tmp_path):
     cfg = TrainConfig(task="synthetic", workers=2, steps=2 * K, eval_every=K, out=str(tmp_path / "a"),
                       checkpoint_every=1, task_options={"dim": 24, "hidden": 32, "classes": 4, "samples": 256,
@@ -167,6 +170,7 @@ with outdir.hold(sys.argv[1], command="holder-under-test"):
 """
 
 
+@pytest.mark.spawns
 def test_a_folder_in_use_is_refused_naming_its_holder_and_a_killed_holder_is_named_on_take_over(tmp_path, capsys):
     out = tmp_path / "d"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
@@ -185,6 +189,7 @@ def test_a_folder_in_use_is_refused_naming_its_holder_and_a_killed_holder_is_nam
     assert not (out / outdir.LOCK).exists()  # a holder that ends normally removes it
 
 
+@pytest.mark.spawns
 def test_two_runs_started_together_on_one_out_one_runs_and_the_other_is_refused(tmp_path):
     out = tmp_path / "X"
     cmd = [sys.executable, "-m", "thinwire", "train", *SMALL, "--steps", "40", "--checkpoint-every", "20",
@@ -209,6 +214,7 @@ def test_a_refused_command_leaves_a_new_folder_uncreated(tmp_path, capsys):
 
 
 # -- 6. JSON read back with a depth and a size bound -----------------------------------------------
+@pytest.mark.spawns
 def test_deeply_nested_json_is_refused_in_one_line(tmp_path, capsys):
     deep = "[" * 100000 + "]" * 100000
     _run(tmp_path / "run", checkpoint_every=K)
@@ -259,6 +265,7 @@ def test_a_dangling_symlink_out_is_refused_naming_where_it_points(tmp_path, caps
     assert link.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.spawns
 def test_a_symlink_out_to_a_directory_is_followed(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
@@ -267,6 +274,7 @@ def test_a_symlink_out_to_a_directory_is_followed(tmp_path):
     assert (real / "summary.json").is_file() and outdir.owns(real, "summary.json")
 
 
+@pytest.mark.spawns
 def test_lock_is_reentrant_in_one_process_and_refused_from_another(tmp_path):
     out = tmp_path / "d"
     with outdir.hold(out, command="outer"):

@@ -158,6 +158,7 @@ def test_a_task_that_names_its_knobs_options_still_works():
     assert Older.Config is SyntheticOptions and Older(seed=0, dim=8).options.dim == 8
 
 
+@pytest.mark.spawns
 def test_the_codec_listing_does_not_depend_on_which_codec_module_was_imported_first():
     import subprocess
     import sys

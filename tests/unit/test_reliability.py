@@ -66,6 +66,7 @@ def _flip_tensor_bytes(path: Path, tensor: torch.Tensor) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.spawns
 def test_a_flipped_byte_in_tensor_data_is_refused_before_any_rank_starts(finished, capsys):
     d = checkpoint.step_dir(finished, 2 * K)
     target = d / "rank-1.pt"
@@ -82,6 +83,7 @@ def test_a_flipped_byte_in_tensor_data_is_refused_before_any_rank_starts(finishe
     assert checkpoint.load_rank(checkpoint.step_dir(finished, K), 1)["step"] == K  # the one before still loads
 
 
+@pytest.mark.spawns
 def test_checkpoint_files_are_recorded_with_their_checksum(finished):
     d = checkpoint.step_dir(finished, 2 * K)
     meta = checkpoint.read_meta(d)
@@ -91,6 +93,7 @@ def test_checkpoint_files_are_recorded_with_their_checksum(finished):
     checkpoint.verify(d, meta)  # intact: passes
 
 
+@pytest.mark.spawns
 def test_a_rank_that_cannot_load_leaves_the_finished_runs_files_alone(finished):
     d = checkpoint.step_dir(finished, 2 * K)
     target = d / "rank-1.pt"  # loads by checksum, fails as a state: only a rank finds out
@@ -115,6 +118,7 @@ def test_a_rank_that_cannot_load_leaves_the_finished_runs_files_alone(finished):
     (lambda m: m["files"]["rank-0.pt"].update(sha256="beef"), "the record of rank-0.pt must be"),
     (lambda m: m.update(format=1), "format 1, this thinwire reads format 2"),
 ])
+@pytest.mark.spawns
 def test_a_malformed_meta_json_is_one_line_and_exit_2(finished, capsys, damage, needle):
     path = checkpoint.step_dir(finished, 2 * K) / "meta.json"
     meta = json.loads(path.read_text())
@@ -123,12 +127,14 @@ def test_a_malformed_meta_json_is_one_line_and_exit_2(finished, capsys, damage, 
     _refused(capsys, ["train", "--resume", str(finished), "--steps", str(3 * K)], "meta.json", needle)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("text", ["[1, 2]", '"step-00000008"', "{not json"])
 def test_a_meta_json_that_is_not_an_object_is_refused(finished, capsys, text):
     (checkpoint.step_dir(finished, 2 * K) / "meta.json").write_text(text)
     _refused(capsys, ["train", "--resume", str(finished), "--steps", str(3 * K)], "meta.json")
 
 
+@pytest.mark.spawns
 def test_latest_json_can_only_name_a_checkpoint_of_its_own_run(finished, tmp_path, capsys):
     other = _cfg(tmp_path / "other")
     _train(other)
@@ -144,6 +150,7 @@ def test_latest_json_can_only_name_a_checkpoint_of_its_own_run(finished, tmp_pat
 
 
 # -- 3: --overwrite deletes only thinwire's own files ---------------------------------------------
+@pytest.mark.spawns
 def test_overwrite_leaves_every_file_thinwire_did_not_write(finished):
     mine = finished / "checkpoints" / "resnet50" / "epoch90.pth"
     mine.parent.mkdir()
@@ -157,6 +164,7 @@ def test_overwrite_leaves_every_file_thinwire_did_not_write(finished):
                     f"checkpoints/step-{K:08d}/notes.txt"]
 
 
+@pytest.mark.spawns
 def test_a_run_without_checkpoints_over_a_foreign_checkpoints_folder_deletes_nothing(tmp_path):
     out = tmp_path / "proj"
     mine = out / "checkpoints" / "resnet50" / "epoch90.pth"
@@ -168,6 +176,7 @@ def test_a_run_without_checkpoints_over_a_foreign_checkpoints_folder_deletes_not
         _cfg(out, steps=K)
 
 
+@pytest.mark.spawns
 def test_pruning_old_checkpoints_keeps_a_foreign_file_in_them(tmp_path):
     cfg = _cfg(tmp_path / "a", steps=K, checkpoint_every=1)
     note = checkpoint.step_dir(cfg.out, 1)
@@ -177,6 +186,7 @@ def test_pruning_old_checkpoints_keeps_a_foreign_file_in_them(tmp_path):
     assert sorted(p.name for p in note.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.spawns
 def test_a_folder_of_someone_elses_among_the_newest_does_not_cost_a_kept_checkpoint(tmp_path):
     cfg = _cfg(tmp_path / "a", steps=6, checkpoint_every=2)
     foreign = checkpoint.step_dir(cfg.out, 5)  # named like a checkpoint, never one
@@ -213,6 +223,7 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.spawns
 def test_a_run_that_skipped_most_steps_is_diverged_names_the_parameter_and_writes_strict_json(tmp_path):
     cfg = _cfg(tmp_path / "a", steps=20, eval_every=10, checkpoint_every=0, lr=1e6, on_nonfinite="skip",
                optimizer="sgd")
@@ -235,6 +246,7 @@ def _named(cfg: TrainConfig):
     return get(cfg.task)(seed=cfg.seed, **cfg.task_options).build_model().named_parameters()
 
 
+@pytest.mark.spawns
 def test_a_run_that_trains_is_ok(tmp_path):
     s = _train(_cfg(tmp_path / "a", checkpoint_every=0))[0]
     assert s["status"] == "ok" and "failure" not in s and s["first_nonfinite"] is None
@@ -280,6 +292,7 @@ def test_a_bad_collective_timeout_in_the_environment_is_refused(monkeypatch, cap
     _refused(capsys, ["train", *TASK], "THINWIRE_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got 'soon'")
 
 
+@pytest.mark.spawns
 def test_a_resumed_runs_failure_counts_from_its_checkpoint(finished):
     assert _start_step(_cfg(finished.parent / "b", steps=3 * K, resume=str(finished))) == 2 * K
     assert _start_step(_cfg(finished.parent / "c")) == 0

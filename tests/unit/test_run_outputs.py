@@ -12,6 +12,7 @@ import platform
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 from thinwire.comm.local import LocalWorld
@@ -32,6 +33,7 @@ def _rows(out: str) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.spawns
 def test_every_row_holds_the_mean_training_loss_since_the_previous_one(tmp_path):
     cfg = _cfg(tmp_path)
     losses: dict[int, float] = {}
@@ -48,6 +50,7 @@ def test_every_row_holds_the_mean_training_loss_since_the_previous_one(tmp_path)
     assert [r["train_loss"] for r in rows] == [losses[3], losses[6], losses[7]]  # the step's own, as before
 
 
+@pytest.mark.spawns
 def test_two_ranks_average_their_windows(tmp_path):
     cfg = _cfg(tmp_path, workers=2, steps=4, eval_every=2)
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
@@ -57,6 +60,7 @@ def test_two_ranks_average_their_windows(tmp_path):
     assert summary["final_train_loss"] == rows[-1]["train_loss"]
 
 
+@pytest.mark.spawns
 def test_a_resume_mid_window_logs_the_mean_the_straight_run_logs(tmp_path):
     cfg = _cfg(tmp_path, workers=2, steps=8, eval_every=4, checkpoint_every=2)
     LocalWorld(2).run(lambda comm: train_rank(cfg, comm))
@@ -67,6 +71,7 @@ def test_a_resume_mid_window_logs_the_mean_the_straight_run_logs(tmp_path):
     assert again[-1]["train_loss_mean"] == straight[-1]["train_loss_mean"]  # steps 5 and 6 came from the checkpoint
 
 
+@pytest.mark.spawns
 def test_the_summary_says_when_and_on_what_it_ran(tmp_path):
     cfg = _cfg(tmp_path, steps=2, eval_every=2)
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)

@@ -320,6 +320,7 @@ def test_nodes_are_refused():
     assert "cut" in (flat_only("sparseloco") or "")
 
 
+@pytest.mark.spawns
 def test_the_trainer_runs_it_and_meters_the_layout():
     from thinwire.run.config import TrainConfig
     from thinwire.run.trainer import train_rank

@@ -52,6 +52,7 @@ def test_without_tensorboard_no_event_file(tmp_path):
     assert not list(tmp_path.glob(EVENTS))
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(180)
 def test_a_training_run_writes_what_metrics_jsonl_holds(tmp_path):
     from thinwire.run.launch import launch

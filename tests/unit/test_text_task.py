@@ -333,6 +333,7 @@ def test_progress_gives_the_epoch_and_the_tokens_each_worker_trained_on(tmp_path
     assert tasks.get("synthetic")(samples=64, test_samples=16).data_facts() is None
 
 
+@pytest.mark.spawns
 def test_a_run_records_the_corpus_in_summary_and_the_epoch_in_every_row(tmp_path):
     raw = prose(6000, 7)
     (tmp_path / "t.txt").write_bytes(raw)

@@ -65,6 +65,7 @@ import torch
 from thinwire.algorithms.averaging import GradientMean
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
+from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.nn.factorized import Factorized, factorize_model, rank_for, resolve_exclude, unfactorize_model
@@ -120,7 +121,7 @@ def groups_of(config: ABConfig, workers: int) -> list[list[int]]:
 
 
 @METHODS.register
-class ABTraining(Method):
+class ABTraining(Method, Reports):
     """Factored weights trained in groups (A or B), synchronised every ``cycle`` steps."""
 
     flat_only = "its groups of ranks train factors on their own; they are not nodes"

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from thinwire.algorithms import reporting
 from thinwire.algorithms.averaging import comm_or_world
 from thinwire.algorithms.base import Method
 from thinwire.algorithms.build import build_method, optimizer_method_help
@@ -96,7 +97,7 @@ class Attached:
         ``thinwire/messages``, ``thinwire/codec_seconds``, ``thinwire/comm_seconds``, and the
         method's own numeric ones such as DaSGD's ``thinwire/delay``): one call logs them,
         ``for tag, v in run.scalars().items(): writer.add_scalar(tag, v, step)``."""
-        return figures(self.comm.meter, self.timing, self.method.stats())
+        return figures(self.comm.meter, self.timing, reporting.stats(self.method))
 
     def state_dict(self) -> dict[str, Any]:
         """The method's state (residuals, snapshots, schedules...) for a checkpoint, beside

@@ -11,7 +11,10 @@ and before the first step, and is then driven by two calls around the optimizer'
     method.finish()               # once, after the last step
 
 Everything else has a documented default here, so a method states only what it does
-differently. Every rank must issue the same collectives in the same order: a method keeps
+differently. The figures the harness reads beyond the training calls (the records' and the
+summary's, the cost model's) are an optional protocol of their own,
+:class:`~thinwire.algorithms.reporting.Reports`: a method that implements only the training
+calls is complete. Every rank must issue the same collectives in the same order: a method keeps
 its schedule in counters that every rank advances alike.
 
 :class:`Method` is the base; :class:`PeriodicAveraging` (local SGD, DaSGD: a synchronous
@@ -30,11 +33,11 @@ import torch
 
 from thinwire.aggregate import Aggregator
 from thinwire.algorithms.averaging import GradientMean, ModelState, comm_or_world
+from thinwire.algorithms.reporting import Reports
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
-from thinwire.comm.link import Link
 from thinwire.comm.nodes import check_intra_dtype
 from thinwire.hierarchical import HierarchicalAggregator, flat_aggregator
 from thinwire.knobs import describe_config
@@ -190,46 +193,11 @@ class Method(ABC):
         """The method's spec with every knob filled in."""
         return describe_config(self.name, self.config)
 
-    def stats(self) -> dict[str, Any]:
-        """Figures logged with every evaluation in metrics.jsonl. Default: none."""
-        return {}
-
-    def report(self) -> dict[str, Any]:
-        """The ``method_report`` of summary.json. Default: the spec."""
-        return {"method": self.spec}
-
-    def summary_fields(self) -> dict[str, Any]:
-        """Top-level fields added to summary.json. Default: none."""
-        return {}
-
-    def per_parameter(self) -> list[dict[str, Any]]:
-        """Per parameter: ``name``, ``shape``, ``codec`` and ``bytes_sent`` so far, for
-        methods that send each parameter through a codec. Default: none."""
-        return []
-
-    def overlap_report(self) -> dict[str, Any] | None:
-        """How much gradient averaging ran beside the backward pass (see
-        :meth:`~thinwire.algorithms.sync.SyncReducer.overlap_report`), for the cost model;
-        None (the default) for methods that report none. The warm-ups of model averaging
-        and AB-training overlap their buckets too, and report none: the modeled time counts
-        their averaging whole."""
-        return None
-
-    def hidden_seconds(self, link: Link) -> float:
-        """Modeled seconds of this rank's codec and communication work on ``link`` that ran
-        behind computation (and so do not add to the step time). Default: none."""
-        return 0.0
-
-    def hidden_fraction(self) -> float | None:
-        """The measured share of communication time hidden behind computation, where the
-        method measures it. Default: None."""
-        return None
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
 
 
-class PeriodicAveraging(Method):
+class PeriodicAveraging(Method, Reports):
     """Model averaging on a schedule: ``config.warmup`` synchronous steps (fp32 gradient
     averaging, overlapped with backward), then local steps with an average of the model
     state (:class:`~thinwire.algorithms.averaging.ModelState`) on the subclass's schedule.
@@ -357,7 +325,7 @@ class PeriodicAveraging(Method):
             self.node.armed = not self.warming_up
 
 
-class Gossip(Method):
+class Gossip(Method, Reports):
     """Decentralized training on a graph (``config.topology``): each rank mixes its model
     with its neighbours' through point-to-point exchanges, with no all_reduce. The ranks'
     models differ, so the trainer evaluates their mean (:attr:`decentralized`). Mixing

@@ -15,6 +15,7 @@ import torch
 
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
+from thinwire.algorithms.reporting import Reports
 from thinwire.codecs.dct import DCTConfig
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
@@ -40,7 +41,7 @@ class DeMoConfig:
 
 
 @METHODS.register
-class DeMoMethod(Method):
+class DeMoMethod(Method, Reports):
     """DeMo: each rank's momentum, its top DCT coefficients all_gathered, a sign step."""
 
     flat_only = "its momenta are the codec's residuals of whole tensors, which two levels would split by rank"

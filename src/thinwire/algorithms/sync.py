@@ -19,6 +19,7 @@ from thinwire.aggregate import CodecChooser
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.gradients import GradientReducer, refuse_sparse
 from thinwire.algorithms.methods import refuse_schedule
+from thinwire.algorithms.reporting import Reports
 from thinwire.codecs.base import Codec
 from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
@@ -27,7 +28,7 @@ from thinwire.registry import NoKnobs
 from thinwire.timing import Timing
 
 
-class SyncReducer(Method):
+class SyncReducer(Method, Reports):
     """Averages the gradients of ``model`` over all ranks through one codec or a policy.
 
     ``method`` is a codec spec (``"powersgd:rank=2"``), a built codec, a policy preset spec

@@ -90,20 +90,7 @@ def compare_parser(sub: Any) -> None:
     node_options(c)
     c.add_argument("--out", required=True, help="directory for report.md, results.csv, the PNGs and runs/")
     c.add_argument("--overwrite", action="store_true", help="allow --out to replace an earlier comparison")
-    c.add_argument("--target", type=float,
-                   help="a classifier's test accuracy to time each method to (default: 95%% of the best final "
-                   "accuracy)")
-    c.add_argument("--target-loss", type=float, metavar="LOSS",
-                   help="a language model's test loss (nats) to time each method to (default: the best final test "
-                   "loss + 2%%); a race is judged by the task's own figure: loss for language models, accuracy for "
-                   "classifiers")
-    c.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
-    c.add_argument("--seeds", type=int, default=1, metavar="S",
-                   help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
-                   "median [min-max], results.csv one row per run, and a method wins at a link only when its "
-                   "range beats every other's, else it is a tie (default: 1; with one seed a win needs a time to "
-                   "the target more than 10%% shorter, or an accuracy more than 0.5 pts higher; --methods races "
-                   "only)")
+    _judging_options(c)
     c.add_argument("--eval-every", type=int,
                    help=f"evaluate every K steps (default: the task's: {per_task('eval_every')})")
     c.add_argument("--batch-size", type=int,
@@ -127,6 +114,24 @@ def compare_parser(sub: Any) -> None:
                         "the tensorboard package is installed)")
     max_workers_option(c)
     import_option(c)
+
+
+def _judging_options(p: Any) -> None:
+    """How a race is judged: its target, its seeds."""
+    p.add_argument("--target", type=float,
+                   help="a classifier's test accuracy to time each method to (default: 95%% of the best final "
+                   "accuracy)")
+    p.add_argument("--target-loss", type=float, metavar="LOSS",
+                   help="a language model's test loss (nats) to time each method to (default: the best final test "
+                   "loss + 2%%); a race is judged by the task's own figure: loss for language models, accuracy for "
+                   "classifiers")
+    p.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    p.add_argument("--seeds", type=int, default=1, metavar="S",
+                   help="run every method with S seeds (--seed, --seed + 1, ...): the report shows each figure as "
+                   "median [min-max], results.csv one row per run, and a method wins at a link only when its "
+                   "range beats every other's, else it is a tie (default: 1; with one seed a win needs a time to "
+                   "the target more than 10%% shorter, or an accuracy more than 0.5 pts higher; --methods races "
+                   "only)")
 
 
 def cost_parser(sub: Any) -> None:

@@ -672,9 +672,31 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
              shared,
              f"- winner: {win_rule(race.seeds, race.figure)}",
              *[f"- {w}" for w in race.warnings], ""]
+    lines += _table_lines(table, links, decisions, winners, compute)
+    lines.append("")
+    for link in links:
+        d = decisions[link]
+        lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text()))
+    lines += _why_lines(race, table, target, links, summaries or {})
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        seed = (lambda r: f" (seed {r['seed']})") if race.seeds > 1 else (lambda r: "")
+        lines += ["", "Failed runs (the race went on): " + "; ".join(f"{r['method']}{seed(r)}: {r['error']}"
+                                                                    for r in failed)]
+    if plots:
+        shown = "" if race.seeds == 1 else f" (seed {b.seed}'s runs)"
+        lines += ["", f"## Plots{shown}", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    lines += ["", "Per-run metrics and summaries: `runs/*/metrics.jsonl`, `runs/*/summary.json`; every row: "
+              "`results.csv`. Which method family for which link and model: thinwire's docs/choosing.md.", ""]
+    path.write_text("\n".join(lines))
+
+
+def _table_lines(table: list[dict[str, Any]], links: tuple[str, ...], decisions: dict[str, Decision],
+                 winners: set[str], compute: SharedCompute | None) -> list[str]:
+    """The report's table: a row per method (its figures over the seeds), the winners in bold."""
     headers = ["method", "final acc", "final test loss", "MB sent / worker", "compression", "compute s", "wall s"]
     headers += [f"modeled s @ {link}" for link in links] + [f"to target @ {link}" for link in links]
-    lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for m in table:
         if m["status"] != "ok":
             lines.append(f"| {m['method']} | failed: {m['failed'][0]['error']} |" + " - |" * (len(headers) - 2))
@@ -703,22 +725,7 @@ def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: 
         if m["method"] in winners:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    for link in links:
-        d = decisions[link]
-        lines.append(f"- best at {link}: " + (f"**{d.best}**" if d.best else d.text()))
-    lines += _why_lines(race, table, target, links, summaries or {})
-    failed = [r for r in records if r["status"] != "ok"]
-    if failed:
-        seed = (lambda r: f" (seed {r['seed']})") if race.seeds > 1 else (lambda r: "")
-        lines += ["", "Failed runs (the race went on): " + "; ".join(f"{r['method']}{seed(r)}: {r['error']}"
-                                                                    for r in failed)]
-    if plots:
-        shown = "" if race.seeds == 1 else f" (seed {b.seed}'s runs)"
-        lines += ["", f"## Plots{shown}", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    lines += ["", "Per-run metrics and summaries: `runs/*/metrics.jsonl`, `runs/*/summary.json`; every row: "
-              "`results.csv`. Which method family for which link and model: thinwire's docs/choosing.md.", ""]
-    path.write_text("\n".join(lines))
+    return lines
 
 
 def _why_lines(race: Race, table: list[dict[str, Any]], target: float | None, links: tuple[str, ...],

@@ -168,6 +168,30 @@ def streaming_spec(outer_lr: float = DILOCO_OUTER_LR) -> str:
     return f"streaming-diloco:period={H},fragments=4,delay=1,outer_lr={outer_lr:g}"
 
 
+def _diloco_race(diloco: str, slow: tuple[str, ...], sparse: str, four_bit: str, streaming: str, tuned_lr: float,
+                 diloco_lr: float, note: str) -> Group:
+    """The lowbandwidth suite's main race: DiLoCo against synchronous AdamW, local SGD and every
+    other slow-link method."""
+    return Group("diloco", "DiLoCo against synchronous AdamW, local SGD and every slow-link method",
+                 "Douillard et al. 2023 (arXiv 2311.08105)", diloco,
+                 ("identity", LOCALSGD, sparse, four_bit, DEMO_LOWBW, streaming, "bf16", TORCHFT),
+                 (Claim("final loss within 2% of synchronous AdamW (fp32 all_reduce every step)", "loss", "identity",
+                        0.02, "rel", target=True),
+                  Claim("the outer optimizer matters: a final loss below local SGD's at the same H", "loss", LOCALSGD,
+                        0.0, "rel", target=True),
+                  Claim("bytes per worker against synchronous AdamW", "bytes", "identity", None),
+                  Claim(f"final loss against synchronous AdamW at its own best lr ({tuned_lr:g}, chosen on the "
+                        "validation split)", "loss", "identity", None, "rel", race="tuned"),
+                  Claim("final loss against torchft's DiLoCo", "loss", TORCHFT, None, "rel"),
+                  Claim("time to the target loss at 10 Mbit/s: the best slow-link method at least 10x shorter than "
+                        "synchronous AdamW", "best-to-target", "identity", 10.0, target=True, link="10mbit",
+                        among="|".join(slow)),
+                  Claim("time to the target loss against synchronous AdamW, at every link", "to-target", "identity")),
+                 f"H = {H} for every periodic method; outer SGD lr {diloco_lr:g}, Nesterov 0.9 (the paper's; the lr "
+                 f"chosen on the validation split). The best slow-link method: of {', '.join(slow)}. {note}",
+                 target_loss=("identity", 0.03))
+
+
 def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPARSELOCO_OUTER_LR,
                  tuned_lr: float = TUNED_ADAMW_LR) -> tuple[Group, ...]:
     """The lowbandwidth suite's races with these outer learning rates (DiLoCo's also for its
@@ -179,24 +203,7 @@ def lowbandwidth(diloco_lr: float = DILOCO_OUTER_LR, sparseloco_lr: float = SPAR
     note = ("Target loss: synchronous AdamW's final test loss + 3%; times to it are modeled at each link from the "
             "evaluations (measured compute and codec time + the link's time for the bytes sent)")
     return (
-        Group("diloco", "DiLoCo against synchronous AdamW, local SGD and every slow-link method",
-              "Douillard et al. 2023 (arXiv 2311.08105)", diloco,
-              ("identity", LOCALSGD, sparse, four_bit, DEMO_LOWBW, streaming, "bf16", TORCHFT),
-              (Claim("final loss within 2% of synchronous AdamW (fp32 all_reduce every step)", "loss", "identity",
-                     0.02, "rel", target=True),
-               Claim("the outer optimizer matters: a final loss below local SGD's at the same H", "loss", LOCALSGD,
-                     0.0, "rel", target=True),
-               Claim("bytes per worker against synchronous AdamW", "bytes", "identity", None),
-               Claim(f"final loss against synchronous AdamW at its own best lr ({tuned_lr:g}, chosen on the "
-                     "validation split)", "loss", "identity", None, "rel", race="tuned"),
-               Claim("final loss against torchft's DiLoCo", "loss", TORCHFT, None, "rel"),
-               Claim("time to the target loss at 10 Mbit/s: the best slow-link method at least 10x shorter than "
-                     "synchronous AdamW", "best-to-target", "identity", 10.0, target=True, link="10mbit",
-                     among="|".join(slow)),
-               Claim("time to the target loss against synchronous AdamW, at every link", "to-target", "identity")),
-              f"H = {H} for every periodic method; outer SGD lr {diloco_lr:g}, Nesterov 0.9 (the paper's; the lr "
-              f"chosen on the validation split). The best slow-link method: of {', '.join(slow)}. {note}",
-              target_loss=("identity", 0.03)),
+        _diloco_race(diloco, slow, sparse, four_bit, streaming, tuned_lr, diloco_lr, note),
         Group("diloco-4bit", "DiLoCo with 4-bit range-float pseudo-gradients",
               "Douillard et al. 2025 (arXiv 2501.18512)", four_bit, (diloco, four_bit_ef),
               (Claim("final loss within 1% of fp32 pseudo-gradients", "loss", diloco, 0.01, "rel", target=True),

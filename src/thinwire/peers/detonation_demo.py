@@ -84,6 +84,7 @@ import torch.distributed as torch_dist
 
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
+from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator, Handle
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -228,7 +229,7 @@ def _check_shapes(named: list[tuple[str, torch.Tensor]]) -> None:
 
 
 @METHODS.register
-class PeerDeMo(Method):
+class PeerDeMo(Method, Reports):
     """detonation's DeMo optimizer (``detonation.optim.demo.DeMo``), its all_gathers through
     thinwire's communicator; the method itself only counts steps and reports."""
 

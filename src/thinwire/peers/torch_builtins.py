@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
+from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -136,7 +137,7 @@ def _wrap(hook: Callable, comm: Communicator, timing: Timing) -> Callable:
 
 
 @METHODS.register
-class TorchBuiltin(Method):
+class TorchBuiltin(Method, Reports):
     """A model wrapped in DDP with one of PyTorch's communication hooks; the trainer runs
     forward and backward through the wrapper. ``hook`` names one of ``default_hooks`` for the
     subclasses that only pick one (fp16, bf16); PowerSGD and post-local SGD build their hook

@@ -66,6 +66,7 @@ import torch
 
 from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
+from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
@@ -111,7 +112,7 @@ def torchft_available() -> bool:
 
 
 @METHODS.register
-class TorchFTDiLoCo(Method):
+class TorchFTDiLoCo(Method, Reports):
     """torchft's DiLoCo over its own gloo process group, one replica group per rank; its
     allreduces are metered by thinwire's meter."""
 
@@ -141,11 +142,7 @@ class TorchFTDiLoCo(Method):
                  overlap: bool = True, **knobs: Any) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse and manager servers log every quorum at info
         try:
-            from torchft._torchft import LighthouseServer
-            from torchft.checkpointing import HTTPTransport
-            from torchft.local_sgd import DiLoCo
-            from torchft.manager import Manager
-            from torchft.process_group import ProcessGroupGloo
+            import torchft  # noqa: F401
         except ImportError:
             raise ImportError(INSTALL) from None
         _quiet_flight_recorder()
@@ -176,13 +173,27 @@ class TorchFTDiLoCo(Method):
         self._folded, self._comm_total, self._comm_end = 0, 0.0, float("-inf")  # spans folded into the union
 
         from thinwire.algorithms.streaming_diloco import balanced_split
-        from thinwire.comm.torch_dist import collective_timeout
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         groups = balanced_split([p.numel() for p in trainable], cfg.fragments)
         self.fragments = [torch.nn.ParameterList(trainable[lo:hi]) for lo, hi in groups]
         self.outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                       nesterov=cfg.nesterov and cfg.outer_momentum > 0) for f in self.fragments]
+        self._start(optimizer, trainable)
+
+    def _start(self, optimizer: torch.optim.Optimizer, trainable: list[torch.nn.Parameter]) -> None:
+        """torchft's Lighthouse (rank 0's), a store, its gloo group and Manager per rank, and its
+        DiLoCo over the fragments, hooked on ``optimizer``; what was started is stopped again
+        when a part fails."""
+        from torchft._torchft import LighthouseServer
+        from torchft.checkpointing import HTTPTransport
+        from torchft.local_sgd import DiLoCo
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        from thinwire.comm.torch_dist import collective_timeout
+
+        cfg = self.config
         timeout = timedelta(seconds=collective_timeout())
         device = trainable[0].device
         try:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from thinwire.algorithms import reporting
 from thinwire.run import checkpoint, outdir
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter, finite, write_json_atomic
@@ -56,103 +57,139 @@ def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | No
     written to ``out``). ``resume``: a checkpoint (or a worker folder) of this worker's to
     start from; the job's newest state still wins (a worker behind it takes it from a peer);
     ``resume_optional``: a folder without a checkpoint means a fresh start."""
-    from thinwire.elastic.worker import ElasticWorker, QuorumLost
-    from thinwire.optim import schedule
-    from thinwire.run.trainer import build_optimizer, environment, utc_now
-    from thinwire.tasks import get as get_task
-    from thinwire.version import __version__
-
-    assert cfg.steps is not None and cfg.eval_every is not None and cfg.lr is not None and cfg.optimizer is not None
-    assert cfg.batch_size is not None
-    steps, batch_size = cfg.steps, cfg.batch_size
-    started = utc_now()
-    task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
-    model = task.build_model().to(device)
-    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), cfg.lr, task.defaults.weight_decay,
-                                model=model, muon_lr=cfg.muon_lr)
-    window = [0.0, 0]  # training losses since the last record: sum, count
-
-    worker = ElasticWorker(model, optimizer, cfg.method, lighthouse=lighthouse, replica=replica,
-                           min_workers=int(cfg.min_workers or 1), timeout_s=cfg.elastic_timeout,
-                           wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb, start_workers=cfg.workers)
-    status, failure, last_eval = "ok", None, {}
-    writer = MetricsWriter(out, tensorboard=bool(cfg.tensorboard)) if out else None
-    seen_changes = 0
-    t_start = time.perf_counter()
-    first_commit: float | None = None
-    train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
+    run = _WorkerRun(cfg, replica, lighthouse, out, report, device)
     try:
         if resume:
-            _load(worker, resume, device, optional=resume_optional)
+            _load(run.worker, resume, device, optional=resume_optional)
+        run.train()
+    finally:
+        run.worker.close()
+    return run.finish()
+
+
+class _WorkerRun:
+    """One worker's run: its task, model, optimizer and :class:`ElasticWorker`, the records it
+    writes, and the clocks its summary reports."""
+
+    def __init__(self, cfg: TrainConfig, replica: int, lighthouse: str, out: str | None, report: Report | None,
+                 device: torch.device | str) -> None:
+        from thinwire.elastic.worker import ElasticWorker
+        from thinwire.run.trainer import build_optimizer, utc_now
+        from thinwire.tasks import get as get_task
+
+        assert cfg.steps is not None and cfg.eval_every is not None and cfg.lr is not None
+        assert cfg.batch_size is not None and cfg.optimizer is not None
+        self.cfg, self.replica, self.out, self.report, self.device = cfg, replica, out, report, device
+        self.started = utc_now()
+        self.task = get_task(cfg.task)(seed=cfg.seed, data_dir=cfg.data_dir, **cfg.task_options)
+        self.model = self.task.build_model().to(device)
+        self.optimizer = build_optimizer(cfg.optimizer, list(self.model.parameters()), cfg.lr,
+                                         self.task.defaults.weight_decay, model=self.model, muon_lr=cfg.muon_lr)
+        self.worker = ElasticWorker(self.model, self.optimizer, cfg.method, lighthouse=lighthouse, replica=replica,
+                                    min_workers=int(cfg.min_workers or 1), timeout_s=cfg.elastic_timeout,
+                                    wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb, start_workers=cfg.workers)
+        self.writer = MetricsWriter(out, tensorboard=bool(cfg.tensorboard)) if out else None
+        self.window = [0.0, 0]  # training losses since the last record: sum, count
+        self.status: str = "ok"
+        self.failure: str | None = None
+        self.last_eval: dict[str, Any] = {}
+        self.seen_changes = 0
+        self.t_start = time.perf_counter()
+        self.first_commit: float | None = None
+        self.train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
+
+    def train(self) -> None:
+        """Steps until the job has committed ``cfg.steps``, or too few workers are left."""
+        from thinwire.elastic.worker import QuorumLost
+
+        cfg, worker = self.cfg, self.worker
         batches, at = None, -1
         while True:
             t_step = time.perf_counter()
             try:
                 done = worker.begin()
             except QuorumLost as e:
-                status, failure = "stopped", f"{e}; the job's last committed state is step {worker.step}"
+                self.status, self.failure = "stopped", f"{e}; the job's last committed state is step {worker.step}"
                 break
-            seen_changes = _log_changes(worker, writer, report, replica, seen_changes)
-            if done >= cfg.steps:
+            self.seen_changes = _log_changes(worker, self.writer, self.report, self.replica, self.seen_changes)
+            if done >= int(cfg.steps or 0):
                 break
             if at != done or batches is None:  # a heal moved the step, or a failed vote left it: the step's batch
-                batches, at = task.train_batches(replica, cfg.workers, batch_size, start=done), done
-            x, y = (t.to(device, non_blocking=True) for t in next(batches))
+                batches, at = self.task.train_batches(self.replica, cfg.workers, int(cfg.batch_size or 0),
+                                                      start=done), done
+            x, y = (t.to(self.device, non_blocking=True) for t in next(batches))
             at += 1
-            loss = task.loss(model(x), y)
+            loss = self.task.loss(self.model(x), y)
             loss.backward()
-
-            def step_fn(done: int = done) -> None:
-                if cfg.lr_schedule != "constant" or cfg.warmup_steps:
-                    schedule.apply(optimizer, schedule.factor(done, steps, cfg.lr_schedule, cfg.warmup_steps,
-                                                              cfg.min_lr))
-                optimizer.step()
-
-            committed = worker.commit(loss, step_fn)
-            train_seconds += time.perf_counter() - t_step
+            committed = worker.commit(loss, self._step_fn(done))
+            self.train_seconds += time.perf_counter() - t_step
             if not committed:
                 at = -1
                 continue
-            if first_commit is None:
-                first_commit = time.perf_counter() - t_start
-            step = worker.step
-            value = loss.item()
-            if math.isfinite(value):
-                window[0] += value
-                window[1] += 1
-            if report is not None:
-                report("step", replica=replica, step=step, loss=value, workers=worker.workers)
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                last_eval = _evaluate(task, model, worker, value, window, step, cfg, t_start, optimizer)
-                window = [0.0, 0]
-                if writer is not None:
-                    writer.write(last_eval)
-                if report is not None:
-                    report("eval", replica=replica, **last_eval)
-            if out and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                _save(worker, out, cfg, window)
-        if status == "stopped" and out and cfg.checkpoint_every and worker.step > 0:
-            _save(worker, out, cfg, window)  # the last committed state, for a resume of the whole job
-    finally:
-        worker.close()
-    summary = finite({
-        "status": status, "failure": failure, "task": cfg.task, "method": cfg.method, "replica": replica,
-        "workers": cfg.workers, "min_workers": cfg.min_workers, "steps": cfg.steps, "committed_step": worker.step,
-        "seed": cfg.seed, "lr": cfg.lr, "optimizer": cfg.optimizer, "final": last_eval,
-        "elastic": {"changes": [c.record() for c in worker.tally.changes], "committed": worker.tally.committed,
-                    "discarded": worker.tally.discarded, "heals": worker.tally.heals,
-                    "present": worker.tally.present, "seconds_to_first_commit": first_commit,
-                    "timeout_seconds": cfg.elastic_timeout, "wait_seconds": cfg.elastic_wait},
-        "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
-        "model_sha256": _model_digest(model),
-        "wall_seconds": time.perf_counter() - t_start, "train_seconds": train_seconds, "started_at": started,
-        "ended_at": utc_now(),
-        "thinwire_version": __version__, "config": _config_record(cfg), **environment(device),
-    })
-    if writer is not None:
-        writer.write_summary(summary)
-        writer.close()
-    return summary
+            self._committed(loss.item())
+        if self.status == "stopped" and self.out and cfg.checkpoint_every and worker.step > 0:
+            _save(worker, self.out, cfg, self.window)  # the last committed state, for a resume of the whole job
+
+    def _step_fn(self, done: int) -> Callable[[], None]:
+        """The optimizer's step for step ``done + 1``, at the schedule's learning rate."""
+        from thinwire.optim import schedule
+
+        cfg = self.cfg
+
+        def step_fn() -> None:
+            if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+                schedule.apply(self.optimizer, schedule.factor(done, int(cfg.steps or 0), cfg.lr_schedule,
+                                                               cfg.warmup_steps, cfg.min_lr))
+            self.optimizer.step()
+
+        return step_fn
+
+    def _committed(self, value: float) -> None:
+        """A step the job committed: its loss on record, an evaluation and a checkpoint when due."""
+        cfg, step = self.cfg, self.worker.step
+        if self.first_commit is None:
+            self.first_commit = time.perf_counter() - self.t_start
+        if math.isfinite(value):
+            self.window[0] += value
+            self.window[1] += 1
+        if self.report is not None:
+            self.report("step", replica=self.replica, step=step, loss=value, workers=self.worker.workers)
+        if step % int(cfg.eval_every or 1) == 0 or step == cfg.steps:
+            self.last_eval = _evaluate(self.task, self.model, self.worker, value, self.window, step, cfg,
+                                       self.t_start, self.optimizer)
+            self.window = [0.0, 0]
+            if self.writer is not None:
+                self.writer.write(self.last_eval)
+            if self.report is not None:
+                self.report("eval", replica=self.replica, **self.last_eval)
+        if self.out and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            _save(self.worker, self.out, cfg, self.window)
+
+    def finish(self) -> dict[str, Any]:
+        """The worker's summary, written to its folder."""
+        from thinwire.run.trainer import environment, utc_now
+        from thinwire.version import __version__
+
+        cfg, worker, tally = self.cfg, self.worker, self.worker.tally
+        summary = finite({
+            "status": self.status, "failure": self.failure, "task": cfg.task, "method": cfg.method,
+            "replica": self.replica, "workers": cfg.workers, "min_workers": cfg.min_workers, "steps": cfg.steps,
+            "committed_step": worker.step, "seed": cfg.seed, "lr": cfg.lr, "optimizer": cfg.optimizer,
+            "final": self.last_eval,
+            "elastic": {"changes": [c.record() for c in tally.changes], "committed": tally.committed,
+                        "discarded": tally.discarded, "heals": tally.heals, "present": tally.present,
+                        "seconds_to_first_commit": self.first_commit, "timeout_seconds": cfg.elastic_timeout,
+                        "wait_seconds": cfg.elastic_wait},
+            "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
+            "model_sha256": _model_digest(self.model),
+            "wall_seconds": time.perf_counter() - self.t_start, "train_seconds": self.train_seconds,
+            "started_at": self.started, "ended_at": utc_now(),
+            "thinwire_version": __version__, "config": _config_record(cfg), **environment(self.device),
+        })
+        if self.writer is not None:
+            self.writer.write_summary(summary)
+            self.writer.close()
+        return summary
 
 
 def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, window: list, step: int,
@@ -161,7 +198,7 @@ def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, wind
                               "train_loss_mean": window[0] / window[1] if window[1] else None}
     if cfg.evaluate:
         record.update({f"test_{k}": v for k, v in task.evaluate(model).items()})
-    record.update(worker.method.stats())
+    record.update(reporting.stats(worker.method))
     t = worker.tally
     record.update(workers=worker.workers, quorum_changes=len(t.changes), discarded_steps=t.discarded, heals=t.heals,
                   bytes_sent=worker.comm.meter.bytes_sent, messages=worker.comm.meter.messages,

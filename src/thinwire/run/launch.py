@@ -185,66 +185,77 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
     cfg = dataclasses.replace(cfg, workers=comm.world_size)  # torchrun's world, not --workers
     device = _device()
     view = ProgressView(cfg) if (show_progress and comm.rank == 0) else None
-    received: list[str] = []  # torchrun forwards SIGINT / SIGTERM to every rank
-    step: list[int | None] = [None]  # the last step rank 0 reported (other ranks do not know it)
+    stop = _TorchrunStop(comm.rank)
 
     def report(kind: str, **fields: Any) -> None:  # rank 0's: the step its messages name, and the view
         if kind == "step":
-            step[0] = fields["step"]
+            stop.step = fields["step"]
         if view is not None:
             view.handle(kind, **fields)
 
-    taken: list[bool] = []  # this rank took the stop up at a step (its stop poll saw the signal)
-
-    def stop_requested() -> int:
-        if not received:
-            return 0
-        taken.append(True)
-        return int(signal.Signals[received[0]])
-
-    def give_up() -> None:  # the grace ran out before this rank reached a stop poll: end it now
-        if taken:
-            return
-        if comm.rank == 0:
-            after = "" if step[0] is None else f" after step {step[0]}"
-            sys.stderr.write(f"thinwire: stopped by {received[0]}{after}; {_no_stop_in_grace()}, so nothing "
-                             "after the last checkpoint was kept\n")
-        sys.stderr.flush()
-        from thinwire.run import outdir
-
-        outdir.release_all()  # os._exit runs no finally: the lock (rank 0's) is released here
-        os._exit(128 + int(signal.Signals[received[0]]))
-
-    timer = threading.Timer(STOP_GRACE_S, give_up)
-    timer.daemon = True
     # torchrun forwards the signal it gets to every rank, so a scheduler that signals every
     # process of the job reaches a rank twice: a repeat must not cancel the checkpoint (torchrun
     # kills ranks that outlast its own grace period)
-    restore = _on_stop_signals(lambda signum: timer.start(), received, escalate=False)
+    restore = _on_stop_signals(lambda signum: stop.timer.start(), stop.received, escalate=False)
     try:
         if view:
             view.start()
         try:
             summary = train_rank(cfg, comm, report if comm.rank == 0 else None, device,
-                                 stop_requested=stop_requested, stop_agreed=lambda: taken.append(True))
-            timer.cancel()  # finished: a signal after the last stop poll lets the run end by itself
+                                 stop_requested=stop.requested, stop_agreed=lambda: stop.taken.append(True))
+            stop.timer.cancel()  # finished: a signal after the last stop poll lets the run end by itself
         except RuntimeError as e:  # a collective that failed: name the peer that went silent, if one did
             silent = silent_ranks(comm.rank, comm.world_size) if collective_failure(e) else []
             if silent:
-                raise RunFailed(_silent_message(silent, comm.rank, step[0], _first_line(e))) from e
+                raise RunFailed(_silent_message(silent, comm.rank, stop.step, _first_line(e))) from e
             raise
-        if summary is not None and received:
-            summary["signal"] = received[0]
+        if summary is not None and stop.received:
+            summary["signal"] = stop.received[0]
         gc.collect()  # what holds the group in a reference cycle goes while it lives
         torch.distributed.barrier()
         return summary
     finally:
-        timer.cancel()
+        stop.timer.cancel()
         beating.set()
         restore()
         if view:
             view.stop()
         torch.distributed.destroy_process_group()
+
+
+class _TorchrunStop:
+    """A torchrun rank's stop: torchrun forwards SIGINT and SIGTERM to every rank (``received``);
+    the rank takes the stop up at its next stop poll (``taken``), or, when the grace
+    (:data:`STOP_GRACE_S`, ``timer``) runs out before it reaches one, ends at once."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.received: list[str] = []
+        self.taken: list[bool] = []
+        self.step: int | None = None  # the last step rank 0 reported (other ranks do not know it)
+        self.timer = threading.Timer(STOP_GRACE_S, self.give_up)
+        self.timer.daemon = True
+
+    def requested(self) -> int:
+        """The stop poll: the signal's number once one came (the stop is taken up), else 0."""
+        if not self.received:
+            return 0
+        self.taken.append(True)
+        return int(signal.Signals[self.received[0]])
+
+    def give_up(self) -> None:
+        """The grace ran out before this rank reached a stop poll: end it now."""
+        if self.taken:
+            return
+        if self.rank == 0:
+            after = "" if self.step is None else f" after step {self.step}"
+            sys.stderr.write(f"thinwire: stopped by {self.received[0]}{after}; {_no_stop_in_grace()}, so nothing "
+                             "after the last checkpoint was kept\n")
+        sys.stderr.flush()
+        from thinwire.run import outdir
+
+        outdir.release_all()  # os._exit runs no finally: the lock (rank 0's) is released here
+        os._exit(128 + int(signal.Signals[self.received[0]]))
 
 
 def _no_stop_in_grace() -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from thinwire.algorithms import reporting
 from thinwire.algorithms.base import Method
 from thinwire.algorithms.build import build_method, method_optimizer
 from thinwire.comm.base import Communicator
@@ -548,7 +549,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
             ev = task.evaluate(model)
             record.update({f"test_{k}": v for k, v in ev.items()})
         comm.barrier()  # evaluation skew is not charged to the next timed collective
-    record.update(method.stats())  # e.g. the theta FFT used at this step
+    record.update(reporting.stats(method))  # e.g. the theta FFT used at this step
     record.update(task.progress(step, comm.world_size, cfg.batch_size))  # e.g. the epoch (text)
     t = _timing(method, clock)
     record.update(
@@ -567,7 +568,7 @@ def _evaluate(task, model, comm, loss, step, cfg, clock, method, fp32_per_step, 
         comm_seconds=t.comm_seconds,
         skipped_steps=clock.skipped,
     )
-    o = method.overlap_report()
+    o = reporting.overlap_report(method)
     if o is not None:  # cumulative, as the other clocks: the cost model reads them
         record.update(overlap_steps=o["steps"], overlap_window_seconds=o["window_seconds"],
                       overlap_blocked_seconds=o["blocked_seconds"], overlap_early_share=o["early_share"],
@@ -621,8 +622,8 @@ def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None =
     (:func:`thinwire.comm.overlap.overlap_hidden_seconds`)."""
     from thinwire.comm.overlap import overlap_hidden_seconds
 
-    hidden = method.hidden_seconds(link)
-    o = method.overlap_report()
+    hidden = reporting.hidden_seconds(method, link)
+    o = reporting.overlap_report(method)
     n = o["reduces"] if o is not None else 0
     if o is None or not n:
         return hidden
@@ -713,10 +714,10 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "checkpoints_written": clock.checkpoints,
         "checkpoint_seconds": clock.checkpoint_seconds,
         "steps_run": clock.steps_run,
-        "method_report": method.report(),
+        "method_report": reporting.report(method),
         "per_parameter": _per_parameter(method, done - clock.skipped, comm.world_size),
-        "hidden_fraction": method.hidden_fraction(),
-        **method.summary_fields(),
+        "hidden_fraction": reporting.hidden_fraction(method),
+        **reporting.summary_fields(method),
         "config": cfg.to_dict(),
         "peak_rss_bytes": _peak_rss(),  # this rank's (rank 0's) peak resident memory so far
         # what the method keeps across steps (residuals, snapshots, factors...): its own state
@@ -770,7 +771,7 @@ def _per_parameter(method, steps: int, n: int) -> list[dict[str, Any]]:
     next to what an fp32 all_reduce would have sent in the ``steps`` that communicated (rank
     0's figures: every rank of a synchronous method sends the same)."""
     rows = []
-    for r in method.per_parameter():
+    for r in reporting.per_parameter(method):
         fp32 = sent_bytes("all_reduce", 4 * math.prod(r["shape"]), n) * steps
         rows.append({"name": r["name"], "shape": r["shape"], "codec": r["codec"],
                      "bytes_sent_per_worker": r["bytes_sent"], "fp32_bytes_per_worker": fp32})
