@@ -70,6 +70,9 @@ class Aggregator:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if not named:
             raise ValueError("Aggregator needs at least one named tensor")
+        if type(self) is Aggregator and getattr(comm, "hierarchy", None) is not None:
+            raise ValueError("this communicator's ranks are grouped into nodes: build its aggregator with "
+                             "thinwire.hierarchical.build_aggregator, which averages in two levels")
         self.comm = comm
         self.feedback = feedback if feedback is not None else ErrorFeedback()
         self.timing = Timing()

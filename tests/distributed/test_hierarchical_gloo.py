@@ -17,12 +17,12 @@ import torch
 from test_resume_gloo import SMALL, _same
 
 from spawn import free_port, run_ranks
-from thinwire.aggregate import Aggregator
 from thinwire.codecs.specs import build_codec
 from thinwire.comm.layout import NodeLayout
 from thinwire.comm.meter import sent_bytes
 from thinwire.comm.nodes import build_hierarchy
 from thinwire.comm.torch_dist import TorchComm
+from thinwire.hierarchical import build_aggregator
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import launch
@@ -49,12 +49,12 @@ def _ranks(rank: int, world: int) -> dict:
         assert torch.equal(out, ref), (rank, out, ref)
 
     flat = _grads(rank, integer=True)
-    Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
+    build_aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
                comm).reduce_(flat)
     comm.meter.reset()
     build_hierarchy(comm, NodeLayout(world, 2))
     hier = _grads(rank, integer=True)
-    Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
+    build_aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
                comm).reduce_(hier)
     for k in SHAPES:
         assert torch.equal(hier[k], flat[k]), k
@@ -65,7 +65,7 @@ def _ranks(rank: int, world: int) -> dict:
 
     coded = _grads(rank, integer=False)
     topk = build_codec("topk:ratio=0.1,min_numel=100")
-    agg = Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: topk, comm)
+    agg = build_aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: topk, comm)
     agg.reduce_(coded)
 
     # bf16 inside the node: gloo's bf16 reduce_scatter and all_gather, half the bytes there; small
@@ -78,7 +78,7 @@ def _ranks(rank: int, world: int) -> dict:
         return {k: 4.0 * torch.randint(-8, 9, s, generator=g).float() for k, s in SHAPES.items()}
 
     half = small(rank)
-    Aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
+    build_aggregator([(k, torch.zeros(s)) for k, s in SHAPES.items()], lambda _n, _t: build_codec("identity"),
                comm).reduce_(half)
     for k in SHAPES:
         assert half[k].dtype == torch.float32

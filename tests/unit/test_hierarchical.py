@@ -582,3 +582,17 @@ def test_an_emulated_world_gives_each_rank_its_part_of_the_nodes_link():
     for intra, inter, share in LocalWorld(4).run(fn):
         assert intra == Link.parse("10gbit,5us") and share == 2
         assert inter == Link.parse("50mbit,1ms")
+
+
+def test_a_flat_aggregator_over_nodes_is_refused_naming_the_builder():
+    """Over a world grouped into nodes a plain Aggregator would average flat, silently: it is
+    refused, and build_aggregator gives the two-level one."""
+    from thinwire.aggregate import Aggregator
+
+    def fn(comm):
+        _world(comm, 2)
+        with pytest.raises(ValueError, match="build_aggregator"):
+            Aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)
+        return type(build_aggregator(_named(), lambda _n, _t: build_codec("identity"), comm)).__name__
+
+    assert LocalWorld(4).run(fn) == ["HierarchicalAggregator"] * 4
