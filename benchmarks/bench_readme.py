@@ -40,11 +40,11 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 OUT = "benchmarks/results/readme.md"
-RACE_ARGS = ("--methods identity,bf16,powersgd,topk,dasgd --steps 600 --link 10gbit,10us --link 1gbit,50us "
+RACE_ARGS = ("compare --methods identity,bf16,powersgd,topk,dasgd --steps 600 --link 10gbit,10us --link 1gbit,50us "
              "--link 100mbit,1ms")  # the Makefile's RUN_ARGS, less the output folder
 RACE_NAMES = {"identity": "fp32 all_reduce", "bf16": "bf16", "powersgd": "PowerSGD", "topk": "top-k",
               "dasgd": "DaSGD"}
-SUITE_ARGS = "--suite lowbandwidth --task text"
+SUITE_ARGS = "compare --suite lowbandwidth --task text"
 # the slow-link claims the README states: (group, claim's start) -> the row's name
 SUITE_ROWS = {
     ("diloco", "bytes per worker against synchronous AdamW"): "DiLoCo, H = 30: bytes per worker against "

@@ -25,8 +25,8 @@ from thinwire.run.arguments import (
     import_option,
     max_workers_option,
     node_options,
+    optimizer_options,
     per_task,
-    schedule_options,
     task_options_help,
     tasks_by_name,
 )
@@ -61,14 +61,7 @@ def _train_parser(sub: Any) -> None:
                    "(instead of --method)")
     t.add_argument("--workers", type=int, help="local ranks to spawn (ignored under torchrun; default: 2)")
     t.add_argument("--steps", type=int, help=f"total training steps (default: the task's budget: {per_task('steps')})")
-    t.add_argument("--batch-size", type=int,
-                   help=f"batch size per worker (default: the task's: {per_task('batch_size')})")
-    t.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {per_task('lr')})")
-    t.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "muon"],
-                   help="adam, adamw (decoupled weight decay), sgd with momentum 0.9, or muon (Muon for the hidden "
-                   "weight matrices, AdamW for embeddings, the output layer, norms and biases) (default: the task's: "
-                   f"{per_task('optimizer')})")
-    schedule_options(t)
+    optimizer_options(t)
     t.add_argument("--seed", type=int, help="seed for data order and model initialisation (codec seeds are knobs of "
                    "the method; default: 0)")
     t.add_argument("--data", "--data-dir", dest="data_dir", metavar="PATH",
@@ -356,25 +349,22 @@ def _methods(imports: list[str], markdown: bool = False, names: Sequence[str] = 
     presets = [e for e in PRESETS.entries() if e.name in shown]
     algorithms = [e for e in METHODS.entries() if e.name in shown and not e.value.peer]
     peers = [e for e in METHODS.entries() if e.name in shown and e.value.peer]
-    for codec in codecs:
-        _method(console, codec.name, codec.value.aggregation.value + _origin(codec.value), codec.summary, codec.Config)
-    if presets:
-        console.print("[bold]policy presets[/bold]: a codec per parameter by layer type and size "
-                      "(train --method NAME[:knobs], SyncReducer, ddp.register; rules of your own: train --policy "
-                      "FILE)\n")
-    for preset in presets:
-        _method(console, preset.name, "per layer", preset.summary, preset.Config)
-    if algorithms:
-        console.print("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule "
-                      "(train --method NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n")
-    for entry in algorithms:
-        _method(console, entry.name, "algorithm" + _origin(entry.value), entry.summary, entry.Config)
-    if peers:
-        console.print("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same "
-                      "harness and byte meter (train --method NAME[:knobs], thinwire.attach; the peers to compare "
-                      "against)\n")
-    for entry in peers:
-        _method(console, entry.name, "PyTorch", entry.summary, entry.Config)
+    sections = (
+        (None, codecs, lambda e: e.value.aggregation.value + _origin(e.value)),
+        ("[bold]policy presets[/bold]: a codec per parameter by layer type and size (train --method NAME[:knobs], "
+         "SyncReducer, ddp.register; rules of your own: train --policy FILE)\n", presets, lambda e: "per layer"),
+        ("[bold]algorithms[/bold]: model averaging, gossip and AB-training on their own schedule (train --method "
+         "NAME[:knobs]; thinwire.attach, not SyncReducer or ddp.register)\n", algorithms,
+         lambda e: "algorithm" + _origin(e.value)),
+        ("[bold]PyTorch built-ins[/bold]: DDP with PyTorch's own communication hooks, in the same harness and byte "
+         "meter (train --method NAME[:knobs], thinwire.attach; the peers to compare against)\n", peers,
+         lambda e: "PyTorch"),
+    )
+    for title, entries, kind in sections:
+        if title and entries:
+            console.print(title)
+        for entry in entries:
+            _method(console, entry.name, kind(entry), entry.summary, entry.Config)
     return 0
 
 

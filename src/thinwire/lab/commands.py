@@ -19,9 +19,9 @@ from thinwire.run.arguments import (
     max_workers_option,
     node_options,
     nodes_resolved,
+    optimizer_options,
     outdir_errors,
     per_task,
-    schedule_options,
     task_options_help,
     tasks_by_name,
 )
@@ -93,14 +93,7 @@ def compare_parser(sub: Any) -> None:
     _judging_options(c)
     c.add_argument("--eval-every", type=int,
                    help=f"evaluate every K steps (default: the task's: {per_task('eval_every')})")
-    c.add_argument("--batch-size", type=int,
-                   help=f"batch size per worker (default: the task's: {per_task('batch_size')})")
-    c.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {per_task('lr')})")
-    c.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "muon"],
-                   help="adam, adamw (decoupled weight decay), sgd with momentum 0.9, or muon (Muon for the hidden "
-                   "weight matrices, AdamW for embeddings, the output layer, norms and biases) (default: the task's: "
-                   f"{per_task('optimizer')})")
-    schedule_options(c)
+    optimizer_options(c)
     c.add_argument("--data", "--data-dir", dest="data_dir", metavar="PATH",
                    help="the task's data (text: a UTF-8 file, a folder of them or a uint16 token file; cifar10: the "
                    "CIFAR-10 binary files' folder)")

@@ -55,6 +55,18 @@ def node_options(p: argparse.ArgumentParser) -> None:
                    "each gradient before the node's sum and the mean after the codec; needs --ranks-per-node)")
 
 
+def optimizer_options(p: argparse.ArgumentParser) -> None:
+    """The batch, the learning rate, the optimizer and its schedule (train and compare)."""
+    p.add_argument("--batch-size", type=int,
+                   help=f"batch size per worker (default: the task's: {per_task('batch_size')})")
+    p.add_argument("--lr", type=float, help=f"learning rate (default: the task's: {per_task('lr')})")
+    p.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "muon"],
+                   help="adam, adamw (decoupled weight decay), sgd with momentum 0.9, or muon (Muon for the hidden "
+                   "weight matrices, AdamW for embeddings, the output layer, norms and biases) (default: the task's: "
+                   f"{per_task('optimizer')})")
+    schedule_options(p)
+
+
 def schedule_options(p: Any) -> None:
     p.add_argument("--lr-schedule", choices=["constant", "cosine", "wsd"],
                    help="the learning rate over the run: constant, cosine decay or wsd (stable, then a linear decay "
