@@ -181,18 +181,28 @@ def main(argv: list[str] | None = None) -> int:
               "for them", flush=True)
     t0 = time.perf_counter()
     rows: list[Row] = []
+    failed = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
             started = time.perf_counter()
-            rows += SECTIONS[name](Path(tmp) / name, lambda line: print(line, flush=True))
-            print(f"[{name}] {time.perf_counter() - started:.0f} s", flush=True)
+            where = Path(tmp) / name
+            where.mkdir()
+            try:
+                got = SECTIONS[name](where, lambda line: print(line, flush=True))
+            except Exception as e:  # noqa: BLE001  (the other sections still run; the file says what failed)
+                failed.append(name)
+                got = [(f"{name}: not measured", f"failed: {type(e).__name__}: {e}"[:300], name)]
+            rows += got
+            print(f"[{name}] {time.perf_counter() - started:.0f} s", *(f"  {r}" for r in got), sep="\n", flush=True)
     given = argv if argv is not None else sys.argv[1:]
     command = "python benchmarks/bench_readme.py" + "".join(f" {a}" for a in given)
     lines = header(command, time.perf_counter() - t0)
     lines += ["| figure | measured | from |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     Path(ROOT / args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
-    return 0
+    if failed:
+        print(f"bench-readme: {', '.join(failed)} failed (their rows say why)", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

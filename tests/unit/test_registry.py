@@ -167,3 +167,57 @@ def test_the_codec_listing_does_not_depend_on_which_codec_module_was_imported_fi
     plain, early = (subprocess.run([sys.executable, "-c", code.format(first=m)], capture_output=True, text=True,
                                    check=True).stdout for m in ("thinwire", "thinwire.codecs.dct"))
     assert plain == early and plain.startswith("identity,")
+
+
+REGISTRIES = {"codecs": CODECS, "methods": METHODS, "presets": PRESETS, "tasks": TASKS, "topologies": TOPOLOGIES}
+
+
+@pytest.mark.parametrize("name", list(REGISTRIES))
+def test_every_built_in_entry_comes_from_the_modules_its_registry_imports(name):
+    """One way in: each registry names the modules and packages that hold its built-in entries
+    (imported on the first lookup); every built-in entry is defined there."""
+    registry = REGISTRIES[name]
+    assert registry.builtins and all(b.startswith("thinwire.") for b in registry.builtins)
+    for entry in registry.entries():
+        module = entry.value.__module__
+        assert any(module == b or module.startswith(b + ".") for b in registry.builtins), (entry.name, module)
+
+
+def test_the_decorator_registers_a_class_by_its_attributes_and_a_function_by_keywords():
+    reg: Registry[object] = Registry("thing")
+
+    @dataclasses.dataclass(frozen=True)
+    class Knobs:
+        size: int = 1
+
+    @reg.register
+    class Thing:
+        name, summary, Config = "thing-a", "a class", Knobs
+
+    @reg.register(summary="a builder")
+    def thing_b(n: int) -> int:
+        return n
+
+    @reg.register(name="thing-c", Config=Knobs, summary="a named builder")
+    def build(n: int) -> int:
+        return 2 * n
+
+    assert reg.names() == ["thing-a", "thing_b", "thing-c"]
+    assert reg.entry("thing-a").Config is Knobs and reg.entry("thing-a").summary == "a class"
+    assert reg["thing_b"] is thing_b and reg.entry("thing_b").Config is NoKnobs and reg["thing-c"](3) == 6
+    assert Thing.name == "thing-a"  # the decorator returns what it decorates
+
+
+def test_a_check_refuses_before_registering():
+    def check(value: object) -> None:
+        if not getattr(value, "ok", False):
+            raise ValueError(f"{value!r} is not ok")
+
+    reg: Registry[object] = Registry("thing", check=check)
+
+    class Bad:
+        name = "bad"
+
+    with pytest.raises(ValueError, match="is not ok"):
+        reg.register(Bad)
+    assert "bad" not in reg
