@@ -660,6 +660,10 @@ def _tensor_bytes(obj: Any) -> int:
     return walk(obj)
 
 
+# summary.json's final figures: the last evaluation's
+FINAL = {"loss": "test_loss", "accuracy": "test_accuracy", "bpc": "test_bpc", "train_loss": "train_loss"}
+
+
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None,
              done: int | None = None, task=None) -> dict[str, Any]:
     """Rank 0's summary of a run that ended after step ``done`` (default: ``cfg.steps``)."""
@@ -673,20 +677,13 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
     t = _timing(method, clock)
     intra = Link.parse(cfg.intra_link) if cfg.intra_link else None
     modeled = {link: _modeled(Link.parse(link), comm, clock, t, method, intra) for link in cfg.links}
-    with comm.meter.paused():  # bytes per link, summed over ranks
-        links = torch.tensor([comm.meter.link_bytes(k) for k in LINKS] + [comm.meter.link_messages(k) for k in LINKS],
-                             dtype=torch.float64, device=device)
-        comm.all_reduce(links)
     return {
         "task": cfg.task,
         "method": cfg.method,
         "workers": comm.world_size,
         "steps": cfg.steps,
         "data": task.data_facts() if task is not None else None,  # e.g. the text corpus's size and SHA-256
-        "final_loss": last_eval.get("test_loss"),
-        "final_accuracy": last_eval.get("test_accuracy"),
-        "final_bpc": last_eval.get("test_bpc"),
-        "final_train_loss": last_eval.get("train_loss"),
+        **{f"final_{key}": last_eval.get(of) for key, of in FINAL.items()},
         "bytes_sent_per_worker": per_worker,
         "fp32_bytes_per_worker": fp32,
         "compression_ratio": fp32 / per_worker if per_worker > 0 else None,
@@ -705,9 +702,7 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "ranks_per_node": cfg.ranks_per_node or 1,
         "intra_link": cfg.intra_link,
         "intra_dtype": cfg.intra_dtype,
-        "bytes_by_link_per_worker": {k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
-        "messages_by_link_per_worker": {k: links[len(LINKS) + i].item() / comm.world_size
-                                        for i, k in enumerate(LINKS)},
+        **_by_link(comm, device),
         "skipped_steps": clock.skipped,
         "first_nonfinite": dict(clock.first_nonfinite) or None,
         **_verdict(clock, done, last_eval),
@@ -727,6 +722,17 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         "version": version,
         **environment(device),
     }
+
+
+def _by_link(comm: Communicator, device: torch.device | str) -> dict[str, dict[str, float]]:
+    """Bytes and messages per worker inside a node and between nodes, summed over the ranks."""
+    with comm.meter.paused():
+        links = torch.tensor([comm.meter.link_bytes(k) for k in LINKS] + [comm.meter.link_messages(k) for k in LINKS],
+                             dtype=torch.float64, device=device)
+        comm.all_reduce(links)
+    return {"bytes_by_link_per_worker": {k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
+            "messages_by_link_per_worker": {k: links[len(LINKS) + i].item() / comm.world_size
+                                            for i, k in enumerate(LINKS)}}
 
 
 def utc_now() -> str:
