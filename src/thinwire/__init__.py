@@ -20,7 +20,8 @@ The public API (importing does no work beyond importing torch):
   a method that is one (``demo``, ``peer-demo``) from its spec.
 * :mod:`thinwire.ddp`: a DDP communication hook on the same codecs (``thinwire.ddp.register``).
 * :func:`build_codec` / :func:`available_codecs`: codecs by spec, e.g. ``"topk:ratio=0.01"``.
-* :class:`Aggregator`: average any named tensors through codecs (the building block).
+* :class:`Aggregator`: average any named tensors through codecs (the building block);
+  :func:`build_aggregator` gives the two-level one over a world whose ranks are grouped into nodes.
 * :class:`Method`: the contract every training method keeps (``docs/adding_a_method.md``);
   :data:`METHODS`, the registry of methods by name (a method of your own registers there).
 * :class:`Link`: the alpha-beta network model; :class:`ByteMeter` counts bytes sent.
@@ -49,6 +50,7 @@ from thinwire.codecs.specs import build_codec
 from thinwire.comm.fingerprint import ParameterMismatch
 from thinwire.comm.link import Link
 from thinwire.comm.meter import ByteMeter
+from thinwire.hierarchical import build_aggregator
 from thinwire.integrations import ddp
 from thinwire.optim import DeMo
 from thinwire.payload import Aggregation, Payload
@@ -58,6 +60,7 @@ from thinwire.version import __version__
 __all__ = [
     "ABTraining", "Aggregation", "Attached", "attach", "Aggregator", "ByteMeter", "DaSGD", "DeMo", "DiLoCo", "DPSGD",
     "Link", "LocalSGD", "METHODS", "Method", "ParameterMismatch", "Payload", "Policy", "PowerGossip", "Rule",
-    "SparseLoCo", "StreamingDiLoCo", "SyncReducer", "available_codecs", "build_codec", "ddp", "method_optimizer",
+    "SparseLoCo", "StreamingDiLoCo", "SyncReducer", "available_codecs", "build_aggregator", "build_codec", "ddp",
+    "method_optimizer",
     "__version__",
 ]
