@@ -121,3 +121,20 @@ def in_process(world: int, fn, *args) -> list:
         return LocalWorld(world).run(lambda comm: fn(comm, *args))
     finally:
         torch.set_num_threads(threads)
+
+
+def deep_net() -> nn.Module:
+    """6 inputs, hidden layers of 32 (with BatchNorm) and 16, 3 classes (:func:`rule_batch`'s);
+    every parameter from :func:`seeded`."""
+    return seeded(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
+                                nn.Linear(16, 3)))
+
+
+def built(comm, base: nn.Module, spec: str, optimizer=torch.optim.AdamW, **options):
+    """A copy of ``base``, its optimizer (``optimizer(params, **options)``) and the method
+    ``spec`` names over ``comm``."""
+    from thinwire.algorithms.build import build_method
+
+    model = copy.deepcopy(base)
+    opt = optimizer(model.parameters(), **options)
+    return model, opt, build_method(spec, model, opt, comm)

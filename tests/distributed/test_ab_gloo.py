@@ -20,11 +20,7 @@ def _base() -> nn.Module:
 
 
 def _train(comm, steps: int):
-    from thinwire.algorithms.build import build_method
-
-    model = copy.deepcopy(_base())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    method = build_method(SPEC, model, opt, comm)
+    model, opt, method = tiny.built(comm, _base(), SPEC, torch.optim.SGD, lr=0.05, momentum=0.9)
     losses = tiny.rule_steps(comm, model, opt, steps, method=method)
     method.finish()
     flat = torch.cat([t.detach().reshape(-1) for n, t in [*model.named_parameters(), *model.named_buffers()]

@@ -16,11 +16,7 @@ def _base() -> nn.Module:
 
 
 def _train(comm, spec: str, steps: int):
-    from thinwire.algorithms.build import build_method
-
-    model = copy.deepcopy(_base())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    method = build_method(spec, model, opt, comm)
+    model, opt, method = tiny.built(comm, _base(), spec, torch.optim.SGD, lr=0.05, momentum=0.9)
     losses = tiny.rule_steps(comm, model, opt, steps, method=method)
     return tiny.flat(model), losses, method.report()
 

@@ -4,27 +4,16 @@ steps in the background, two of them in flight at once with delay 3 and offsets 
 and four ranks learn with 4-bit pseudo-gradients (all_gathered, or by compressed reduce-scatter
 and all-gather) while their outer parameters stay identical."""
 
-import copy
 
 import pytest
 import torch
-from torch import nn
 
 import tiny
 from spawn import run_ranks
 
 
-def _base() -> nn.Module:
-    return tiny.seeded(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(),
-                                     nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)))
-
-
 def _train(comm, spec: str, steps: int):
-    from thinwire.algorithms.build import build_method
-
-    model = copy.deepcopy(_base())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    method = build_method(spec, model, opt, comm)
+    model, opt, method = tiny.built(comm, tiny.deep_net(), spec, lr=0.01)
     losses = tiny.rule_steps(comm, model, opt, steps, method=method)
     method.finish()
     theta = torch.cat([t.detach().reshape(-1) for t in method.outer_params])

@@ -6,12 +6,10 @@ unbroken run does."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 import tiny
 from spawn import run_ranks
@@ -19,17 +17,8 @@ from spawn import run_ranks
 SPEC = "sparseloco:period=4,chunk=8,k=6,beta=0.9"
 
 
-def _base() -> nn.Module:
-    return tiny.seeded(nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(),
-                                     nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)))
-
-
 def _train(comm, spec: str, steps: int):
-    from thinwire.algorithms.build import build_method
-
-    model = copy.deepcopy(_base())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    method = build_method(spec, model, opt, comm)
+    model, opt, method = tiny.built(comm, tiny.deep_net(), spec, lr=0.01)
     at_syncs: list[torch.Tensor] = []
 
     def after(step: int) -> None:
