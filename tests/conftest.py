@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # `make test-fast`: the unit tests that start no process. A test that starts one is marked
 # `spawns` (left out of the fast loop); one that starts a process unmarked fails there, naming it.
 FAST = os.environ.get("THINWIRE_TEST_FAST") == "1"
+if FAST:  # the standard library's own one-off probe (`uname -p`, for a summary's platform), cached from here on
+    import platform
+
+    platform.platform()
 
 
 def pytest_configure(config):
