@@ -35,7 +35,14 @@ class RankAborted(RuntimeError):
 
 
 class LocalWorld:
-    """``n`` in-process ranks. Each ``run`` gets fresh communicators and meters."""
+    """``n`` in-process ranks. Each ``run`` gets fresh communicators and meters.
+
+    The ranks are threads of this process, and a collective blocks until every rank has
+    joined it. On a CUDA device the ranks share the device's one autograd thread, so a method
+    that averages in a gradient hook (``overlap=True``, the default of ``thinwire.attach``)
+    blocks that thread waiting for a rank whose backward pass cannot then run: build such
+    methods with ``overlap=False`` here. Ranks that are processes (torchrun) do not share it.
+    """
 
     def __init__(self, n: int, *, timeout_s: float = 60.0) -> None:
         if n < 1:
