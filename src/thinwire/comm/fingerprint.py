@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from thinwire.comm.base import Communicator
+from thinwire.comm.text import gather_bytes
 
 # what one rank says of one parameter: name, shape, dtype, requires_grad
 Entry = tuple[str, tuple[int, ...], str, bool]
@@ -62,7 +63,7 @@ def agree_on_parameters(named: Iterable[tuple[str, torch.Tensor]], comm: Communi
         return
     longest = max(row[1] for row in rows)  # every rank knows it: the second exchange has one size everywhere
     with comm.meter.paused():
-        texts = _gather_text(comm, text, longest, device)
+        texts = gather_bytes(comm, text, longest, device)
     raise ParameterMismatch(mismatch_message([_parse(t) for t in texts]))
 
 
@@ -70,16 +71,6 @@ def _digest(text: bytes) -> list[int]:
     """The first 24 bytes of ``text``'s SHA-256 as three signed 64-bit integers."""
     h = hashlib.sha256(text).digest()
     return [int.from_bytes(h[i:i + 8], "little", signed=True) for i in range(0, 24, 8)]
-
-
-def _gather_text(comm: Communicator, text: bytes, longest: int, device: torch.device) -> list[bytes]:
-    """Every rank's ``text``, in rank order, through one all_gather of ``longest`` bytes."""
-    row = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if text:
-        row[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    every = torch.empty(comm.world_size, longest, dtype=torch.uint8, device=device)
-    comm.all_gather(row, every)
-    return [bytes(r).rstrip(b"\0") for r in every.cpu().tolist()]
 
 
 def _parse(text: bytes) -> list[Entry]:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from thinwire.comm.fingerprint import entries
+from thinwire.comm.text import gather_bytes
 from thinwire.elastic.comm import QuorumComm
 from thinwire.elastic.lighthouse import url
 
@@ -404,14 +405,11 @@ class ElasticWorker:
             return {self.replica: self.incarnation}
         mine = json.dumps({**self.fingerprint, "admitted": self._admitted, "replica": self.replica,
                            "incarnation": self.incarnation}).encode()
-        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
-        buf[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
-        every = torch.zeros(self.comm.world_size, TEXT_BYTES, dtype=torch.uint8)
         with self.comm.meter.paused():
-            self.comm.all_gather(buf, every)
+            every = gather_bytes(self.comm, mine, TEXT_BYTES)
         if self.comm.broken:
             return None
-        shown = [json.loads(bytes(row.tolist()).rstrip(b"\0").decode()) for row in every]
+        shown = [json.loads(row.decode()) for row in every]
         keys = [json.dumps({k: s[k] for k in ("method", "thinwire", "model")}, sort_keys=True) for s in shown]
         admitted = [k for k, s in zip(keys, shown, strict=True) if s["admitted"]]
         reference = admitted[0] if admitted else max(keys, key=lambda k: (keys.count(k), -keys.index(k)))

@@ -68,6 +68,7 @@ from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
 from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator
+from thinwire.comm.text import gather_bytes, share_bytes
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
 
@@ -198,12 +199,13 @@ class TorchFTDiLoCo(Method, Reports):
         device = trainable[0].device
         try:
             with self.comm.meter.paused():  # set-up bookkeeping, not the method's traffic
-                names = _gather_text(self.comm, socket.gethostname(), device)
+                names = gather_bytes(self.comm, socket.gethostname().encode(), TEXT_BYTES, device)
                 host = "localhost" if len(set(names)) == 1 else socket.gethostname()
                 if self.comm.rank == 0:
                     self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=self.comm.world_size)
                 port = self.lighthouse.address().rsplit(":", 1)[1] if self.lighthouse is not None else None
-                lighthouse_addr = _share_text(self.comm, f"http://{host}:{port}", device)
+                lighthouse_addr = share_bytes(self.comm, f"http://{host}:{port}".encode(), TEXT_BYTES,
+                                              device).decode()
             import torch.distributed as dist
 
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -353,32 +355,4 @@ def _metered(base: type, method: TorchFTDiLoCo) -> type:
             return method._allreduce(tensors, lambda: super(MeteredGloo, self).allreduce(tensors, opts))
 
     return MeteredGloo
-
-
-def _encode(text: str, device: torch.device) -> torch.Tensor:
-    data = text.encode()
-    if len(data) > TEXT_BYTES:
-        raise ValueError(f"{text!r} is longer than {TEXT_BYTES} bytes")
-    buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    return buf.to(device)
-
-
-def _decode(buf: torch.Tensor) -> str:
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
-
-
-def _share_text(comm: Communicator, text: str, device: torch.device) -> str:
-    """Rank 0's ``text`` on every rank."""
-    buf = _encode(text, device)
-    comm.broadcast(buf, src=0)
-    return _decode(buf)
-
-
-def _gather_text(comm: Communicator, text: str, device: torch.device) -> list[str]:
-    """Every rank's ``text``, by rank."""
-    buf = _encode(text, device)
-    out = torch.zeros(comm.world_size, TEXT_BYTES, dtype=torch.uint8, device=device)
-    comm.all_gather(buf, out)
-    return [_decode(row) for row in out]
 
