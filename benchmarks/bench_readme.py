@@ -129,8 +129,9 @@ def cost_rows(tmp: Path, log: Callable[[str], None]) -> list[Row]:
         rows.append((f"thinwire cost: methods predicted within 20% of the measured step @ {link}", measured,
                      "bench_cost.py"))
     if not any("shaped" in r[0] for r in rows):
-        skipped = next((s for s in data["sections"] if s.startswith("real shaped link: skipped")), "not root")
-        rows.append(("thinwire cost: predicted within 20% @ a real shaped link", f"not measured: {skipped[27:]}",
+        why = next((s.removeprefix("real shaped link: skipped: ") for s in data["sections"]
+                    if s.startswith("real shaped link: skipped")), "no shaped-link figure")
+        rows.append(("thinwire cost: predicted within 20% @ a real shaped link", f"not measured: {why}",
                      "bench_cost.py (root)"))
     return rows
 
@@ -163,8 +164,9 @@ def header(command: str, seconds: float) -> list[str]:
             f"- machine: {env['CPU']}, {'root' if os.geteuid() == 0 else 'not root'}",
             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", f"- wall time: {seconds:.0f} s", "",
             "README.md's \"Measured\" table is the table below (tests/unit/test_readme.py keeps them in step). "
-            "Each source's own report has the detail: `runs/` of the race and the suite as `thinwire compare` "
-            "writes them, benchmarks/results/cost.md, benchmarks/results/elastic.md.", ""]
+            "The runs themselves are not kept; each source's own command gives its full report: `make run` for "
+            "the race, `thinwire compare --suite lowbandwidth --task text`, benchmarks/bench_cost.py, "
+            "benchmarks/bench_elastic.py.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
