@@ -25,6 +25,7 @@ from pathlib import Path
 
 from _common import Figure, Report, load_note, parser, table
 from thinwire.lab.suite import LOWBANDWIDTH, SUITES, Group, format_value, measure
+from thinwire.run.summary import Summary
 
 LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
 SHAPED_MBIT = 100.0
@@ -94,11 +95,11 @@ def claims(out: Path, groups: tuple[Group, ...] = LOWBANDWIDTH, task: str = "cha
         for run in sorted((out / group.key / "runs").iterdir()):
             summary_path = run / "summary.json"
             ok = summary_path.exists()
-            summary = json.loads(summary_path.read_text()) if ok else None
+            summary = Summary.read(str(summary_path)) if ok else None
             metrics = run / "metrics.jsonl"
             lines = metrics.read_text().splitlines() if metrics.exists() else []
-            results.append({"label": _short(summary["method"]) if ok else run.name, "spec": run.name,
-                            "status": "ok" if ok and summary.get("status") == "ok" else "failed",
+            results.append({"label": _short(summary.method) if summary is not None else run.name, "spec": run.name,
+                            "status": "ok" if summary is not None and summary.status == "ok" else "failed",
                             "summary": summary, "rows": [json.loads(x) for x in lines if x.strip()]})
         rows += measure(group, results, LINKS, skipped)
     return rows

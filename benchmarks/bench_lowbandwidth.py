@@ -49,6 +49,7 @@ from typing import Any
 from _common import Figure, Report, load_note, parser, table
 from thinwire.lab import compare, suite
 from thinwire.run.config import TrainConfig, for_method
+from thinwire.run.summary import Summary
 
 LINKS = ("1gbit,50us", "100mbit,1ms", "10mbit,1ms")
 OPS = {"loss": "<=", "peak": "<=", "step": "<=", "bytes": ">=", "hidden": ">=", "to-target": ">=",
@@ -103,7 +104,7 @@ def _race(valid: TrainConfig, specs: list[str], out: Path, launch: Any, name: st
 
 def _row(label: str, r: dict) -> tuple[list[str], float | None]:
     ok = r["status"] == "ok"
-    value = r["summary"]["final_loss"] if ok else None
+    value = r["summary"].final_loss if ok else None
     epoch = r["rows"][-1].get("epoch") if ok and r["rows"] else None
     return ([label, "-" if value is None else f"{value:.4f}", "-" if epoch is None else f"{epoch:.3f}",
              f"{r['seconds'] / 60:.1f}" if ok else r["error"]], value)
@@ -133,19 +134,22 @@ def _kept(out: Path) -> dict[tuple, dict]:
     with --keep), by :func:`_key`: a sweep run again reads them instead of training again."""
     found: dict[tuple, dict] = {}
     for path in sorted(out.glob("**/summary.json")) if out.is_dir() else []:
-        summary = json.loads(path.read_text())
-        cfg = summary.get("config") or {}
-        if summary.get("status") != "ok" or "lr" not in cfg:
+        try:
+            summary = Summary.read(str(path))
+        except (TypeError, ValueError):  # not a summary this version reads
+            continue
+        cfg = summary.config or {}
+        if summary.status != "ok" or "lr" not in cfg:
             continue
         try:
             key = _key(TrainConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()
-                                      if k in {f.name for f in dataclasses.fields(TrainConfig)}}), summary["method"])
+                                      if k in {f.name for f in dataclasses.fields(TrainConfig)}}), summary.method)
         except (TypeError, ValueError):
             continue
         metrics = path.parent / "metrics.jsonl"
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-        found[key] = {"status": "ok", "summary": summary, "rows": rows[-1:], "seconds": summary["wall_seconds"],
-                      "spec": summary["method"], "kept": path.parent}
+        found[key] = {"status": "ok", "summary": summary, "rows": rows[-1:], "seconds": summary.wall_seconds,
+                      "spec": summary.method, "kept": path.parent}
     return found
 
 
@@ -228,12 +232,12 @@ def races(report: Report, out: Path, base: TrainConfig, d: float, s: float, laun
                 rows.append([_short(r["spec"]), name, f"{glr:g}", "-", "-", "-", "-", *["-"] * len(LINKS), "-",
                              r["error"][:80]])
                 continue
-            peak = (sm.get("method_report") or {}).get("peak_bytes_per_sync")
+            peak = sm.method_report.get("peak_bytes_per_sync")
             epoch = r["rows"][-1].get("epoch") if r["rows"] else None
-            rows.append([_short(r["spec"]), name, f"{glr:g}", f"{sm['final_loss']:.4f}",
-                         f"{sm.get('final_bpc') or 0:.4f}",
-                         f"{sm['bytes_sent_per_worker'] / 1e6:.2f}", "-" if peak is None else f"{peak / 1e6:.3f}",
-                         *[f"{sm['modeled_seconds_by_link'][x]:.0f}" for x in LINKS],
+            rows.append([_short(r["spec"]), name, f"{glr:g}", f"{sm.final_loss:.4f}",
+                         f"{sm.final_bpc or 0:.4f}",
+                         f"{sm.bytes_sent_per_worker / 1e6:.2f}", "-" if peak is None else f"{peak / 1e6:.3f}",
+                         *[f"{sm.modeled_seconds_by_link[x]:.0f}" for x in LINKS],
                          "-" if epoch is None else f"{epoch:.3f}", "-" if mins is None else f"{mins:.1f}"])
     claims = done["rows"]
     lr = for_method(base, "identity").resolve().lr

@@ -53,15 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             half = checkpoint.step_dir(base.out, steps - every)
             resumed = launch(dataclasses.replace(base, out=str(Path(tmp) / f"{i}-b"), resume=str(half)),
                              show_progress=False)
-            recomputed = resumed["steps_run"] - every
+            recomputed = resumed.steps_run - every
             worst = max(worst, recomputed)
             same = all(_equal(checkpoint.load_rank(checkpoint.step_dir(base.out, steps), r)["model"],
                               checkpoint.load_rank(checkpoint.step_dir(Path(tmp) / f"{i}-b", steps), r)["model"])
                        for r in range(2))
             size = (checkpoint.step_dir(base.out, steps) / "rank-0.pt").stat().st_size
-            per = straight["checkpoint_seconds"] / max(1, straight["checkpoints_written"])
-            rows.append([spec.split(":")[0], straight["checkpoints_written"], f"{1e3 * per:.1f}", f"{size / 1e6:.2f}",
-                         resumed["steps_run"], recomputed, "yes" if same else "NO"])
+            per = straight.checkpoint_seconds / max(1, straight.checkpoints_written)
+            rows.append([spec.split(":")[0], straight.checkpoints_written, f"{1e3 * per:.1f}", f"{size / 1e6:.2f}",
+                         resumed.steps_run, recomputed, "yes" if same else "NO"])
             print(f"[{i}/{len(METHODS)}] {spec}: {1e3 * per:.1f} ms per checkpoint, recomputed {recomputed}, "
                   f"bit-identical {same}", flush=True)
             report.figures.append(Figure(f"resumed run ends bit-identical [{spec.split(':')[0]}]", float(same), ">=",

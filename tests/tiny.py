@@ -138,3 +138,12 @@ def built(comm, base: nn.Module, spec: str, optimizer=torch.optim.AdamW, **optio
     model = copy.deepcopy(base)
     opt = optimizer(model.parameters(), **options)
     return model, opt, build_method(spec, model, opt, comm)
+
+
+def fake_summary(**fields):
+    """A run's :class:`thinwire.run.summary.Summary` with ``fields`` (names it does not have are
+    the method's own), for stand-ins of ``launch``: task ``synthetic``, ``identity`` on 2
+    workers for 1 step unless given."""
+    from thinwire.run.summary import Summary
+
+    return Summary.from_json({"task": "synthetic", "method": "identity", "workers": 2, "steps": 1, **fields})

@@ -211,21 +211,21 @@ def _train_locked(args: argparse.Namespace, cfg: Any) -> int:
     except RunFailed as e:
         print(f"thinwire: {e}", file=sys.stderr)
         return 1
-    if summary is not None and summary.get("stopped_at") is not None:
+    if summary is not None and summary.stopped_at is not None:
         where = (f"; checkpoint in {cfg.out}/checkpoints: continue with --resume {cfg.out}" if cfg.out
                  else " (no --out, so no checkpoint)")
-        if summary.get("unfinished"):  # ranks ended before they could checkpoint the stop
-            why = summary.get("unfinished_why") or ("a rank ended before it could write a checkpoint (the signal "
-                                                    "reached it while it was starting up)")
+        if summary.unfinished:  # ranks ended before they could checkpoint the stop
+            why = summary.unfinished_why or ("a rank ended before it could write a checkpoint (the signal "
+                                             "reached it while it was starting up)")
             where = f"; {why}, so nothing after the last checkpoint was kept"
-        print(f"thinwire: stopped by {summary.get('signal', 'a signal')} after step {summary['stopped_at']}{where}",
+        print(f"thinwire: stopped by {summary.signal or 'a signal'} after step {summary.stopped_at}{where}",
               file=sys.stderr)
-        return 143 if summary.get("signal") == "SIGTERM" else 130
+        return 143 if summary.signal == "SIGTERM" else 130
     if summary is not None:
         print_summary(summary, cfg.out)
-        if summary.get("status") == "diverged":
+        if summary.status == "diverged":
             where = f"; {cfg.out}/summary.json records it" if cfg.out else ""
-            print(f"thinwire: the run did not train: {summary['failure']}{where}", file=sys.stderr)
+            print(f"thinwire: the run did not train: {summary.failure}{where}", file=sys.stderr)
             return 1
     return 0
 

@@ -161,7 +161,9 @@ def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state():
     dropped = [c for c in res[0]["changes"] if 2 in c["left"] and c["time"] > stopped]
     assert dropped and dropped[0]["time"] - stopped < 4.0 + HEARTBEAT_S + 1.0  # the collective's timeout, then out
     assert any(c["healed"] for c in res[2]["changes"][1:])  # told it was behind: took the job's state
-    assert res[0]["discarded"] >= 1
+    # whether the survivors discard a step depends on where the stop lands (mid-collective, or
+    # between a commit and the next quorum, when the Lighthouse drops it before any collective);
+    # the killed-mid-step test above pins the discard itself
 
 
 def test_two_terminals_a_lighthouse_command_and_workers_that_join_it(tmp_path):

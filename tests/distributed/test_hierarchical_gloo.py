@@ -113,9 +113,9 @@ def test_a_hierarchical_run_resumes_exactly(tmp_path):
         _same({k: v for k, v in a["method"].items() if k not in timed},
               {k: v for k, v in b["method"].items() if k not in timed}, f"rank {rank} method")
         assert a["method"]["nodes"] == [2, 2] and a["method"]["feedback"]  # per-shard residuals, restored
-    assert resumed["final_loss"] == straight["final_loss"] and resumed["resumed_from"] == k
-    assert straight["bytes_by_link_per_worker"]["inter"] > 0 and straight["ranks_per_node"] == 2
-    assert straight["intra_dtype"] == "fp32"
+    assert resumed.final_loss == straight.final_loss and resumed.resumed_from == k
+    assert straight.bytes_by_link_per_worker["inter"] > 0 and straight.ranks_per_node == 2
+    assert straight.intra_dtype == "fp32"
 
 
 @pytest.mark.timeout(240)

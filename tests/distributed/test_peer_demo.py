@@ -244,18 +244,18 @@ def test_trainer_runs_and_resumes_it(tmp_path):
                       lr=0.003, out=out, checkpoint_every=3, task_options=SMALL, batch_size=16).resolve()
     assert cfg.optimizer == "peer-demo"
     straight = launch(cfg, show_progress=False)
-    assert straight is not None and straight["status"] == "ok", straight
-    assert straight["method_report"]["payload_bytes_per_step"] > 0
-    assert straight["bytes_sent_per_worker"] == 6 * straight["method_report"]["payload_bytes_per_step"]
+    assert straight is not None and straight.status == "ok", straight
+    assert straight.method_report["payload_bytes_per_step"] > 0
+    assert straight.bytes_sent_per_worker == 6 * straight.method_report["payload_bytes_per_step"]
     resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(out, 3))),
                      show_progress=False)
-    assert resumed is not None and resumed["resumed_from"] == 3
+    assert resumed is not None and resumed.resumed_from == 3
     for rank in range(2):
         a = checkpoint.load_rank(checkpoint.step_dir(out, 6), rank)
         b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 6), rank)
         for name, t in a["model"].items():
             assert torch.equal(t, b["model"][name]), name
-    assert resumed["final_loss"] == straight["final_loss"]
+    assert resumed.final_loss == straight.final_loss
 
 
 # -- refusals ---------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_pytorch_hooks_resume_exactly(spec, bucket_mb, tmp_path):
             got = b["meter"]["ops"][op]
             assert (got[1], got[3]) == (counts[1], counts[3]), op
             assert got == counts or bucket_mb < 1, op
-    assert resumed["final_loss"] == straight["final_loss"] and resumed["resumed_from"] == K
+    assert resumed.final_loss == straight.final_loss and resumed.resumed_from == K
 
 
 def _train_cmd(out: Path, *extra: str) -> list[str]:

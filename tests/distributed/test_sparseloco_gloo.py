@@ -73,7 +73,7 @@ def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
     resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, k))),
                      show_progress=False)
     assert straight is not None and resumed is not None
-    assert resumed["final_loss"] == straight["final_loss"] and resumed["resumed_from"] == k
+    assert resumed.final_loss == straight.final_loss and resumed.resumed_from == k
     for rank in range(2):
         a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * k), rank)
         b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * k), rank)
@@ -81,6 +81,6 @@ def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
             assert torch.equal(t, b["model"][name]), (rank, name)
         residual = a["method"]["fragments"][0]["agg"]["feedback"]["model"]
         assert torch.equal(residual, b["method"]["fragments"][0]["agg"]["feedback"]["model"])
-    report = straight["method_report"]
+    report = straight.method_report
     assert report["outer_steps"] == 4  # steps 3, 6, 9, then finish()
-    assert straight["bytes_sent_per_worker"] == 4 * report["payload_bytes_per_sync"]
+    assert straight.bytes_sent_per_worker == 4 * report["payload_bytes_per_sync"]

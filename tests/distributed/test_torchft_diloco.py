@@ -90,11 +90,11 @@ def test_trainer_runs_torch_diloco_and_exits_cleanly():
     cfg = TrainConfig(task="synthetic", method="torch-diloco:period=3", workers=2, steps=9, eval_every=9,
                       task_options=SMALL, batch_size=16).resolve()
     summary = launch(cfg, show_progress=False)
-    assert summary is not None and summary["status"] == "ok"
-    assert summary["method"].startswith("torch-diloco") and summary["bytes_sent_per_worker"] > 0
-    assert summary["method_report"]["outer_steps"] == 3
+    assert summary is not None and summary.status == "ok"
+    assert summary.method.startswith("torch-diloco") and summary.bytes_sent_per_worker > 0
+    assert summary.method_report["outer_steps"] == 3
     # the fp32 pseudo-gradient once per round: a third of what fp32 gradient averaging sends
-    assert summary["bytes_sent_per_worker"] == pytest.approx(summary["fp32_bytes_per_worker"] / 3)
+    assert summary.bytes_sent_per_worker == pytest.approx(summary.fp32_bytes_per_worker / 3)
 
 
 @pytest.mark.parametrize("spec, needle", [

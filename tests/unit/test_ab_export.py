@@ -223,10 +223,10 @@ def test_the_trainer_ends_with_a_plain_model_and_the_factor_figures():
                       eval_every=5, batch_size=16,
                       task_options=OPTIONS).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
-    (name, rank), = summary["ranks"].items()  # fc2 (32 x 32) only: fc1 and out are the first and last
+    (name, rank), = summary.method_fields["ranks"].items()  # fc2 (32 x 32) only: fc1 and out are the first and last
     assert name == "fc2" and 1 <= rank <= 32
-    assert summary["method_state_bytes"] == 4 * rank * (32 + 32)  # A (32 x r) + B (r x 32), fp32
-    assert summary["method_report"]["syncs"] == 2 and summary["final_accuracy"] is not None
+    assert summary.method_state_bytes == 4 * rank * (32 + 32)  # A (32 x r) + B (r x 32), fp32
+    assert summary.method_report["syncs"] == 2 and summary.final_accuracy is not None
 
 
 # -- the layer-level helpers -------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_the_trainer_extends_a_finished_run_from_its_last_checkpoint(tmp_path):
     longer = TrainConfig(task="synthetic", method=cfg.method, workers=2, steps=16, eval_every=5, batch_size=16,
                          out=str(tmp_path / "b"), resume=cfg.out, task_options=OPTIONS).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(longer, comm))[0]
-    assert summary["resumed_from"] == 10 and summary["steps_run"] == 6
-    report = summary["method_report"]
-    assert report["factorisations"] == first["method_report"]["factorisations"] + 1  # re-factorised at 13
-    assert report["syncs"] == first["method_report"]["syncs"] + 1  # by finish() at 16, inside the group phase
+    assert summary.resumed_from == 10 and summary.steps_run == 6
+    report = summary.method_report
+    assert report["factorisations"] == first.method_report["factorisations"] + 1  # re-factorised at 13
+    assert report["syncs"] == first.method_report["syncs"] + 1  # by finish() at 16, inside the group phase

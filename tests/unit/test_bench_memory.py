@@ -9,6 +9,7 @@ from thinwire.comm.local import LocalWorld
 from thinwire.lab import bench_memory
 from thinwire.run.config import TrainConfig
 from thinwire.run.trainer import train_rank
+from tiny import fake_summary
 
 
 def test_copies_and_verdicts_from_the_runs_figures():
@@ -23,7 +24,7 @@ def test_copies_and_verdicts_from_the_runs_figures():
         if name == "qsgd":
             raise RuntimeError("rank 1 failed after step 2: boom")
         peak, state = figures[name]
-        return {"peak_rss_bytes": peak, "method_state_bytes": state}
+        return fake_summary(peak_rss_bytes=peak, method_state_bytes=state)
 
     rows, _ = bench_memory.measure(["topk", "dasgd", "qsgd"], launch=launch, say=lambda s: None)
     by = {r["method"]: r for r in rows}
@@ -50,5 +51,5 @@ def test_method_state_bytes_counts_what_the_method_keeps(spec, numel):
                       task_options={"dim": 24, "hidden": 32, "classes": 4, "samples": 256,
                                     "test_samples": 64}).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
-    assert summary["method_state_bytes"] == 4 * numel
-    assert summary["peak_rss_bytes"] > 0
+    assert summary.method_state_bytes == 4 * numel
+    assert summary.peak_rss_bytes > 0

@@ -88,8 +88,8 @@ def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_p
         untimed = lambda ev: {k: v for k, v in ev.items() if "seconds" not in k and k != "hidden_fraction"}  # noqa: E731
         _assert_same(untimed(a["last_eval"]), untimed(b["last_eval"]), f"rank {rank} last_eval")
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
-        assert resumed[key] == straight[key], key
-    assert resumed["resumed_from"] == K and straight["resumed_from"] is None
+        assert getattr(resumed, key) == getattr(straight, key), key
+    assert resumed.resumed_from == K and straight.resumed_from is None
     # the resumed run's metrics hold the whole history, as the straight run's do
     rows = lambda out: [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in rows(resumed_cfg.out)] == [r["step"] for r in rows(cfg.out)] == [K, 2 * K]
@@ -102,7 +102,7 @@ def test_resume_into_its_own_directory_continues_there(tmp_path):
     _train(cfg)
     more = _cfg(tmp_path, "topk:ratio=0.1", resume=cfg.out)  # its own --out: no --overwrite needed
     summary = _train(more)[0]
-    assert summary["steps"] == 2 * K and summary["resumed_from"] == K
+    assert summary.steps == 2 * K and summary.resumed_from == K
     latest = json.loads((Path(cfg.out) / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2 * K
     assert sorted(p.name for p in (Path(cfg.out) / "checkpoints").glob("step-*")) == [
@@ -127,7 +127,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_loads(tmp_pa
     with pytest.raises(CheckpointError, match=r"rank-1.pt is damaged \(\d+ bytes, \d+ when written\)"):
         _train(more)
     older = dataclasses.replace(more, resume=str(checkpoint.step_dir(cfg.out, K)))
-    assert _train(older)[0]["resumed_from"] == K
+    assert _train(older)[0].resumed_from == K
 
 
 @pytest.mark.spawns
@@ -273,7 +273,7 @@ def test_a_copied_checkpoint_needs_an_out(tmp_path):
                     resume=str(tmp_path / "copy")).resolve()
     ok = TrainConfig(task="synthetic", workers=2, steps=3 * K, task_options=SMALL, batch_size=16,
                      resume=str(tmp_path / "copy"), out=str(tmp_path / "next")).resolve()
-    assert _train(ok)[0]["resumed_from"] == K
+    assert _train(ok)[0].resumed_from == K
 
 
 @pytest.mark.spawns
@@ -300,7 +300,7 @@ def test_a_resume_takes_every_setting_not_given_from_its_checkpoint(tmp_path):
     assert {k: getattr(resumed, k) for k in keep} == {k: getattr(first, k) for k in keep}
     assert resumed.out == first.out and resumed.steps == 2 * K
     summary = _train(resumed)[0]
-    assert summary["checkpoints_written"] == K // 2 and summary["config"]["checkpoint_every"] == 2
+    assert summary.checkpoints_written == K // 2 and summary.config["checkpoint_every"] == 2
     assert json.loads((Path(first.out) / "checkpoints" / "latest.json").read_text())["step"] == 2 * K
 
 
@@ -365,10 +365,10 @@ def test_resuming_a_finished_run_in_place_is_nothing_to_do(tmp_path):
 @pytest.mark.spawns
 def test_the_last_step_is_checkpointed_so_a_finished_run_extends_from_its_end(tmp_path):
     cfg = _cfg(tmp_path, "identity", steps=K + 1)  # every K: at K, and at the last step K + 1
-    assert _train(cfg)[0]["checkpoints_written"] == 2
+    assert _train(cfg)[0].checkpoints_written == 2
     assert checkpoint.locate(cfg.out) == checkpoint.step_dir(cfg.out, K + 1)
     longer = _train(from_options({"resume": cfg.out, "steps": 2 * K}).resolve())[0]
-    assert longer["resumed_from"] == K + 1 and longer["steps_run"] == K - 1
+    assert longer.resumed_from == K + 1 and longer.steps_run == K - 1
 
 
 @pytest.mark.spawns
@@ -383,7 +383,7 @@ def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, t
     finished_cfg = _cfg(tmp_path, SHORT.get(name, name), steps=K, out=str(tmp_path / "k"))
     _train(finished_cfg)
     longer = _train(from_options({"resume": finished_cfg.out, "steps": 2 * K}).resolve())[0]
-    assert longer["resumed_from"] == K
+    assert longer.resumed_from == K
     for rank in range(straight_cfg.workers):
         a, b = _state(Path(straight_cfg.out), 2 * K, rank), _state(tmp_path / "k", 2 * K, rank)
         for part in ("model", "optimizer"):
@@ -391,4 +391,4 @@ def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, t
         _assert_same({k: v for k, v in a["method"].items() if k != "warm"},
                      {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method")
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker"):
-        assert longer[key] == straight[key], key
+        assert getattr(longer, key) == getattr(straight, key), key

@@ -16,6 +16,7 @@ from thinwire.lab import compare
 from thinwire.run import outdir
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import RunFailed
+from thinwire.run.summary import Summary
 
 
 def test_method_lists_split_on_commas_and_keep_knobs_together():
@@ -83,7 +84,7 @@ def _fake_launch(fail: str):
                    "codec_seconds": 0.25, "comm_seconds": 0.5,
                    "modeled_seconds_by_link": {link: rows[-1][f"modeled_seconds@{link}"] for link in cfg.links}}
         (out / "summary.json").write_text(json.dumps(summary))
-        return summary
+        return Summary.from_json(summary)
     return launch
 
 
@@ -294,7 +295,7 @@ def _seeded_launch(calls: list[tuple[str, int]]):
         rows[0]["test_accuracy"], rows[1]["test_accuracy"] = 0.5, final
         outdir.claim(out, "metrics.jsonl", "summary.json")  # a real run records its files first
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        summary["final_accuracy"] = final
+        summary.final_accuracy = final
         return summary
     return launch
 
@@ -340,8 +341,8 @@ def test_one_seed_that_does_not_beat_the_runner_up_by_10_percent_is_a_tie(tmp_pa
     def same_bytes(cfg, show_progress=True):
         return _fake_launch("none")(dataclasses.replace(cfg, method=cfg.method.replace("bf16", "identity")))
 
-    monkeypatch.setattr(launch_module, "launch", lambda cfg, show_progress=True: {
-        **same_bytes(cfg), "method": cfg.method})
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, show_progress=True: dataclasses.replace(
+        same_bytes(cfg), method=cfg.method))
     monkeypatch.setattr(load, "load1", lambda: 4.0)
     monkeypatch.setattr(load, "cores", lambda: 2)
     out = tmp_path / "race"

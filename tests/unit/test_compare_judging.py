@@ -16,6 +16,7 @@ from thinwire.lab import compare
 from thinwire.lab.compute import summarize, window_blocks
 from thinwire.run import outdir
 from thinwire.run.config import TrainConfig
+from thinwire.run.summary import Summary
 
 L = "1gbit,50us"
 LM = TrainConfig(task="charlm", workers=2, steps=40, eval_every=20, links=(L,))
@@ -47,7 +48,7 @@ def _launch(curves: dict[str, list[dict]], compute: dict[str, float] | None = No
                    "wall_seconds": 1.0, "compute_seconds": last.get("compute_seconds", 1.0), "codec_seconds": 0.0,
                    "comm_seconds": 0.0, "modeled_seconds_by_link": {L: last[f"modeled_seconds@{L}"]}}
         (out / "summary.json").write_text(json.dumps(summary))
-        return summary
+        return Summary.from_json(summary)
     return launch
 
 

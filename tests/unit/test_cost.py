@@ -10,6 +10,7 @@ import pytest
 from thinwire.comm.link import Link
 from thinwire.comm.overlap import overlap_hidden_seconds
 from thinwire.lab.cost import StepCost, crossings_Bps, crossover_Bps, from_rows, from_summary, verdict
+from tiny import fake_summary
 
 # bf16: 10 ms compute, 1 ms codec, 1 MB and 6 messages per step; a compressor: 10 ms compute,
 # 5 ms codec, 0.1 MB and 6 messages
@@ -67,8 +68,8 @@ def test_two_crossings_where_a_wait_meets_more_bytes():
 
 
 def test_per_step_figures_from_a_summary():
-    c = from_summary("m", {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5,
-                           "comm_seconds": 0.4, "bytes_sent_per_worker": 4e6, "messages_per_worker": 120})
+    c = from_summary("m", fake_summary(steps=20, compute_seconds=2.0, codec_seconds=0.5, comm_seconds=0.4,
+                                       bytes_sent_per_worker=4e6, messages_per_worker=120))
     assert (c.compute_s, c.codec_s, c.bytes, c.messages, c.wait_s) == (0.1, 0.025, 2e5, 6, 0.02)
     assert (c.window_s, c.early_share) == (0.0, 0.0)  # a run from before overlap: none
 
@@ -76,12 +77,12 @@ def test_per_step_figures_from_a_summary():
 def test_overlap_figures_from_a_summary():
     base = {"steps": 20, "compute_seconds": 2.0, "codec_seconds": 0.5, "comm_seconds": 0.4,
             "bytes_sent_per_worker": 4e6, "messages_per_worker": 120}
-    c = from_summary("m", {**base, "backward_seconds": 1.2,
-                           "overlap": {"enabled": True, "steps": 19, "window_seconds": 0.38, "blocked_seconds": 0.1,
-                                       "early_share": 0.57}})
+    c = from_summary("m", fake_summary(**base, backward_seconds=1.2,
+                                       overlap={"enabled": True, "steps": 19, "window_seconds": 0.38,
+                                                "blocked_seconds": 0.1, "early_share": 0.57}))
     assert c.window_s == pytest.approx(0.019, rel=1e-12) and c.early_share == 0.57
-    off = from_summary("m", {**base, "overlap": {"enabled": False, "steps": 0, "window_seconds": 0.0,
-                                                 "blocked_seconds": 0.0, "early_share": 0.0}})
+    off = from_summary("m", fake_summary(**base, overlap={"enabled": False, "steps": 0, "window_seconds": 0.0,
+                                                          "blocked_seconds": 0.0, "early_share": 0.0}))
     assert (off.window_s, off.early_share) == (0.0, 0.0)
 
 
@@ -289,8 +290,8 @@ def _probe_launch(fail: str = "", overlap: bool = False):
             rows[1].update(overlap_steps=cfg.steps - 1, overlap_window_seconds=0.02 * (cfg.steps - 1),
                            overlap_early_share=0.8 * (cfg.steps - 1) / cfg.steps)
         Path(cfg.out, "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return {"steps": cfg.steps, "compute_seconds": 1.4, "codec_seconds": 0.6, "bytes_sent_per_worker": 80.0,
-                "messages_per_worker": 16}
+        return fake_summary(steps=cfg.steps, compute_seconds=1.4, codec_seconds=0.6, bytes_sent_per_worker=80.0,
+                            messages_per_worker=16)
 
     return launch
 

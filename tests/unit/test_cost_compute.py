@@ -26,6 +26,7 @@ from thinwire.lab.cost import (
     with_compute,
 )
 from thinwire.run.config import TrainConfig
+from tiny import fake_summary
 
 MS = 1e-3
 
@@ -148,7 +149,7 @@ def _launch(seen: list, wall_per_step: float = 2.5, stop_at: int | None = None, 
         if interrupt_at is not None and len(seen) == interrupt_at:
             raise KeyboardInterrupt
         if stop_at is not None and len(seen) == stop_at:
-            return {"stopped_at": 1, "status": "stopped", "signal": signal}
+            return fake_summary(stopped_at=1, status="stopped", signal=signal)
 
         def record(step: int) -> dict:
             return {"step": step, "compute_seconds": 0.01 * (step + 9), "codec_seconds": 0.001 * step,
@@ -158,7 +159,7 @@ def _launch(seen: list, wall_per_step: float = 2.5, stop_at: int | None = None, 
         rows = [record(s) for s in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every)]
         with open(f"{cfg.out}/metrics.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        return {"steps": cfg.steps}
+        return fake_summary(steps=cfg.steps)
 
     return launch
 
@@ -195,7 +196,7 @@ def test_a_run_without_evaluation_writes_its_records_without_test_figures(tmp_pa
     summary = launch(cfg.resolve(), show_progress=False)
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4] and all("test_loss" not in r for r in rows)
-    assert all(r["compute_seconds"] > 0 for r in rows) and summary["final_loss"] is None
+    assert all(r["compute_seconds"] > 0 for r in rows) and summary.final_loss is None
 
 
 # -- the user's own compute ---------------------------------------------------------------------
@@ -218,8 +219,8 @@ def test_a_bad_compute_or_budget_is_one_line_and_exit_2_before_any_rank_starts(a
 
 
 def _summary(**changes) -> dict:
-    s = {"task": "synthetic", "method": "identity", "steps": 400, "steps_run": 100, "compute_seconds": 6.0,
-         "config": {"task": "synthetic", "task_options": {}, "batch_size": 64}}
+    s = {"task": "synthetic", "method": "identity", "workers": 2, "steps": 400, "steps_run": 100,
+         "compute_seconds": 6.0, "config": {"task": "synthetic", "task_options": {}, "batch_size": 64}}
     s.update(changes)
     return s
 
@@ -228,7 +229,7 @@ def test_compute_from_a_run_is_its_compute_per_step(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(_summary()))
     # a resumed run's compute_seconds holds all of its 400 steps, though this part ran 100
     seconds, summary = compute_from_run(str(tmp_path))
-    assert seconds == 6.0 / 400 and summary["method"] == "identity"
+    assert seconds == 6.0 / 400 and summary.method == "identity" and summary.steps_run == 100
     assert compute_from_run(str(tmp_path / "summary.json"))[0] == 6.0 / 400
 
 
@@ -238,6 +239,8 @@ def test_compute_from_a_run_is_its_compute_per_step(tmp_path):
     ("[1, 2]", "not a run summary (a JSON object)"),
     (json.dumps(_summary(compute_seconds=0.0)), "no compute_seconds > 0 and steps >= 1 in it (got 0.0 and 400)"),
     (json.dumps(_summary(steps=None)), "no compute_seconds > 0 and steps >= 1 in it (got 6.0 and None)"),
+    (json.dumps({"compute_seconds": 6.0, "steps": 400}), "not a run summary: no task, method, workers"),
+    (json.dumps(_summary(schema=99)), "summary schema 99 is newer than this thinwire reads (1): upgrade thinwire"),
     (json.dumps(_summary(task="mnist1d")), "that run's task is 'mnist1d', this probe's 'synthetic': its compute is "
                                            "another step's"),
     (json.dumps(_summary(config={"task": "synthetic", "task_options": {}, "batch_size": 8})),

@@ -196,6 +196,6 @@ def test_a_run_shorter_than_its_period_says_so_in_its_summary():
     cfg = TrainConfig(task="synthetic", method="diloco", workers=2, steps=3, eval_every=3, batch_size=8,
                       task_options={"dim": 8, "hidden": 8, "classes": 2, "samples": 64, "test_samples": 16}).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
-    assert summary["warnings"] == ["diloco: 3 local steps and no outer step before finish() (period=50): the run "
+    assert summary.warnings == ["diloco: 3 local steps and no outer step before finish() (period=50): the run "
                                    "trained a single round and finish() averages it"]
-    assert summary["method_report"]["syncs_before_finish"] == 0 and summary["method_report"]["outer_steps"] == 1
+    assert summary.method_report["syncs_before_finish"] == 0 and summary.method_report["outer_steps"] == 1

@@ -558,11 +558,12 @@ def test_cost_from_a_summary_times_the_intra_node_bytes_apart_too():
     """Without two metrics records, the summary's per-link counts give the same split."""
     from thinwire.comm.link import Link
     from thinwire.lab.cost import from_summary
+    from tiny import fake_summary
 
-    summary = {"steps": 2, "compute_seconds": 0.2, "codec_seconds": 0.0, "comm_seconds": 0.0,
-               "bytes_sent_per_worker": 3e6, "messages_per_worker": 10, "ranks_per_node": 2,
-               "bytes_by_link_per_worker": {"intra": 2e6, "inter": 1e6},
-               "messages_by_link_per_worker": {"intra": 6, "inter": 4}}
+    summary = fake_summary(steps=2, compute_seconds=0.2, codec_seconds=0.0, comm_seconds=0.0,
+                           bytes_sent_per_worker=3e6, messages_per_worker=10, ranks_per_node=2,
+                           bytes_by_link_per_worker={"intra": 2e6, "inter": 1e6},
+                           messages_by_link_per_worker={"intra": 6, "inter": 4})
     fast = Link.parse("8gbit,10us")
     c = from_summary("m", summary, fast)
     assert c.bytes == pytest.approx(2 * 0.5e6) and c.messages == pytest.approx(2)

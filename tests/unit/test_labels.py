@@ -14,6 +14,7 @@ from thinwire.run.config import TrainConfig
 from thinwire.run.console import spaced, summary_tables
 from thinwire.run.labels import labels, short, slug
 from thinwire.run.progress import ProgressView, bar_label
+from tiny import fake_summary
 
 POLICY = "examples/policies/a-rather-long-policy-file-for-conv-nets.toml"
 RESOLVED = ("policy[kernels:r_max=0.3,ef=true,granularity=kernel,score=l1,min_numel=0; twobit:alpha=1.0,ef=true; "
@@ -105,7 +106,7 @@ def _summary(**over):
          "per_parameter": [{"name": "blocks.0.attention.query_key_value_projection.weight", "shape": [384, 128],
                             "codec": "kernels:r_max=0.3", "bytes_sent_per_worker": 1000.0,
                             "fp32_bytes_per_worker": 4000.0}]}
-    return {**s, **over}
+    return fake_summary(**{**s, **over})
 
 
 def test_the_summary_tables_fit_80_columns_and_say_which_loss():

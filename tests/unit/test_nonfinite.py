@@ -69,7 +69,7 @@ def test_a_stop_agreed_on_the_last_step_lets_the_run_finish(tmp_path, monkeypatc
     monkeypatch.setattr("thinwire.run.trainer.STOP_POLL_SECONDS", 0.0)
     cfg = _cfg(tmp_path, steps=1, eval_every=1)
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm, stop_requested=lambda: True))[0]
-    assert summary["stopped_at"] is None and (Path(cfg.out) / "summary.json").exists()
+    assert summary.stopped_at is None and (Path(cfg.out) / "summary.json").exists()
 
 
 @pytest.mark.spawns
@@ -77,7 +77,7 @@ def test_skip_drops_the_step_on_every_rank_and_keeps_residuals_finite(poison, tm
     poison.steps.update({2, 5})
     cfg = _cfg(tmp_path, on_nonfinite="skip", checkpoint_every=6)
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
-    assert summary["skipped_steps"] == 2 and summary["final_loss"] == summary["final_loss"]  # not NaN
+    assert summary.skipped_steps == 2 and summary.final_loss == summary.final_loss  # not NaN
     states = [checkpoint.load_rank(checkpoint.step_dir(cfg.out, 6), r) for r in range(2)]
     for name, a in states[0]["model"].items():
         assert torch.isfinite(a).all() and torch.equal(a, states[1]["model"][name]), name  # one model, finite
@@ -122,14 +122,14 @@ def test_a_stop_request_checkpoints_and_the_resume_is_exact(method, tmp_path, mo
 
     cfg = _cfg(tmp_path, method=method, steps=8, eval_every=4)  # ab and dasgd stop mid-schedule
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm, stop_requested=stop_requested))[0]
-    at = summary["stopped_at"]
+    at = summary.stopped_at
     assert at in (2, 3) and not (Path(cfg.out) / "summary.json").exists()  # stopped, not finished
     assert checkpoint.locate(cfg.out) == checkpoint.step_dir(cfg.out, at)
     resumed = LocalWorld(2).run(lambda comm: train_rank(dataclasses.replace(cfg, resume=cfg.out), comm))[0]
     straight_cfg = dataclasses.replace(cfg, out=str(tmp_path / "straight"))
     straight = LocalWorld(2).run(lambda comm: train_rank(straight_cfg, comm))[0]
-    assert resumed["resumed_from"] == at and resumed["stopped_at"] is None
+    assert resumed.resumed_from == at and resumed.stopped_at is None
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
-        assert resumed[key] == straight[key], key
+        assert getattr(resumed, key) == getattr(straight, key), key
     rows = lambda out: [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in rows(cfg.out)] == [r["step"] for r in rows(straight_cfg.out)] == [4, 8]

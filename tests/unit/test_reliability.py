@@ -25,6 +25,7 @@ from thinwire.run import checkpoint, config, metrics, outdir
 from thinwire.run.checkpoint import CheckpointError
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import _start_step
+from thinwire.run.summary import Summary
 from thinwire.run.trainer import train_rank
 
 SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
@@ -228,11 +229,11 @@ def test_a_run_that_skipped_most_steps_is_diverged_names_the_parameter_and_write
     cfg = _cfg(tmp_path / "a", steps=20, eval_every=10, checkpoint_every=0, lr=1e6, on_nonfinite="skip",
                optimizer="sgd")
     s = _train(cfg)[0]
-    assert s["status"] == "diverged" and s["skipped_steps"] > 10
-    first = s["first_nonfinite"]
+    assert s.status == "diverged" and s.skipped_steps > 10
+    first = s.first_nonfinite
     assert first["parameter"] in dict(_named(cfg)) and first["rank"] in (0, 1) and 1 <= first["step"] <= 20
-    assert f"{s['skipped_steps']} of 20 steps were skipped" in s["failure"] and first["parameter"] in s["failure"]
-    assert s["compression_ratio"] == 1.0  # identity: what fp32 sends for the steps that communicated
+    assert f"{s.skipped_steps} of 20 steps were skipped" in s.failure and first["parameter"] in s.failure
+    assert s.compression_ratio == 1.0  # identity: what fp32 sends for the steps that communicated
     summary = _strict((Path(cfg.out) / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["final_loss"] is None
     assert summary["non_finite"]["final_loss"] == "nan"
@@ -249,7 +250,8 @@ def _named(cfg: TrainConfig):
 @pytest.mark.spawns
 def test_a_run_that_trains_is_ok(tmp_path):
     s = _train(_cfg(tmp_path / "a", checkpoint_every=0))[0]
-    assert s["status"] == "ok" and "failure" not in s and s["first_nonfinite"] is None
+    assert s.status == "ok" and s.failure is None and s.first_nonfinite is None
+    assert Summary.read(str(tmp_path / "a" / "summary.json")) == s  # the file holds what the run returned
 
 
 def test_finite_replaces_every_non_finite_figure_and_says_which():

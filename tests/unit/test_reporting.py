@@ -76,10 +76,10 @@ def test_the_trainer_runs_it_and_its_summary_takes_the_defaults(registered):
                       task_options=SMALL, batch_size=16, links=("100mbit,1ms",)).resolve()
     summaries = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))
     s = summaries[0]
-    assert s["status"] == "ok" and s["method_report"] == {"method": s["method"]}
-    assert s["per_parameter"] == [] and s["hidden_fraction"] is None
+    assert s.status == "ok" and s.method_report == {"method": s.method} and s.method_fields == {}
+    assert s.per_parameter == [] and s.hidden_fraction is None
     params = sum(p.numel() for p in thinwire.tasks.get("synthetic")(seed=0, **SMALL).build_model().parameters())
-    assert s["bytes_sent_per_worker"] == 6 * 4 * params  # one fp32 all_reduce of every parameter a step, 2 ranks
+    assert s.bytes_sent_per_worker == 6 * 4 * params  # one fp32 all_reduce of every parameter a step, 2 ranks
 
 
 def test_attach_drives_it_and_its_figures_have_no_method_part(registered):

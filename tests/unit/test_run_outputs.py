@@ -57,7 +57,7 @@ def test_two_ranks_average_their_windows(tmp_path):
     rows = _rows(cfg.out)
     assert [r["step"] for r in rows] == [2, 4]
     assert all(isinstance(r["train_loss_mean"], float) and r["train_loss_mean"] > 0 for r in rows)
-    assert summary["final_train_loss"] == rows[-1]["train_loss"]
+    assert summary.final_train_loss == rows[-1]["train_loss"]
 
 
 @pytest.mark.spawns

@@ -329,7 +329,7 @@ def test_the_trainer_runs_it_and_meters_the_layout():
                       batch_size=8,
                       task_options={"dim": 8, "hidden": 16, "classes": 2, "samples": 64, "test_samples": 16}).resolve()
     summaries = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))
-    report = summaries[0]["method_report"]
+    report = summaries[0].method_report
     assert report["syncs_before_finish"] == 2 and report["outer_steps"] == 3  # steps 3, 6, then finish()
-    assert summaries[0]["bytes_sent_per_worker"] == 3 * report["payload_bytes_per_sync"]
-    assert summaries[0]["warnings"] == []
+    assert summaries[0].bytes_sent_per_worker == 3 * report["payload_bytes_per_sync"]
+    assert summaries[0].warnings == []

@@ -15,6 +15,7 @@ from thinwire.lab import suite
 from thinwire.lab.suite import Claim, Group
 from thinwire.run.config import TrainConfig
 from thinwire.run.launch import RunFailed
+from thinwire.run.summary import Summary
 
 LINKS = ("1gbit,50us", "100mbit,1ms")
 BASE = TrainConfig(task="synthetic", workers=2, steps=12, eval_every=2, links=LINKS)  # dasgd averages at 12
@@ -61,7 +62,7 @@ def _launcher(calls: list[str], fail: str = ""):
                    "modeled_comm_seconds_by_link": dict(zip(cfg.links, comm)),
                    "hidden_seconds_by_link": dict(zip(cfg.links, hidden))}
         (out / "summary.json").write_text(json.dumps(summary))
-        return summary
+        return Summary.from_json(summary)
 
     return launch
 
@@ -250,7 +251,7 @@ def _loss_launcher(calls: list[str]):
                    "hidden_seconds_by_link": dict(zip(cfg.links, (0.0, 0.0))),
                    "method_report": {"peak_bytes_per_sync": peak}}
         (out / "summary.json").write_text(json.dumps(summary))
-        return summary
+        return Summary.from_json(summary)
 
     return launch
 
@@ -359,7 +360,7 @@ def test_a_race_of_its_own_optimizer_reruns_a_shared_spec_and_reads_another_race
         seen.append((cfg.method.split(":")[0], cfg.optimizer, cfg.lr))
         summary = inner(cfg, show_progress)
         if cfg.optimizer == "adam":
-            summary["final_loss"] = 1.0
+            summary.final_loss = 1.0
         return summary
 
     races = suite.prepare(BASE, str(tmp_path / "suite"), groups=OPT_GROUPS)
@@ -401,7 +402,7 @@ def test_a_peer_left_out_a_claim_for_one_link_and_step_seconds(tmp_path):
     def launch(cfg, show_progress=True):
         summary = _loss_launcher(calls)(cfg, show_progress)
         if cfg.method.startswith("diloco"):  # 0.3 s of codec and communication in 4 steps, against 0.6 s
-            summary.update(codec_seconds=0.1, comm_seconds=0.2)
+            summary.codec_seconds, summary.comm_seconds = 0.1, 0.2
         return summary
 
     races = suite.prepare(BASE, str(tmp_path / "suite"), groups=STEP_GROUPS)
@@ -455,7 +456,7 @@ def test_a_claim_reads_the_races_shared_compute_not_one_runs_noisy_figure(tmp_pa
                    "compute_seconds": 4 * c, "codec_seconds": 0.0, "comm_seconds": 0.5,
                    "modeled_seconds_by_link": {link: 4 * c + 1.0 for link in cfg.links}}
         (out / "summary.json").write_text(json.dumps(summary))
-        return summary
+        return Summary.from_json(summary)
 
     races = suite.prepare(BASE, str(tmp_path / "suite"), groups=groups)
     results = suite.run(races, groups, launch=launch, show_progress=False, say=lambda s: None)

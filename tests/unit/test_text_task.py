@@ -342,13 +342,13 @@ def test_a_run_records_the_corpus_in_summary_and_the_epoch_in_every_row(tmp_path
                       task_options={**SMALL, "eval_windows": 8}).resolve()
     summary = LocalWorld(2).run(lambda comm: train_rank(cfg, comm))[0]
     task = make(tmp_path / "t.txt", eval_windows=8)
-    assert summary["data"] == task.data_facts()
+    assert summary.data == task.data_facts()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["sha256"] == hashlib.sha256(
         raw).hexdigest()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     got = [(r["step"], r["epoch"], r["tokens_seen_per_worker"]) for r in map(json.loads, lines)]
     assert got == [(s, s * 4 / (task.n_train // 2), s * 4 * T) for s in (3, 6)]
-    assert summary["final_bpc"] == pytest.approx(summary["final_loss"] / math.log(2))
+    assert summary.final_bpc == pytest.approx(summary.final_loss / math.log(2))
 
 
 def test_check_world_needs_a_window_per_rank(tmp_path):

@@ -78,7 +78,7 @@ def measure(specs: list[str], *, workers: int = 2, steps: int = DEFAULT_STEPS, l
         try:
             cfg = dataclasses.replace(base, method=spec).resolve()
             summary: Any = launch(cfg, show_progress=False)  # None (off rank 0) fails here like any error
-            peak, state, error = summary["peak_rss_bytes"], summary["method_state_bytes"], ""
+            peak, state, error = summary.peak_rss_bytes, summary.method_state_bytes, ""
         except Exception as e:  # noqa: BLE001  (reported in the table; the others still run)
             peak, state, error = None, None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
         if spec == "identity":

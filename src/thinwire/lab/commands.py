@@ -25,6 +25,7 @@ from thinwire.run.arguments import (
     task_options_help,
     tasks_by_name,
 )
+from thinwire.run.summary import Summary
 
 COMMANDS = ("compare", "cost", "bench")
 
@@ -338,7 +339,7 @@ def _cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def _given_compute(args: argparse.Namespace) -> tuple[float, dict[str, Any] | None] | None:
+def _given_compute(args: argparse.Namespace) -> tuple[float, Summary | None] | None:
     """The compute a step takes on the user's hardware (seconds; ``--compute-ms`` or
     ``--compute-from``, with that run's summary), or None: the one measured here."""
     if args.compute_ms is not None and args.compute_from is not None:
@@ -358,20 +359,20 @@ def _given_compute(args: argparse.Namespace) -> tuple[float, dict[str, Any] | No
     return None
 
 
-def _check_compute_run(summary: dict[str, Any], base: Any, where: str) -> None:
+def _check_compute_run(summary: Summary, base: Any, where: str) -> None:
     """A ``--compute-from`` run must have computed this probe's step: the same task, task
     options and batch size per worker, and a method that runs the task's plain step."""
     from thinwire.algorithms.methods import own_compute
 
-    config: dict[str, Any] = summary["config"] if isinstance(summary.get("config"), dict) else {}
-    ran = {"task": summary.get("task", config.get("task")), "task options": config.get("task_options") or {},
+    config = summary.config if isinstance(summary.config, dict) else {}
+    ran = {"task": summary.task, "task options": config.get("task_options") or {},
            "batch size": config.get("batch_size")}
     here = {"task": base.task, "task options": dict(base.task_options), "batch size": base.batch_size}
     for what, value in ran.items():
         if value != here[what]:
             raise BadInput(f"--compute-from {where}: that run's {what} is {value!r}, this probe's {here[what]!r}: its "
                            "compute is another step's")
-    method = summary.get("method")
+    method = summary.method
     if isinstance(method, str) and own_compute(method):
         raise BadInput(f"--compute-from {where}: its method {method.split(':')[0]} computes a step of its own, not "
                        "the task's plain one")

@@ -64,6 +64,7 @@ from thinwire.lab.tables import spread
 from thinwire.run import outdir
 from thinwire.run.config import TrainConfig, check_out, for_method
 from thinwire.run.labels import labels, slug
+from thinwire.run.summary import Summary
 
 DEFAULT_LINKS = ("1gbit,50us", "100mbit,1ms")
 TARGET_SHARE = 0.95  # default target: this share of the best final accuracy
@@ -276,10 +277,10 @@ def run(race: Race, *, launch: Callable[..., Any] | None = None, show_progress: 
                                   "summary": None}
         try:
             summary = launch(cfg, show_progress=show_progress)
-            if summary is not None and summary.get("stopped_at") is not None:
+            if summary is not None and summary.stopped_at is not None:
                 raise KeyboardInterrupt  # a signal stopped the run: the race ends here
-            if summary is not None and summary.get("status") == "diverged":  # it ran, but did not train
-                result.update(status="failed", error=f"diverged: {summary['failure']}"[:300], summary=summary)
+            if summary is not None and summary.status == "diverged":  # it ran, but did not train
+                result.update(status="failed", error=f"diverged: {summary.failure}"[:300], summary=summary)
             else:
                 result.update(status="ok", error="", summary=summary, rows=_rows(out))
         except Exception as e:  # noqa: BLE001  (a failed method is reported; the race goes on)
@@ -309,11 +310,11 @@ def target_of(results: list[dict[str, Any]], target: float | None, figure: str =
     final test loss plus :data:`LOSS_BAND` (each method's median over its seeds)."""
     if target is not None:
         return target
-    name = "final_accuracy" if figure == "accuracy" else "final_loss"
     by_method: dict[str, list[float]] = {}
     for r in results:
-        if r["status"] == "ok" and r["summary"].get(name) is not None:
-            by_method.setdefault(r["label"], []).append(r["summary"][name])
+        value = r["summary"].final(figure) if r["status"] == "ok" else None
+        if value is not None:
+            by_method.setdefault(r["label"], []).append(value)
     values = [statistics.median(v) for v in by_method.values()]
     if not values:
         return None
@@ -386,13 +387,15 @@ def with_compute(results: list[dict[str, Any]], per_step: float | None) -> list[
             out.append(r)
             continue
         rows = [_recomputed(row, row.get("step"), per_step) for row in r["rows"]]
-        s = r["summary"] or {}
-        steps = s.get("steps_run") or s.get("steps")
-        summary = _recomputed(s, steps, per_step)
-        if "compute_seconds" in s and steps is not None and s.get("modeled_seconds_by_link"):
-            delta = steps * per_step - s["compute_seconds"]
-            summary["modeled_seconds_by_link"] = {k: v + delta for k, v in s["modeled_seconds_by_link"].items()}
-        out.append({**r, "rows": rows, "summary": summary})
+        s = r["summary"]
+        if s is not None:
+            steps = s.steps_run or s.steps
+            delta = steps * per_step - s.compute_seconds
+            s = dataclasses.replace(
+                s, compute_seconds=steps * per_step, measured_compute_seconds=s.compute_seconds,
+                modeled_seconds=None if s.modeled_seconds is None else s.modeled_seconds + delta,
+                modeled_seconds_by_link={k: v + delta for k, v in s.modeled_seconds_by_link.items()})
+        out.append({**r, "rows": rows, "summary": s})
     return out
 
 
@@ -422,16 +425,16 @@ def table_rows(results: list[dict[str, Any]], links: tuple[str, ...], target: fl
     """One flat record per run (the CSV's rows)."""
     out = []
     for r in results:
-        s = r["summary"] or {}
+        s = r["summary"]
         rec: dict[str, Any] = {"method": r["label"], "spec": r["spec"], "seed": r.get("seed"), "status": r["status"],
                                "error": r["error"]}
         for key in SUMMARY_FIELDS:
-            rec[key] = s.get(key)
+            rec[key] = getattr(s, key) if s is not None else None
         rec.update(judged_by=key_of(figure), target=target,
                    compute_figure=None if r["status"] != "ok" else
-                   "shared" if "measured_compute_seconds" in s else "own")
+                   "shared" if s is not None and s.measured_compute_seconds is not None else "own")
         for link in links:
-            rec[f"modeled_seconds@{link}"] = (s.get("modeled_seconds_by_link") or {}).get(link)
+            rec[f"modeled_seconds@{link}"] = s.modeled_seconds_by_link.get(link) if s is not None else None
             step, seconds = to_target(r["rows"], target, link, figure)
             rec["step_to_target"] = step
             rec[f"modeled_seconds_to_target@{link}"] = seconds
@@ -636,14 +639,14 @@ def _target_text(race: Race, target: float | None, records: list[dict[str, Any]]
             f"target test loss: {_num(target, '.4f')} nats{bpc}{note}")
 
 
-def dominant(summary: dict[str, Any], link: str) -> tuple[str, float] | None:
+def dominant(summary: Summary, link: str) -> tuple[str, float] | None:
     """What most of a run's modeled time at ``link`` went to: (``compute`` | ``codec`` |
     ``communication``, its share), communication being the modeled time less compute and
     codec (what overlap hid is not counted); None without a modeled time."""
-    modeled = (summary.get("modeled_seconds_by_link") or {}).get(link)
-    if modeled is None or modeled <= 0 or summary.get("compute_seconds") is None:
+    modeled = summary.modeled_seconds_by_link.get(link)
+    if modeled is None or modeled <= 0:
         return None
-    compute, codec = summary["compute_seconds"], summary.get("codec_seconds") or 0.0
+    compute, codec = summary.compute_seconds, summary.codec_seconds
     parts = {"compute": compute, "codec": codec, "communication": max(0.0, modeled - compute - codec)}
     name = max(parts, key=lambda k: parts[k])
     return name, parts[name] / modeled
@@ -651,7 +654,7 @@ def dominant(summary: dict[str, Any], link: str) -> tuple[str, float] | None:
 
 def write_report(path: Path, race: Race, records: list[dict[str, Any]], target: float | None,
                  plots: list[str], command: str, decisions: dict[str, Decision] | None = None,
-                 compute: SharedCompute | None = None, summaries: dict[str, dict[str, Any]] | None = None) -> None:
+                 compute: SharedCompute | None = None, summaries: dict[str, Summary] | None = None) -> None:
     links = race.links
     table = standings(records, links)
     decisions = decisions if decisions is not None else decide(table, links, race.figure)
@@ -729,7 +732,7 @@ def _table_lines(table: list[dict[str, Any]], links: tuple[str, ...], decisions:
 
 
 def _why_lines(race: Race, table: list[dict[str, Any]], target: float | None, links: tuple[str, ...],
-               summaries: dict[str, dict[str, Any]]) -> list[str]:
+               summaries: dict[str, Summary]) -> list[str]:
     """The report's "why" section: per link what most of each method's modeled time went to,
     and for a method that never reached the target, its final figure against it."""
     ok = [m for m in table if m["status"] == "ok"]
@@ -739,10 +742,10 @@ def _why_lines(race: Race, table: list[dict[str, Any]], target: float | None, li
              "the link model adds after any overlap):", "",
              "| method | " + " | ".join(links) + " |", "|---|" + "---|" * len(links)]
     for m in ok:
-        s = summaries.get(m["method"]) or {}
+        s = summaries.get(m["method"])
         cells = []
         for link in links:
-            d = dominant(s, link)
+            d = dominant(s, link) if s is not None else None
             cells.append("-" if d is None else f"{d[0]} {d[1]:.0%}")
         lines.append(f"| {m['method']} | " + " | ".join(cells) + " |")
     final = "final_accuracy" if race.figure == "accuracy" else "final_loss"

@@ -125,6 +125,7 @@ from thinwire.comm.link import Link
 from thinwire.comm.overlap import clamp_share, hidden_part, launch_groups, overlap_hidden_seconds, tail_shares
 from thinwire.lab.compute import SharedCompute
 from thinwire.run.config import TrainConfig
+from thinwire.run.summary import Summary
 
 DEFAULT_METHODS = "identity,bf16,topk:ratio=0.01,powersgd:rank=2,fft,hylo"
 REFERENCE = "bf16"
@@ -268,25 +269,25 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
 
 
-def from_summary(method: str, summary: dict[str, Any], intra: Link | None = None) -> StepCost:
+def from_summary(method: str, summary: Summary, intra: Link | None = None) -> StepCost:
     """Per-step figures of a whole run from its summary.json (runs without ``overlap``: none).
     ``intra``, as for :func:`from_rows`: the link inside a node, which times the bytes and
     messages the summary counts there apart; the bytes between nodes then count
     ``ranks_per_node`` times (the node's ranks share its link)."""
-    steps = summary["steps"]
-    overlap = summary.get("overlap") or {}
-    nbytes, messages, intra_s = summary["bytes_sent_per_worker"], summary["messages_per_worker"], 0.0
-    by_link = summary.get("bytes_by_link_per_worker") or {}
+    steps = summary.steps
+    overlap = summary.method_fields.get("overlap") or {}  # a synchronous method's (SyncReducer's)
+    nbytes, messages, intra_s = summary.bytes_sent_per_worker, float(summary.messages_per_worker), 0.0
+    by_link = summary.bytes_by_link_per_worker
     if intra is not None and by_link:
         inside = by_link.get("intra", 0.0)
-        inside_messages = (summary.get("messages_by_link_per_worker") or {}).get("intra", 0.0)
+        inside_messages = summary.messages_by_link_per_worker.get("intra", 0.0)
         intra_s = (inside_messages * intra.latency_s + inside / intra.bandwidth_Bps) / steps
-        nbytes = int(summary.get("ranks_per_node") or 1) * (nbytes - inside)
+        nbytes = summary.ranks_per_node * (nbytes - inside)
         messages -= inside_messages
-    return StepCost(method=method, compute_s=summary["compute_seconds"] / steps,
-                    codec_s=summary["codec_seconds"] / steps,
+    return StepCost(method=method, compute_s=summary.compute_seconds / steps,
+                    codec_s=summary.codec_seconds / steps,
                     bytes=nbytes / steps, messages=messages / steps, intra_s=intra_s,
-                    wait_s=summary.get("comm_seconds", 0.0) / steps,
+                    wait_s=summary.comm_seconds / steps,
                     window_s=(overlap.get("window_seconds") or 0.0) / steps,
                     early_share=overlap.get("early_share") or 0.0,
                     leads=tuple((float(a), float(b)) for a, b in overlap.get("leads") or ()))
@@ -522,8 +523,8 @@ def probe(base: TrainConfig, specs: list[str], steps: int, *, seconds: float | N
                              overwrite=True, tensorboard=False, evaluate=False)
             try:
                 summary: Any = launch(cfg, show_progress=False)  # None off rank 0: from_summary fails on it
-                if summary is not None and summary.get("stopped_at") is not None:
-                    raise ProbeInterrupted(summary.get("signal"))  # a signal stopped the probe: so does cost
+                if summary is not None and summary.stopped_at is not None:
+                    raise ProbeInterrupted(summary.signal)  # a signal stopped the probe: so does cost
                 rows = _rows(Path(tmp) / "metrics.jsonl")
                 pace.measured(rows)
                 result = (from_rows(spec, *_span(rows, warm, warm + timed), intra) if len(rows) >= 2
@@ -691,7 +692,7 @@ def ranged_verdict(m: StepCost, ref: StepCost, latency_s: float, shared: SharedC
     return f"{mid} ({' and '.join(f'{_rate(lo)}–{_rate(hi)}' for lo, hi in moved)} within the compute range)"
 
 
-def compute_from_run(path: str) -> tuple[float, dict[str, Any]]:
+def compute_from_run(path: str) -> tuple[float, Summary]:
     """Seconds of compute per step of a finished run (its folder or its ``summary.json``):
     ``compute_seconds`` / ``steps`` (a resumed run's ``compute_seconds`` holds every part of
     it, so ``steps``, not ``steps_run``), and the summary. Raises ValueError, in one line,
@@ -715,7 +716,10 @@ def compute_from_run(path: str) -> tuple[float, dict[str, Any]]:
             or seconds <= 0 or not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise ValueError(f"--compute-from {file}: no compute_seconds > 0 and steps >= 1 in it "
                          f"(got {seconds!r} and {steps!r})")
-    return seconds / steps, summary
+    try:
+        return seconds / steps, Summary.from_json(summary)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--compute-from {file}: {str(e).splitlines()[0]}") from None
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

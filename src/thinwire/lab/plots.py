@@ -105,11 +105,10 @@ def _breakdown(path: Path, runs: list[dict[str, Any]], link: str | None) -> Path
     for r in runs:
         s = r["summary"]
         labels.append(r["label"])
-        compute.append(s["compute_seconds"])
-        codec.append(s["codec_seconds"])
-        modeled = (s.get("modeled_seconds_by_link") or {}).get(link) if link else None
-        comm.append(max(0.0, modeled - s["compute_seconds"] - s["codec_seconds"]) if modeled is not None
-                    else s["comm_seconds"])
+        compute.append(s.compute_seconds)
+        codec.append(s.codec_seconds)
+        modeled = s.modeled_seconds_by_link.get(link) if link else None
+        comm.append(max(0.0, modeled - s.compute_seconds - s.codec_seconds) if modeled is not None else s.comm_seconds)
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 2.2), dpi=110, layout="constrained")
     ys = range(len(labels))
     ax.barh(ys, compute, label="compute")

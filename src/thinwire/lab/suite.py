@@ -43,6 +43,7 @@ from typing import Any, TypeGuard
 from thinwire.lab import compare
 from thinwire.run import outdir
 from thinwire.run.config import TrainConfig, for_method
+from thinwire.run.summary import Summary
 
 SUITE_WORKERS = 4  # a ring of 4 is still a ring; 4 ranks fit 2 cores
 ACCURACY_NOISE_PTS = compare.ACCURACY_NOISE_PTS  # what one seed's final accuracy moves by here: allowed on top
@@ -536,9 +537,9 @@ def _target_loss(group: Group, by_spec: dict[str, dict[str, Any]]) -> float | No
     if group.target_loss is None:
         return None
     ref = _peer(by_spec, group.target_loss[0])
-    if not _ok(ref) or ref["summary"].get("final_loss") is None:
+    if not _ok(ref) or ref["summary"].final_loss is None:
         return None
-    return float(ref["summary"]["final_loss"]) * (1 + group.target_loss[1])
+    return float(ref["summary"].final_loss) * (1 + group.target_loss[1])
 
 
 def to_target_loss(r: dict[str, Any], target: float, link: str) -> float | None:
@@ -553,8 +554,8 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
         return None, "the seed method's run failed"
     s = seed["summary"]
     if claim.kind == "hidden":
-        comm = s["modeled_comm_seconds_by_link"][link]
-        hidden = s["hidden_seconds_by_link"][link]
+        comm = s.modeled_comm_seconds_by_link[link]
+        hidden = s.hidden_seconds_by_link[link]
         return (hidden / comm if comm > 0 else None), f"{hidden:.2f} of {comm:.2f} s modeled communication hidden"
     if claim.kind == "to-target":
         return _to_target(claim, seed, by_spec, link, target)
@@ -567,7 +568,7 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
         timed = [by_spec[p] for p in uniform if _ok(by_spec.get(p))]
         if not timed:
             return None, "no uniform codec's run completed"
-        peer = min(timed, key=lambda r: r["summary"]["modeled_seconds_by_link"][link])
+        peer = min(timed, key=lambda r: r["summary"].modeled_seconds_by_link[link])
         peer_label = peer["label"]
     else:
         peer = _peer(by_spec, peer_label) if peer_label is not None else None
@@ -582,18 +583,18 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
         return (ms / mp if mp > 0 else None), (f"{seed['label']} {1e3 * ms:.1f} ms / {peer_label} {1e3 * mp:.1f} "
                                                "ms codec and communication per step")
     if claim.kind == "speedup":
-        ts, tp = s["modeled_seconds_by_link"][link], p["modeled_seconds_by_link"][link]
+        ts, tp = s.modeled_seconds_by_link[link], p.modeled_seconds_by_link[link]
         return tp / ts, f"{peer_label} {tp:.1f} s / {seed['label']} {ts:.1f} s"
     if claim.kind == "bytes":
-        bs, bp = s["bytes_sent_per_worker"], p["bytes_sent_per_worker"]
+        bs, bp = s.bytes_sent_per_worker, p.bytes_sent_per_worker
         return (bp / bs if bs > 0 else None), f"{peer_label} {bp / 1e6:.1f} MB / {seed['label']} {bs / 1e6:.1f} MB"
     if claim.kind == "accuracy":
-        a, b = s.get("final_accuracy"), p.get("final_accuracy")
+        a, b = s.final_accuracy, p.final_accuracy
         if a is None or b is None:
             return None, "no accuracy (task without one)"
         return 100 * (a - b), f"{seed['label']} {a:.4f} vs {peer_label} {b:.4f}"
     if claim.kind == "loss":
-        a, b = s.get("final_loss"), p.get("final_loss")
+        a, b = s.final_loss, p.final_loss
         if a is None or b is None or b <= 0:
             return None, "no final loss"
         return a / b - 1, f"{seed['label']} {a:.4f} vs {peer_label} {b:.4f}"
@@ -605,14 +606,13 @@ def _value(claim: Claim, seed: dict[str, Any] | None, by_spec: dict[str, dict[st
     raise ValueError(f"unknown claim kind {claim.kind!r}")
 
 
-def _step_seconds(summary: dict[str, Any]) -> float:
+def _step_seconds(summary: Summary) -> float:
     """Codec and communication seconds per training step of a run."""
-    return (summary["codec_seconds"] + summary["comm_seconds"]) / max(1, summary["steps"])
+    return (summary.codec_seconds + summary.comm_seconds) / max(1, summary.steps)
 
 
-def _peak(summary: dict[str, Any]) -> float | None:
-    report = summary.get("method_report") or {}
-    return report.get("peak_bytes_per_sync")
+def _peak(summary: Summary) -> float | None:
+    return summary.method_report.get("peak_bytes_per_sync")
 
 
 def _to_target(claim: Claim, seed: dict[str, Any], by_spec: dict[str, dict[str, Any]], link: str | None,
@@ -629,7 +629,7 @@ def _to_target(claim: Claim, seed: dict[str, Any], by_spec: dict[str, dict[str, 
         return 0.0, f"{seed['label']} did not reach loss {target:.4f}"
     # a peer that never reached it: its whole run's time is a lower bound of its time to the target
     timed = [(to_target_loss(r, target, link), r) for r in peers]
-    bounds = [(t if t is not None else r["summary"]["modeled_seconds_by_link"][link], t is None, r) for t, r in timed]
+    bounds = [(t if t is not None else r["summary"].modeled_seconds_by_link[link], t is None, r) for t, r in timed]
     tp, unreached, best = min(bounds, key=lambda x: x[0])
     if unreached:
         return tp / ts, (f"{best['label']} never reached loss {target:.4f} (its whole run {tp:.1f} s: a lower "
@@ -654,7 +654,7 @@ def _best_to_target(claim: Claim, by_spec: dict[str, dict[str, Any]], group: Gro
     tb, best = min(reached, key=lambda x: x[0])
     tp = to_target_loss(ref, target, link)
     bound = tp is None
-    tp = ref["summary"]["modeled_seconds_by_link"][link] if tp is None else tp
+    tp = ref["summary"].modeled_seconds_by_link[link] if tp is None else tp
     return tp / tb, (f"{ref['label']} {tp:.1f} s{' (never reached it: its whole run)' if bound else ''} / the best, "
                      f"{best['label']}, {tb:.1f} s to loss {target:.4f}")
 

@@ -7,52 +7,54 @@ import re
 import sys
 from typing import Any
 
+from thinwire.run.summary import Summary
 
-def print_summary(s: dict[str, Any], out: str | None, console: Any = None) -> None:
+
+def print_summary(s: Summary, out: str | None, console: Any = None) -> None:
     from rich.console import Console
 
     console = console or Console()
     for table in summary_tables(s):
         console.print(table)
-    for warning in s.get("warnings") or []:
+    for warning in s.warnings:
         print(f"thinwire: warning: {warning}", file=sys.stderr)
     if out:
         console.print(f"wrote {out}/summary.json and {out}/metrics.jsonl", markup=False, overflow="fold")
 
 
-def summary_tables(s: dict[str, Any]) -> list[Any]:
+def summary_tables(s: Summary) -> list[Any]:
     """The run's figures, and with a policy the per-parameter table: labels never split."""
     from rich.markup import escape
     from rich.table import Table
 
     from thinwire.run.labels import short
 
-    label = short((s.get("config") or {}).get("label") or s["method"])
-    nodes = "" if (s.get("ranks_per_node") or 1) == 1 else f" ({s['workers'] // s['ranks_per_node']} nodes)"
-    table = Table(title=escape(f"{s['task']} · {label} · {s['workers']} workers{nodes} · {s['steps']} steps"))
+    label = short(s.label)
+    nodes = "" if s.ranks_per_node == 1 else f" ({s.workers // s.ranks_per_node} nodes)"
+    table = Table(title=escape(f"{s.task} · {label} · {s.workers} workers{nodes} · {s.steps} steps"))
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("method", escape(label))
-    table.add_row("resolved", escape(spaced(s["method"])))
+    table.add_row("resolved", escape(spaced(s.method)))
     for key in ("final_accuracy", "final_bpc", "final_loss"):
-        if s.get(key) is not None:
-            table.add_row(FIGURE_NAMES.get(key, key.replace("_", " ")), f"{s[key]:.4f}")
-    table.add_row("bytes sent per worker", size_text(s["bytes_sent_per_worker"]))
-    by_link = s.get("bytes_by_link_per_worker") or {}
-    if (s.get("ranks_per_node") or 1) > 1:
-        table.add_row(f"of which inside ({s.get('intra_dtype') or 'fp32'}) / between nodes",
+        value = getattr(s, key)
+        if value is not None:
+            table.add_row(FIGURE_NAMES[key], f"{value:.4f}")
+    table.add_row("bytes sent per worker", size_text(s.bytes_sent_per_worker))
+    by_link = s.bytes_by_link_per_worker
+    if s.ranks_per_node > 1:
+        table.add_row(f"of which inside ({s.intra_dtype or 'fp32'}) / between nodes",
                       f"{size_text(by_link.get('intra', 0))} / {size_text(by_link.get('inter', 0))}")
-    table.add_row("fp32 all_reduce would send", size_text(s["fp32_bytes_per_worker"]))
-    if s.get("compression_ratio"):
-        table.add_row("compression ratio", f"{s['compression_ratio']:.1f}x")
+    table.add_row("fp32 all_reduce would send", size_text(s.fp32_bytes_per_worker))
+    if s.compression_ratio:
+        table.add_row("compression ratio", f"{s.compression_ratio:.1f}x")
     table.add_row("wall / compute / codec / comm s",
-                  f"{s['wall_seconds']:.1f} / {s['compute_seconds']:.1f} / {s['codec_seconds']:.1f} / "
-                  f"{s['comm_seconds']:.1f}")
-    for link, sec in (s.get("modeled_seconds_by_link") or {}).items():
+                  f"{s.wall_seconds:.1f} / {s.compute_seconds:.1f} / {s.codec_seconds:.1f} / {s.comm_seconds:.1f}")
+    for link, sec in s.modeled_seconds_by_link.items():
         table.add_row(f"modeled time at {link}", f"{sec:.1f} s")
     tables = [table]
-    if (s.get("method_report") or {}).get("policy") and s.get("per_parameter"):
-        tables.append(_per_parameter_table(s["per_parameter"]))
+    if s.method_report.get("policy") and s.per_parameter:
+        tables.append(_per_parameter_table(s.per_parameter))
     return tables
 
 

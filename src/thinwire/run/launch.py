@@ -58,6 +58,7 @@ from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import leave_rank
+from thinwire.run.summary import Summary
 
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
 REPEAT_S = 1.0  # a signal repeated within this long of the first is the same delivery (see _on_stop_signals)
@@ -69,7 +70,7 @@ class RunFailed(RuntimeError):
     """A rank failed; the message names it."""
 
 
-def launch(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any] | None:
+def launch(cfg: TrainConfig, *, show_progress: bool = True) -> Summary | None:
     """Run ``cfg`` (already resolved). Returns rank 0's summary (None on other torchrun ranks).
     The run holds its ``--out``'s lock (:func:`thinwire.run.outdir.hold`; re-entrant, so a
     command that took it before resolving keeps it): rank 0 under torchrun, else this process."""
@@ -175,7 +176,7 @@ def _silent_message(silent: list[int], rank: int | None, step: int | None, error
 
 
 # -- torchrun -------------------------------------------------------------------------------
-def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> Summary | None:
     from thinwire.comm.torch_dist import init_from_env
     from thinwire.run.trainer import train_rank
 
@@ -210,7 +211,7 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | No
                 raise RunFailed(_silent_message(silent, comm.rank, stop.step, _first_line(e))) from e
             raise
         if summary is not None and stop.received:
-            summary["signal"] = stop.received[0]
+            summary.signal = stop.received[0]
         gc.collect()  # what holds the group in a reference cycle goes while it lives
         torch.distributed.barrier()
         return summary
@@ -378,7 +379,7 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None:
+def _spawn_local(cfg: TrainConfig, show_progress: bool) -> Summary | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     # the signal number, set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end (no lock: a
@@ -414,13 +415,13 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> dict[str, Any] | None
 
 
 def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: ProgressView | None,
-                 received: list[str], last_step: int, beats: Any = None) -> dict[str, Any] | None:
+                 received: list[str], last_step: int, beats: Any = None) -> Summary | None:
     """Relay the started ranks' reports until every rank is done; returns rank 0's summary,
     or the stop record when a signal ended the run. Raises :class:`RunFailed` when a rank
     fails, or when its heartbeat (``beats``) stood still long enough to be taken for a hang
     (:class:`_Heartbeats`). ``last_step``: the step the run starts after. After a signal the
     ranks have :data:`STOP_GRACE_S` to take the stop up at a step; then they are ended."""
-    summary: dict[str, Any] | None = None
+    summary: Summary | None = None
     done: set[int] = set()
     errors: dict[int, dict] = {}
     taking: set[int] = set()  # the ranks that took up the stop asked for (at their stop poll)
@@ -447,7 +448,7 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
             # asked to stop, and a rank ended: a signal to the whole group that reached a rank
             # still starting up, before its handlers were in place, ends it; that is the stop asked for
             _terminate(procs)
-            return _unfinished(received, last_step)
+            return _unfinished(cfg, received, last_step)
         if errors or failed:
             raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
         if received and asked_at is None:
@@ -455,7 +456,7 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
         if asked_at is not None and len(taking | done) < cfg.workers and time.monotonic() - asked_at > STOP_GRACE_S:
             sys.stderr.write(f"thinwire: {received[0]}: {_no_stop_in_grace()}\n")
             _terminate(procs)
-            return _unfinished(received, last_step, _no_stop_in_grace())
+            return _unfinished(cfg, received, last_step, _no_stop_in_grace())
         hung = hearts.look(procs, done) if hearts is not None else []
         if hung and hearts is not None:
             states = [_process_state(procs[r].pid) for r in hung]
@@ -465,15 +466,15 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
     for p in procs:
         p.join(timeout=30)
     if summary is not None and received:
-        summary["signal"] = received[0]
+        summary.signal = received[0]
     return summary
 
 
-def _unfinished(received: list[str], last_step: int, why: str | None = None) -> dict[str, Any]:
+def _unfinished(cfg: TrainConfig, received: list[str], last_step: int, why: str | None = None) -> Summary:
     """The stop record of a run whose ranks were ended before they could checkpoint the stop
     (``why``: how, when not a rank still starting up that the signal itself ended)."""
-    record = {"stopped_at": last_step, "status": "stopped", "signal": received[0], "unfinished": True}
-    return {**record, "unfinished_why": why} if why else record
+    return Summary(task=cfg.task, method=cfg.method, workers=cfg.workers, steps=cfg.steps or 0, config=cfg.to_dict(),
+                   status="stopped", stopped_at=last_step, signal=received[0], unfinished=True, unfinished_why=why)
 
 
 class _Heartbeats:

@@ -7,6 +7,7 @@ and the same evaluation schedule, so their collectives stay in lockstep.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -29,7 +30,8 @@ from thinwire.comm.meter import LINKS, sent_bytes
 from thinwire.optim import schedule
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
-from thinwire.run.metrics import MetricsWriter, finite
+from thinwire.run.metrics import MetricsWriter
+from thinwire.run.summary import Summary
 from thinwire.timing import Timing
 
 Report = Callable[..., None]  # report(kind, **fields): progress to the launcher (rank 0 only)
@@ -122,7 +124,7 @@ class _Run:
 def train_rank(
     cfg: TrainConfig, comm: Communicator, report: Report | None = None, device: torch.device | str = "cpu",
     stop_requested: Callable[[], int | bool] | None = None, stop_agreed: Callable[[], None] | None = None,
-) -> dict[str, Any] | None:
+) -> Summary | None:
     """Train on this rank's ``device``; rank 0 writes metrics and returns the summary (others
     return None).
 
@@ -333,22 +335,23 @@ def _record(run: _Run, loss: torch.Tensor, step: int, last: bool) -> None:
             run.report("eval", **run.last_eval)
 
 
-def _finish(run: _Run) -> dict[str, Any] | None:
+def _finish(run: _Run) -> Summary | None:
     """The summary (rank 0's is written and returned)."""
     from thinwire.version import __version__
 
     cfg = run.cfg
     summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
                        run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps, task=run.task)
-    summary.update(warnings=list(getattr(run.method, "warned", [])), resumed_from=run.start or None,
-                   stopped_at=run.stopped_at, started_at=run.started_at, ended_at=utc_now())
+    summary = dataclasses.replace(summary, warnings=list(getattr(run.method, "warned", [])),
+                                  resumed_from=run.start or None, stopped_at=run.stopped_at,
+                                  started_at=run.started_at, ended_at=utc_now())
     if run.stopped_at is not None:  # not over: no verdict on a run that may yet train
-        summary.pop("failure", None)
-        summary.update(status="stopped", signal=_signal_name(run.stop_signal))
-    summary = finite(summary)  # strict JSON: a NaN loss is null, and non_finite says so
+        summary = dataclasses.replace(summary, status="stopped", failure=None, signal=_signal_name(run.stop_signal))
+    record = summary.to_json()  # strict JSON: a NaN loss is null, and non_finite says so
+    summary = Summary.from_json(record)  # what the file holds
     if run.writer:
         if run.stopped_at is None:  # a stopped run is not finished: no summary.json, a checkpoint instead
-            run.writer.write_summary(summary)
+            run.writer.write_summary(record)
         run.writer.close()
     return summary if run.comm.rank == 0 else None
 
@@ -665,7 +668,7 @@ FINAL = {"loss": "test_loss", "accuracy": "test_accuracy", "bpc": "test_bpc", "t
 
 
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None,
-             done: int | None = None, task=None) -> dict[str, Any]:
+             done: int | None = None, task=None) -> Summary:
     """Rank 0's summary of a run that ended after step ``done`` (default: ``cfg.steps``)."""
     done = cfg.steps if done is None else done
     with comm.meter.paused():
@@ -677,62 +680,47 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
     t = _timing(method, clock)
     intra = Link.parse(cfg.intra_link) if cfg.intra_link else None
     modeled = {link: _modeled(Link.parse(link), comm, clock, t, method, intra) for link in cfg.links}
-    return {
-        "task": cfg.task,
-        "method": cfg.method,
-        "workers": comm.world_size,
-        "steps": cfg.steps,
-        "data": task.data_facts() if task is not None else None,  # e.g. the text corpus's size and SHA-256
-        **{f"final_{key}": last_eval.get(of) for key, of in FINAL.items()},
-        "bytes_sent_per_worker": per_worker,
-        "fp32_bytes_per_worker": fp32,
-        "compression_ratio": fp32 / per_worker if per_worker > 0 else None,
-        "wall_seconds": clock.train_wall,
-        "compute_seconds": clock.compute,
-        "backward_seconds": clock.backward,
-        "codec_seconds": t.codec_seconds,
-        "comm_seconds": t.comm_seconds,
-        "modeled_seconds": modeled[cfg.links[0]] if cfg.links else None,
-        "modeled_seconds_by_link": modeled,
-        "modeled_comm_seconds_by_link": {link: meter_seconds(Link.parse(link), comm.meter, comm.world_size, intra)
-                                         for link in cfg.links},  # before any overlap is credited
-        "hidden_seconds_by_link": {link: _hidden(Link.parse(link), comm, method, intra) for link in cfg.links},
-        "messages_per_worker": comm.meter.messages,
+    by_link = _by_link(comm, device)
+    return Summary(
+        task=cfg.task, method=cfg.method, workers=comm.world_size, steps=cfg.steps, config=cfg.to_dict(),
+        data=task.data_facts() if task is not None else None,  # e.g. the text corpus's size and SHA-256
         # inside a node and between nodes (without --ranks-per-node every rank is its own node)
-        "ranks_per_node": cfg.ranks_per_node or 1,
-        "intra_link": cfg.intra_link,
-        "intra_dtype": cfg.intra_dtype,
-        **_by_link(comm, device),
-        "skipped_steps": clock.skipped,
-        "first_nonfinite": dict(clock.first_nonfinite) or None,
-        **_verdict(clock, done, last_eval),
-        "checkpoints_written": clock.checkpoints,
-        "checkpoint_seconds": clock.checkpoint_seconds,
-        "steps_run": clock.steps_run,
-        "method_report": reporting.report(method),
-        "per_parameter": _per_parameter(method, done - clock.skipped, comm.world_size),
-        "hidden_fraction": reporting.hidden_fraction(method),
-        **reporting.summary_fields(method),
-        "config": cfg.to_dict(),
-        "peak_rss_bytes": _peak_rss(),  # this rank's (rank 0's) peak resident memory so far
+        ranks_per_node=cfg.ranks_per_node or 1, intra_link=cfg.intra_link, intra_dtype=cfg.intra_dtype,
+        **_verdict(clock, done, last_eval), steps_run=clock.steps_run, skipped_steps=clock.skipped,
+        first_nonfinite=dict(clock.first_nonfinite) or None,
+        **{f"final_{key}": last_eval.get(of) for key, of in FINAL.items()},
+        bytes_sent_per_worker=per_worker, fp32_bytes_per_worker=fp32,
+        compression_ratio=fp32 / per_worker if per_worker > 0 else None,
+        messages_per_worker=comm.meter.messages, bytes_by_link_per_worker=by_link[0],
+        messages_by_link_per_worker=by_link[1],
+        wall_seconds=clock.train_wall, compute_seconds=clock.compute, backward_seconds=clock.backward,
+        codec_seconds=t.codec_seconds, comm_seconds=t.comm_seconds,
+        checkpoints_written=clock.checkpoints, checkpoint_seconds=clock.checkpoint_seconds,
+        modeled_seconds=modeled[cfg.links[0]] if cfg.links else None, modeled_seconds_by_link=modeled,
+        modeled_comm_seconds_by_link={link: meter_seconds(Link.parse(link), comm.meter, comm.world_size, intra)
+                                      for link in cfg.links},  # before any overlap is credited
+        hidden_seconds_by_link={link: _hidden(Link.parse(link), comm, method, intra) for link in cfg.links},
+        hidden_fraction=reporting.hidden_fraction(method),
+        method_report=reporting.report(method),
+        per_parameter=_per_parameter(method, done - clock.skipped, comm.world_size),
         # what the method keeps across steps (residuals, snapshots, factors...): its own state
         # plus what it added to the model (AB-training's factors), rank 0's
-        "method_state_bytes": _tensor_bytes(own)
+        method_state_bytes=_tensor_bytes(own)
         + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
-        "version": version,
-        **environment(device),
-    }
+        method_fields=reporting.summary_fields(method),
+        peak_rss_bytes=_peak_rss(),  # this rank's (rank 0's) peak resident memory so far
+        version=version, **environment(device))
 
 
-def _by_link(comm: Communicator, device: torch.device | str) -> dict[str, dict[str, float]]:
-    """Bytes and messages per worker inside a node and between nodes, summed over the ranks."""
+def _by_link(comm: Communicator, device: torch.device | str) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes and messages per worker inside a node and between nodes (the mean over ranks)."""
     with comm.meter.paused():
         links = torch.tensor([comm.meter.link_bytes(k) for k in LINKS] + [comm.meter.link_messages(k) for k in LINKS],
                              dtype=torch.float64, device=device)
         comm.all_reduce(links)
-    return {"bytes_by_link_per_worker": {k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
-            "messages_by_link_per_worker": {k: links[len(LINKS) + i].item() / comm.world_size
-                                            for i, k in enumerate(LINKS)}}
+    n = len(LINKS)
+    return ({k: links[i].item() / comm.world_size for i, k in enumerate(LINKS)},
+            {k: links[n + i].item() / comm.world_size for i, k in enumerate(LINKS)})
 
 
 def utc_now() -> str:
