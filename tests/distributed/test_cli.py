@@ -249,6 +249,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_pids(pid: int) -> list[int]:
+    """The launcher's ranks: the children of its fork server (or, where ranks are spawned, its own)."""
     out = []
     for kid in _children(pid):
         try:
@@ -258,6 +259,8 @@ def _rank_pids(pid: int) -> list[int]:
             continue
         if "spawn_main" in cmd:
             out.append(kid)
+        elif "multiprocessing.forkserver" in cmd:
+            out += _children(kid)
     return sorted(out)
 
 

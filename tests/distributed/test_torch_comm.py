@@ -315,3 +315,24 @@ def test_collectives_launch_without_the_python_context_backward_stashes():
     (2 * w).sum().backward()
     assert seen == [True, False, True]  # removed for the launch, put back for the rest of backward
     assert not torch._C._is_key_in_tls("context")  # and backward still clears it at its end
+
+
+def _environment(rank: int, world: int) -> tuple:
+    import signal
+
+    return os.environ.get("THINWIRE_TEST_MARK"), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, os.getpid()
+
+
+def test_ranks_start_with_the_callers_environment_of_the_call_and_the_default_sigterm(monkeypatch):
+    # the ranks start from a fork server, which started with the first call's environment: each
+    # call's ranks still hold the caller's environment of that call, and SIGTERM's default
+    # (the server ignores it)
+    from thinwire.run.spawn import rank_context
+
+    assert rank_context().get_start_method() == "forkserver"  # Linux
+    monkeypatch.setenv("THINWIRE_TEST_MARK", "first")
+    first = run_ranks(_environment, 2)
+    monkeypatch.setenv("THINWIRE_TEST_MARK", "second")
+    second = run_ranks(_environment, 2)
+    assert [r[:2] for r in first] == [("first", True)] * 2 and [r[:2] for r in second] == [("second", True)] * 2
+    assert len({r[2] for r in first + second} | {os.getpid()}) == 5  # four processes of their own

@@ -331,17 +331,17 @@ def test_local_ranks_listen_on_the_loopback_interface_only(monkeypatch):
             pass
 
     monkeypatch.setattr(launch.os, "_exit", lambda code: None)
-    monkeypatch.setattr(launch, "_exit_with_parent", lambda parent: None)
+    monkeypatch.setattr(launch, "exit_with_parent", lambda: None)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        launch._rank_main(0, TrainConfig(workers=2), "/nonexistent", Queue(), os.getppid())
+        launch._rank_main(0, TrainConfig(workers=2), "/nonexistent", Queue(), dict(os.environ))
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)
     assert calls == [launch.loopback_interface()]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # a user's own choice is kept
     try:
-        launch._rank_main(0, TrainConfig(workers=2), "/nonexistent", Queue(), os.getppid())
+        launch._rank_main(0, TrainConfig(workers=2), "/nonexistent", Queue(), dict(os.environ))
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)

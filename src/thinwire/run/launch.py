@@ -42,7 +42,6 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from thinwire.comm.base import Communicator
 from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
@@ -57,7 +56,7 @@ from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
 )
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
-from thinwire.run.spawn import leave_rank
+from thinwire.run.spawn import exit_with_parent, leave_rank, rank_context, take_environment
 from thinwire.run.summary import Summary
 
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
@@ -291,17 +290,18 @@ def _threads(cfg: TrainConfig) -> int:
     return cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
 
 
-def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, parent: int, stop: Any = None,
+def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, env: dict[str, str], stop: Any = None,
                beats: Any = None) -> None:
-    """Entry point of a spawned rank: gloo on this machine, met through a rendezvous file
-    (no TCP port to pick, so concurrent runs cannot collide). ``stop`` is the launcher's
-    shared signal number (0 until it is asked to stop)."""
+    """Entry point of a started rank: gloo on this machine, met through a rendezvous file
+    (no TCP port to pick, so concurrent runs cannot collide). ``env``: the launcher's
+    environment; ``stop`` is the launcher's shared signal number (0 until it is asked to stop)."""
+    take_environment(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (Ctrl-C reaches the whole group)
     asked: list[int] = []  # SIGTERM to the whole process group or to this rank: stop like the launcher
     signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
     step = [0]
     taken: list[int] = []  # the stop this rank took up at a step (its stop poll saw it)
-    _exit_with_parent(parent)
+    exit_with_parent()
     torch.set_num_threads(_threads(cfg))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
     loopback = loopback_interface()
@@ -367,20 +367,8 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Leave no orphan: exit when the launcher process is gone."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def _spawn_local(cfg: TrainConfig, show_progress: bool) -> Summary | None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     # the signal number, set by SIGINT / SIGTERM: the ranks finish the step, checkpoint and end (no lock: a
     # rank killed while holding one would block the signal handler that sets it)
@@ -389,7 +377,7 @@ def _spawn_local(cfg: TrainConfig, show_progress: bool) -> Summary | None:
     tmp = tempfile.TemporaryDirectory(prefix="thinwire-")
     rendezvous = os.path.join(tmp.name, "rendezvous")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, os.getpid(), stop, beats), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, cfg, rendezvous, q, dict(os.environ), stop, beats), daemon=True)
         for r in range(cfg.workers)
     ]
     received: list[str] = []
