@@ -133,13 +133,17 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(150)
-def test_a_rank_stopped_with_the_default_timeout_ends_the_run_within_the_hang_limit(tmp_path):
-    from thinwire.comm.torch_dist import HANG_LIMIT_S
+def test_a_rank_stopped_ends_the_run_within_the_hang_limit_its_timeout_gives(tmp_path, monkeypatch):
+    # the limit is the collective timeout plus fixed margins (hang_limit()); the margins are what
+    # this run measures, at a short timeout. The default timeout, 50 s, gives the promised 60 s
+    # (tests/unit/test_reliability.py checks that arithmetic)
+    from thinwire.comm.torch_dist import hang_limit
 
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
-    env = _env(THINWIRE_TEST_PIDS=str(pids))
-    env.pop("THINWIRE_COLLECTIVE_TIMEOUT", None)  # the default timeout, derived from the promise
+    env = _env(THINWIRE_TEST_PIDS=str(pids), THINWIRE_COLLECTIVE_TIMEOUT="3")
+    monkeypatch.setenv("THINWIRE_COLLECTIVE_TIMEOUT", "3")
+    limit = hang_limit()  # 3 s + the margins
     cmd = _cmd(out, "--steps", "1000000", "--eval-every", "1000000", "--import", "usercodec.rankpids")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     ranks: list[int] = []
@@ -155,8 +159,9 @@ def test_a_rank_stopped_with_the_default_timeout_ends_the_run_within_the_hang_li
         _kill([proc.pid, *ranks])
     assert proc.returncode == 1, err
     line = err.strip().splitlines()[-1]
-    assert took < HANG_LIMIT_S == 60, (took, line)
+    assert took < limit == 13.0, (took, line)
     assert line.startswith("thinwire: rank 1 stopped responding after step ") and "state T" in line, line
+    assert "rank 0 timed out waiting" in line, line  # the collective's path, not the launcher's
     assert all(_gone(pid) for pid in ranks)
 
 

@@ -289,6 +289,16 @@ def test_bad_input_found_only_by_the_ranks_before_is_refused_before_they_start(t
     assert a_file.read_text() == "not a directory"
 
 
+def test_the_default_collective_timeout_keeps_the_promise_of_a_hang_ending_within_60_s(monkeypatch):
+    from thinwire.comm import torch_dist
+
+    monkeypatch.delenv(torch_dist.TIMEOUT_ENV, raising=False)
+    assert torch_dist.collective_timeout() == torch_dist.COLLECTIVE_TIMEOUT_S == 50.0
+    assert torch_dist.hang_limit() == torch_dist.HANG_LIMIT_S == 60.0
+    monkeypatch.setenv(torch_dist.TIMEOUT_ENV, "3")  # the timeout set: the limit follows it, margins kept
+    assert torch_dist.collective_timeout() == 3.0 and torch_dist.hang_limit() == 13.0
+
+
 def test_a_bad_collective_timeout_in_the_environment_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("THINWIRE_COLLECTIVE_TIMEOUT", "soon")
     _refused(capsys, ["train", *TASK], "THINWIRE_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got 'soon'")
