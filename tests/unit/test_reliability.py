@@ -341,7 +341,7 @@ def test_local_ranks_listen_on_the_loopback_interface_only(monkeypatch):
             pass
 
     monkeypatch.setattr(launch.os, "_exit", lambda code: None)
-    monkeypatch.setattr(launch, "exit_with_parent", lambda: None)
+    monkeypatch.setattr(launch, "begin_rank", lambda env: None)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         launch._rank_main(0, TrainConfig(workers=2), "/nonexistent", Queue(), dict(os.environ))

@@ -56,7 +56,7 @@ from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
 )
 from thinwire.run.config import TrainConfig, import_modules
 from thinwire.run.progress import ProgressView
-from thinwire.run.spawn import exit_with_parent, leave_rank, rank_context, take_environment
+from thinwire.run.spawn import begin_rank, leave_rank, rank_context
 from thinwire.run.summary import Summary
 
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
@@ -295,13 +295,12 @@ def _rank_main(rank: int, cfg: TrainConfig, rendezvous: str, q: Any, env: dict[s
     """Entry point of a started rank: gloo on this machine, met through a rendezvous file
     (no TCP port to pick, so concurrent runs cannot collide). ``env``: the launcher's
     environment; ``stop`` is the launcher's shared signal number (0 until it is asked to stop)."""
-    take_environment(env)
+    begin_rank(env)  # the launcher's environment; gone with the launcher
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (Ctrl-C reaches the whole group)
     asked: list[int] = []  # SIGTERM to the whole process group or to this rank: stop like the launcher
     signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
     step = [0]
     taken: list[int] = []  # the stop this rank took up at a step (its stop poll saw it)
-    exit_with_parent()
     torch.set_num_threads(_threads(cfg))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank))
     loopback = loopback_interface()

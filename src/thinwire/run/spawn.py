@@ -28,8 +28,7 @@ def _entry(rank: int, fn: Callable, world_size: int, outdir: str, threads: int, 
     import torch
     import torch.distributed as dist
 
-    take_environment(env)
-    exit_with_parent()
+    begin_rank(env)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     # a file rendezvous: no TCP port to race for with other runs on the machine
@@ -70,8 +69,8 @@ def rank_context() -> Any:
     """The multiprocessing context local ranks start from: ``forkserver`` where there is one
     (Linux; its server imported :data:`PRELOAD` once, so a rank starts in milliseconds instead
     of importing torch again, about 1.5 s of CPU each), else ``spawn``. Neither inherits the
-    caller's threads or CUDA state. A rank started from it calls :func:`take_environment`
-    with the caller's ``os.environ`` and :func:`exit_with_parent`."""
+    caller's threads or CUDA state. A rank started from it calls :func:`begin_rank` with the
+    caller's ``os.environ``."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -79,18 +78,15 @@ def rank_context() -> Any:
     return ctx
 
 
-def take_environment(env: dict[str, str]) -> None:
-    """A started rank's environment: the caller's at the start (a fork server's children would
-    otherwise hold the server's, from when it started), SIGTERM handled as by default (the
-    server ignores it)."""
+def begin_rank(env: dict[str, str]) -> None:
+    """The start of a rank started from :func:`rank_context`: the caller's environment
+    ``env`` (a fork server's children would otherwise hold the server's, from when it
+    started), SIGTERM handled as by default (the server ignores it), and no orphan: the rank
+    exits (status 1) as soon as the process that started it is gone (its end of the pipe
+    multiprocessing keeps to it closes)."""
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def exit_with_parent() -> None:
-    """Leave no orphan: a started rank exits (status 1) as soon as the process that started
-    it is gone (its end of the pipe multiprocessing keeps to it closes)."""
     parent = mp.parent_process()
     if parent is None:
         return
