@@ -5,7 +5,6 @@ rank with a codec, an exact resume through the trainer, and a torchrun launch of
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -14,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume_gloo import SMALL, _same
+from test_resume_gloo import SMALL
 
+from resumes import assert_same, straight_and_resumed
 from spawn import free_port, run_ranks
 from thinwire.codecs.specs import build_codec
 from thinwire.comm.layout import NodeLayout
@@ -25,7 +25,6 @@ from thinwire.comm.torch_dist import TorchComm
 from thinwire.hierarchical import build_aggregator
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
-from thinwire.run.launch import launch
 
 SHAPES = {"w1": (33, 17), "b1": (33,), "w2": (9, 33), "b2": (9,)}
 
@@ -101,16 +100,14 @@ def test_a_hierarchical_run_resumes_exactly(tmp_path):
     cfg = TrainConfig(task="synthetic", method="topk:ratio=0.05,min_numel=64", workers=4, ranks_per_node=2,
                       steps=2 * k, eval_every=k, out=str(tmp_path / "a"), checkpoint_every=k, task_options=SMALL,
                       batch_size=16, threads=1).resolve()
-    straight = launch(cfg, show_progress=False)
-    resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, k))),
-                     show_progress=False)
+    straight, resumed = straight_and_resumed(cfg, k, tmp_path)
     for rank in range(4):
         a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * k), rank)
         b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * k), rank)
         for part in ("model", "optimizer", "meter"):
-            _same(a[part], b[part], f"rank {rank} {part}")
+            assert_same(a[part], b[part], f"rank {rank} {part}")
         timed = ("overlap",)  # seconds measured on the clock: never equal twice
-        _same({k: v for k, v in a["method"].items() if k not in timed},
+        assert_same({k: v for k, v in a["method"].items() if k not in timed},
               {k: v for k, v in b["method"].items() if k not in timed}, f"rank {rank} method")
         assert a["method"]["nodes"] == [2, 2] and a["method"]["feedback"]  # per-shard residuals, restored
     assert resumed.final_loss == straight.final_loss and resumed.resumed_from == k

@@ -4,7 +4,6 @@ K steps end with the parameters, optimizer and hook state of 2K straight steps; 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,29 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from resumes import assert_same, straight_and_resumed
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
-from thinwire.run.launch import launch
 
 SMALL = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
 K = 4
-
-
-def _same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            _same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.mark.timeout(240)
@@ -47,14 +30,12 @@ def _same(a, b, path=""):
 def test_pytorch_hooks_resume_exactly(spec, bucket_mb, tmp_path):
     cfg = TrainConfig(task="synthetic", method=spec, workers=2, steps=2 * K, eval_every=K, out=str(tmp_path / "a"),
                       checkpoint_every=K, task_options=SMALL, batch_size=16, bucket_mb=bucket_mb).resolve()
-    straight = launch(cfg, show_progress=False)
-    resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, K))),
-                     show_progress=False)
+    straight, resumed = straight_and_resumed(cfg, K, tmp_path)
     for rank in range(2):
         a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * K), rank)
         b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * K), rank)
         for part in ("model", "optimizer", "method"):
-            _same(a[part], b[part], f"rank {rank} {part}")
+            assert_same(a[part], b[part], f"rank {rank} {part}")
         # bytes always agree; with several buckets, a fresh DDP's first step runs on its initial
         # buckets (fewer, larger collectives), so calls and messages may differ there
         for op, counts in a["meter"]["ops"].items():

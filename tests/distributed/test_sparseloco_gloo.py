@@ -6,12 +6,11 @@ unbroken run does."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import tiny
+from resumes import straight_and_resumed
 from spawn import run_ranks
 
 SPEC = "sparseloco:period=4,chunk=8,k=6,beta=0.9"
@@ -62,17 +61,13 @@ def test_four_gloo_ranks_agree_after_every_sync_and_send_exactly_the_layout():
 def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
     from thinwire.run import checkpoint
     from thinwire.run.config import TrainConfig
-    from thinwire.run.launch import launch
 
     small = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
     k = 5  # mid-period: syncs after steps 3, 6 and 9
     cfg = TrainConfig(task="synthetic", method="sparseloco:period=3,chunk=8,k=4", workers=2, steps=2 * k,
                       eval_every=k, out=str(tmp_path / "a"), checkpoint_every=k, task_options=small,
                       batch_size=16).resolve()
-    straight = launch(cfg, show_progress=False)
-    resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(cfg.out, k))),
-                     show_progress=False)
-    assert straight is not None and resumed is not None
+    straight, resumed = straight_and_resumed(cfg, k, tmp_path)
     assert resumed.final_loss == straight.final_loss and resumed.resumed_from == k
     for rank in range(2):
         a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * k), rank)

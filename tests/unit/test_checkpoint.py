@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resumes import assert_same
 from thinwire.algorithms.methods import method_names
 from thinwire.comm.local import LocalWorld
 from thinwire.peers.detonation_demo import detonation_available
@@ -47,24 +48,6 @@ def _train(cfg: TrainConfig) -> list:
     return LocalWorld(cfg.workers).run(lambda comm: train_rank(cfg, comm))
 
 
-def _assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            if "seconds" not in str(k):  # clock readings (e.g. the overlap window's) differ between runs
-                _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
 def _state(out: Path, step: int, rank: int) -> dict:
     return checkpoint.load_rank(checkpoint.step_dir(out, step), rank)
 
@@ -80,13 +63,13 @@ def test_k_steps_and_a_resume_end_bit_identical_to_2k_straight_steps(name, tmp_p
     for rank in range(cfg.workers):
         a, b = _state(Path(cfg.out), 2 * K, rank), _state(tmp_path / "b", 2 * K, rank)
         for part in ("model", "optimizer", "meter", "rng"):
-            _assert_same(a[part], b[part], f"rank {rank} {part}")
+            assert_same(a[part], b[part], f"rank {rank} {part}", clocks=False)
         # everything of the method's but DaSGD's warm-up clock readings (they size delay=auto)
-        _assert_same({k: v for k, v in a["method"].items() if k != "warm"},
-                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method")
+        assert_same({k: v for k, v in a["method"].items() if k != "warm"},
+                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method", clocks=False)
         # clocks differ: times, and DaSGD's hidden fraction (a ratio of two of them)
         untimed = lambda ev: {k: v for k, v in ev.items() if "seconds" not in k and k != "hidden_fraction"}  # noqa: E731
-        _assert_same(untimed(a["last_eval"]), untimed(b["last_eval"]), f"rank {rank} last_eval")
+        assert_same(untimed(a["last_eval"]), untimed(b["last_eval"]), f"rank {rank} last_eval", clocks=False)
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker", "messages_per_worker"):
         assert getattr(resumed, key) == getattr(straight, key), key
     assert resumed.resumed_from == K and straight.resumed_from is None
@@ -387,8 +370,8 @@ def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, t
     for rank in range(straight_cfg.workers):
         a, b = _state(Path(straight_cfg.out), 2 * K, rank), _state(tmp_path / "k", 2 * K, rank)
         for part in ("model", "optimizer"):
-            _assert_same(a[part], b[part], f"rank {rank} {part}")
-        _assert_same({k: v for k, v in a["method"].items() if k != "warm"},
-                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method")
+            assert_same(a[part], b[part], f"rank {rank} {part}", clocks=False)
+        assert_same({k: v for k, v in a["method"].items() if k != "warm"},
+                     {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method", clocks=False)
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker"):
         assert getattr(longer, key) == getattr(straight, key), key

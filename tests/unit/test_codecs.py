@@ -414,6 +414,16 @@ def test_describe_rebuilds_the_same_config(spec):
         ("kernels:r_min=0.5", r"r_min must be <= r_max, got r_min=0.5 > r_max=0.25"),
         ("kernels:beta=-1", r"beta must be >= 0, got -1"),
         ("kernels:granularity=channel", r"granularity must be one of kernel\|filter, got 'channel'"),
+        ("fft:theta=1", r"theta must be in \[0, 1\), got 1"),
+        ("fft:theta_min=1", r"theta_min must be in \[0, 1\), got 1"),
+        ("fft:schedule=exp", r"schedule must be one of constant\|linear\|cosine\|step\|recover, got 'exp'"),
+        ("fft:factor=1", r"factor must be > 1, got 1"),
+        ("fft:bits=8,exp_bits=3,man_bits=3", r"exp_bits \+ man_bits \+ 1 must equal bits: 3 \+ 3 \+ 1 != 8"),
+        ("fft:horizon=0", r"horizon must be >= 1, got 0"),
+        ("fft:theta=-0.1", r"theta must be in \[0, 1\), got -0.1"),
+        ("fft:bits=12", r"bits must be in 3..8, 16 or 32, got 12"),
+        ("fft:exp_bits=8", r"exp_bits must be in 1..7, got 8"),
+        ("fft:positions=list", r"positions must be one of auto\|bitmap\|index, got 'list'"),
     ],
 )
 def test_bad_knobs_raise_with_the_rule(spec, rule):

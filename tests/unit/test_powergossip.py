@@ -75,16 +75,21 @@ def test_both_ends_of_an_edge_hold_bit_identical_p_and_q():
             assert torch.equal(a, b)
 
 
+def _mix(model, g, steps: int) -> list[torch.Tensor]:
+    """The model's matrix before and after each of ``steps`` gossip steps (no gradients)."""
+    xs = [model.x.detach().clone()]
+    for _ in range(steps):
+        g.after_backward()
+        xs.append(model.x.detach().clone())
+    return xs
+
+
 def test_consensus_falls_monotonically_on_the_standard_problem():
     """8 workers on a ring, each a 100 x 100 N(0, 1) matrix, no gradients."""
     def fn(comm):
         model = Square(comm.rank)
         g = PowerGossip(model, None, comm, PowerGossipConfig(rank=1))
-        xs = [model.x.detach().clone()]
-        for _ in range(30):
-            g.after_backward()
-            xs.append(model.x.detach().clone())
-        return xs
+        return _mix(model, g, 30)
 
     errors = _consensus_errors(LocalWorld(8).run(fn))
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
@@ -148,11 +153,7 @@ def test_gossip_still_mixes_after_steps_where_the_models_agree(spec):
             g.after_backward()  # nothing to mix yet
         with torch.no_grad():  # a local update: the models drift apart
             model.x.add_(torch.randn(100, 100, generator=torch.Generator().manual_seed(comm.rank)))
-        xs = [model.x.detach().clone()]
-        for _ in range(30):
-            g.after_backward()
-            xs.append(model.x.detach().clone())
-        return xs
+        return _mix(model, g, 30)
 
     errors = _consensus_errors(LocalWorld(8).run(fn))
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
