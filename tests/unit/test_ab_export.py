@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from test_ab import _data
 from torch import nn
 
 from thinwire.algorithms.ab import ABConfig, ABTraining
@@ -53,15 +54,8 @@ def _plain() -> Plain:
     return model
 
 
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(16, 1, 6, 6, generator=g)
-    m = x.mean((1, 2, 3))
-    return x, (m > -0.07).long() + (m > 0.07).long()
-
-
 def _step(model, opt, ab, rank: int, step: int) -> None:
-    x, y = _batch(rank, step)
+    x, y = _data(rank, step)  # test_ab.py's batches: three classes by the mean
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     if ab is not None:
