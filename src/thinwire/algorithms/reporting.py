@@ -32,7 +32,8 @@ class Reports:
         return {"method": self.spec}
 
     def summary_fields(self) -> dict[str, Any]:
-        """Top-level fields added to summary.json. Default: none."""
+        """Top-level fields added to summary.json (the summary's ``method_fields``; a name of
+        the summary's own fields is refused when it is written). Default: none."""
         return {}
 
     def per_parameter(self) -> list[dict[str, Any]]:
