@@ -187,11 +187,6 @@ class FFT(Codec):
             plan = self._plans[(n, theta)] = _Plan(length, bins, kept, bitmap, spec)
         return plan
 
-    def _sizes(self, n: int) -> tuple[int, int, int]:
-        """(L padded length, B bins, K kept bins) at the current step."""
-        plan = self._plan(n)
-        return plan.length, plan.bins, plan.kept
-
     def _bitmap(self, bins: int, kept: int) -> bool:
         if self.config.positions != "auto":
             return self.config.positions == "bitmap"

@@ -588,13 +588,6 @@ def decide_over(tables: list[list[dict[str, Any]]], links: tuple[str, ...],
     return out
 
 
-def best_per_link(records: list[dict[str, Any]], links: tuple[str, ...],
-                  figure: str = "accuracy") -> dict[str, str | None]:
-    """Per link: the winner beyond the noise (:func:`decide`), None on a tie or when no method
-    completed."""
-    return {link: d.best for link, d in decide(standings(records, links), links, figure).items()}
-
-
 def _num(x: Any, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 

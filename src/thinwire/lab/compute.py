@@ -40,10 +40,6 @@ class SharedCompute:
         return (f"{1e3 * self.per_step:.1f} ms a step [{1e3 * self.lo:.1f}–{1e3 * self.hi:.1f}] over "
                 f"{self.blocks} block{'s' if self.blocks != 1 else ''}")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"per_step_seconds": self.per_step, "lo_seconds": self.lo, "hi_seconds": self.hi,
-                "blocks": self.blocks, "methods": list(self.methods)}
-
 
 def summarize(blocks: list[float], methods: tuple[str, ...] = ()) -> SharedCompute | None:
     """The shared figure of per-step compute ``blocks`` (seconds), or None when there are none."""
