@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -48,13 +47,16 @@ def digest(tensors: Any) -> str:
     return h.hexdigest()
 
 
-def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict[str, Any]) -> None:
+def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict[str, Any],
+           env: dict[str, str]) -> None:
     """Train to ``steps``; ``plan``: ``die_at`` (SIGKILL itself after that step's backward,
     before its vote), ``leave_after`` (close after committing that step), ``min_workers``,
     ``wait_s``, ``check_join`` (on a heal, report whether the model is the method's global one),
     ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
+    from thinwire.run.spawn import begin_rank
 
+    begin_rank(env)
     time.sleep(plan.get("join_after", 0.0))
 
     torch.set_num_threads(1)
@@ -116,18 +118,22 @@ def shared_state(method: Any) -> Any:
 
 
 class Job:
-    """A Lighthouse here and workers in spawned processes; :meth:`results` by replica."""
+    """A Lighthouse here and workers started as local ranks are (thinwire.run.spawn.rank_context);
+    :meth:`results` by replica."""
 
     def __init__(self, min_workers: int = 2) -> None:
         from thinwire.elastic import serve
 
         self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=HEARTBEAT_S)
-        self.ctx = mp.get_context("spawn")
+        from thinwire.run.spawn import rank_context
+
+        self.ctx = rank_context()
         self.q = self.ctx.Queue()
         self.procs: list[Any] = []
 
     def start(self, replica: int, spec: str, steps: int, **plan: Any) -> Any:
-        p = self.ctx.Process(target=worker, args=(replica, self.lighthouse.address, spec, steps, self.q, plan))
+        p = self.ctx.Process(target=worker, args=(replica, self.lighthouse.address, spec, steps, self.q, plan,
+                                                  dict(os.environ)))
         p.start()
         self.procs.append(p)
         return p

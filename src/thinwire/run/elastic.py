@@ -284,18 +284,18 @@ def _own_resume(path: str, replica: int) -> str:
 
 
 def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
-    import multiprocessing as mp
-
     from thinwire.elastic.lighthouse import serve
+    from thinwire.run.spawn import rank_context
 
     lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     if cfg.out:
         for r in range(cfg.workers):
             outdir.mkdir(cfg.out, f"worker-{r}")
-    procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, q, threads), daemon=False)
+    procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, q, threads, dict(os.environ)),
+                         daemon=False)
              for r in range(cfg.workers)]
     printer = _Printer(show_progress)
     summaries: dict[int, dict[str, Any]] = {}
@@ -338,9 +338,11 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
     return summary
 
 
-def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, threads: int) -> None:
+def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, threads: int, env: dict[str, str]) -> None:
     from thinwire.run.launch import loopback_interface
+    from thinwire.run.spawn import begin_rank
 
+    begin_rank(env)  # the launcher's environment; gone with the launcher
     torch.set_num_threads(threads)
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:  # a local job's workers talk on this machine only
