@@ -1,8 +1,14 @@
-"""Run a function on N spawned local ranks with gloo, with a hard timeout.
+"""Start local ranks: where they start from (:func:`rank_context`, a fork server that imported
+torch once), how each begins (:func:`begin_rank`) and ends (:func:`leave_rank`); and
+:func:`run_ranks`, a function on N local gloo ranks with a hard timeout.
 
-For tests, benchmarks and experiments that need a real ``torch.distributed`` world on one
-machine: ``run_ranks(fn, 2, *args)`` calls ``fn(rank, world_size, *args)`` in each rank
-(``fn`` must be importable: a module-level function) and returns the results by rank.
+``run_ranks`` is for tests, benchmarks and experiments that need a real ``torch.distributed``
+world on one machine: ``run_ranks(fn, 2, *args)`` calls ``fn(rank, world_size, *args)`` in
+each rank (``fn`` must be importable: a module-level function) and returns the results by rank.
+
+The fork server's preload is set for the whole process (``set_forkserver_preload``); a server
+this process started before thinwire's first run, with a preload of its own, is used as it
+is: the ranks then import what they need themselves, and the server does not ignore SIGTERM.
 """
 
 from __future__ import annotations
