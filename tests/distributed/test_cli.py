@@ -20,7 +20,23 @@ SUMMARY_KEYS = {
 }
 
 
-def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``thinwire ARGS`` in this process (its ranks start from this process's fork server, as a
+    command's do from its own): the exit status and what the command printed."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own exits (--help, --version, a parse error)
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["thinwire", *args], code, out.getvalue(), err.getvalue())
+
+
+def _cli_process(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m thinwire ARGS`` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "thinwire", *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -207,7 +223,7 @@ def test_version_prints_the_package_version(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"thinwire {__version__}\n"
-    r = _cli("--version")
+    r = _cli_process("--version")
     assert r.returncode == 0 and r.stdout == f"thinwire {__version__}\n"
 
 
