@@ -52,7 +52,8 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     """Train to ``steps``; ``plan``: ``die_at`` (SIGKILL itself after that step's backward,
     before its vote), ``leave_after`` (close after committing that step), ``min_workers``,
     ``wait_s``, ``check_join`` (on a heal, report whether the model is the method's global one),
-    ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step)."""
+    ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step),
+    ``mark`` (a file created once this worker has committed a step: it is training)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
@@ -87,7 +88,8 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
             time.sleep(plan.get("pace", 0.0))
             if plan.get("die_at") == done + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            w.commit(loss)
+            if w.commit(loss) and plan.get("mark") and not os.path.exists(plan["mark"]):
+                open(plan["mark"], "w").close()
             if plan.get("leave_after") == w.step:
                 break
     except (QuorumLost, Refused) as e:

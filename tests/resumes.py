@@ -23,6 +23,15 @@ def straight_and_resumed(cfg: Any, k: int, tmp_path: Path) -> tuple[Any, Any]:
     return straight, resumed
 
 
+def rank_states(out_a: Any, out_b: Any, step: int, workers: int) -> list[tuple[int, dict, dict]]:
+    """Each rank's checkpointed state at ``step`` in the run folders ``out_a`` and ``out_b``:
+    ``(rank, a, b)`` for every rank."""
+    from thinwire.run import checkpoint
+
+    return [(rank, checkpoint.load_rank(checkpoint.step_dir(out_a, step), rank),
+             checkpoint.load_rank(checkpoint.step_dir(out_b, step), rank)) for rank in range(workers)]
+
+
 def assert_same(a: Any, b: Any, path: str = "", *, clocks: bool = True) -> None:
     """``a`` and ``b`` equal all the way down (tensors bit for bit); ``clocks=False`` passes
     over keys naming seconds (clock readings differ between runs)."""

@@ -48,6 +48,21 @@ def backward(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step
     nn.functional.cross_entropy(model(x), y).backward()
 
 
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, method, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step on the batch ``(x, y)``: zeroed gradients, the cross-entropy's backward pass,
+    ``method.after_backward()``, the optimizer's step, ``method.after_step()`` (``method``
+    None: the optimizer's step alone). The loss."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    if method is not None:
+        method.after_backward()
+    optimizer.step()
+    if method is not None:
+        method.after_step()
+    return loss
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     """The model's parameters and float buffers as one flat vector."""
     return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
@@ -86,19 +101,10 @@ def rule_steps(comm, model: nn.Module, opt: torch.optim.Optimizer, steps: int, *
     (without a method, an optimizer that averages itself: its step alone); ``each_step(step)``
     after each. The losses, one per step."""
     losses = []
-    for step in range(steps):
-        x, y = rule_batch(comm.rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        if method is not None:
-            method.after_backward()
-        opt.step()
-        if method is not None:
-            method.after_step()
-        losses.append(loss.item())
+    for i in range(steps):
+        losses.append(step(model, opt, method, *rule_batch(comm.rank, i)).item())
         if each_step is not None:
-            each_step(step)
+            each_step(i)
     return losses
 
 

@@ -23,6 +23,21 @@ def require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (a number > 0), or ``default`` where it
+    is not set; ``ValueError`` names the variable and the rule."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def convert(value: Any, typ: Any, what: str) -> Any:
     """Parse ``value`` (a string from a spec or the CLI, or an already typed value) into the
     annotated type ``typ``; ``ValueError`` names ``what`` and the rule."""

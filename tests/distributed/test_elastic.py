@@ -139,7 +139,7 @@ def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exac
     assert again["0"]["summary"]["final"]["test_loss"] == ref["0"]["summary"]["final"]["test_loss"]
 
 
-def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state():
+def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state(tmp_path):
     import os
     import signal
     import time
@@ -147,8 +147,11 @@ def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state():
     job = Job()
     try:
         for r in range(3):
-            job.start(r, "powersgd:rank=2,min_numel=0", 350, pace=0.02, start_workers=3)
-        time.sleep(6.0)  # started (spawn, imports, the first quorum of three) and training
+            job.start(r, "powersgd:rank=2,min_numel=0", 350, pace=0.02, start_workers=3, mark=str(tmp_path / f"{r}"))
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}").exists() for r in range(3)):  # all three are training
+            assert time.monotonic() < deadline and all(p.is_alive() for p in job.procs)
+            time.sleep(0.05)
         os.kill(job.procs[2].pid, signal.SIGSTOP)
         stopped = time.time()
         time.sleep(6.0)

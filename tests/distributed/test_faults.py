@@ -25,6 +25,9 @@ def _cmd(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "thinwire", "train", *TASK, "--workers", "2", "--out", str(out), "--quiet", *extra]
 
 
+GRACE_S = 3  # THINWIRE_STOP_GRACE of the tests of a stop's grace (the default, 10 s: test_reliability.py)
+
+
 def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(TESTS), **extra)  # usercodec.signalself is found by its name
 
@@ -71,12 +74,12 @@ def test_a_rank_stopped_by_sigstop_is_the_one_named_and_a_resumed_run_counts_fro
     first = subprocess.run(_cmd(out, "--steps", "6", "--checkpoint-every", "6", "--import", "usercodec.signalself",
                                 "--method", "signalself"), capture_output=True, text=True, timeout=150, env=_env())
     assert first.returncode == 0, first.stderr  # no SIGNALSELF_* set: no signal
-    # ended by the 10 s collective timeout, which the line below names ("timed out waiting"); the
+    # ended by the 3 s collective timeout, which the line below names ("timed out waiting"); the
     # subprocess timeout only guards against a hang
     r = subprocess.run([sys.executable, "-m", "thinwire", "train", "--resume", str(out), "--steps", "1000", "--quiet"],
                        capture_output=True, text=True, timeout=150,
                        env=_env(SIGNALSELF_RANK="1", SIGNALSELF_AT="3", SIGNALSELF_SIGNAL="STOP",
-                                THINWIRE_COLLECTIVE_TIMEOUT="10"))
+                                THINWIRE_COLLECTIVE_TIMEOUT="3"))
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     # rank 1 stopped in its 3rd step after the checkpoint at 6 (8 completed on rank 0 at most)
@@ -198,11 +201,10 @@ def test_a_rank_stopped_while_its_peer_is_in_a_long_step_is_named_by_the_launche
 
 @pytest.mark.timeout(120)
 def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_and_exits_143(tmp_path):
-    from thinwire.run.launch import STOP_GRACE_S
-
     out, marks = tmp_path / "run", tmp_path / "marks"
     marks.mkdir()
-    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0,1", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks))
+    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0,1", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks),
+               THINWIRE_STOP_GRACE=str(GRACE_S))
     proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
     ranks: list[int] = []
     try:
@@ -215,8 +217,8 @@ def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_an
     finally:
         _kill([proc.pid, *ranks])
     assert proc.returncode == 143, err
-    assert STOP_GRACE_S <= took < STOP_GRACE_S + 5, (took, err)
-    assert "did not reach a step's end within 10 s of the signal and were ended" in err, err
+    assert GRACE_S <= took < GRACE_S + 5, (took, err)
+    assert f"did not reach a step's end within {GRACE_S} s of the signal and were ended" in err, err
     assert "stopped by SIGTERM after step 3; the ranks did not reach" in err, err
     assert "nothing after the last checkpoint was kept" in err, err
     assert checkpoint.locate(out) == checkpoint.step_dir(out, 3)  # the last one kept stays
@@ -228,13 +230,12 @@ def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_an
 def test_a_first_sigterm_ends_a_torchrun_rank_in_a_step_of_minutes_within_the_grace_and_exits_143(tmp_path):
     # a world of one torchrun rank (torchrun's variables, no thinwire launcher): the rank's own timer
     from spawn import free_port
-    from thinwire.run.launch import STOP_GRACE_S
 
     out, marks = tmp_path / "run", tmp_path / "marks"
     marks.mkdir()
     env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="", THINWIRE_STOP_GRACE=str(GRACE_S))
     proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
     try:
         _wait_for([marks / "rank0"], proc)
@@ -245,7 +246,7 @@ def test_a_first_sigterm_ends_a_torchrun_rank_in_a_step_of_minutes_within_the_gr
     finally:
         _kill([proc.pid])
     assert proc.returncode == 143, err
-    assert STOP_GRACE_S <= took < STOP_GRACE_S + 5, (took, err)
+    assert GRACE_S <= took < GRACE_S + 5, (took, err)
     line = err.strip().splitlines()[-1]
     assert line.startswith("thinwire: stopped by SIGTERM after step 3; the ranks did not reach a step's end "), line
     assert line.endswith("so nothing after the last checkpoint was kept"), line

@@ -18,18 +18,22 @@ SWAPPED = ("ranks disagree on the model's parameters: parameter 0 is fc1.weight 
            f"fc2.weight (10x64, float32) on rank 1; {RULE}")
 
 
+def _register(module: torch.nn.Module, layers: dict[str, tuple[int, int]], swapped: bool) -> None:
+    """Linear layers of the given (in, out) sizes, built in the given order from seed 0 (so
+    each has the same weights either way) and registered in it, or the reverse (``swapped``)."""
+    torch.manual_seed(0)
+    built = [(name, torch.nn.Linear(*size)) for name, size in layers.items()]
+    for name, layer in reversed(built) if swapped else built:
+        setattr(module, name, layer)
+
+
 class Net(torch.nn.Module):
     """fc1 then fc2 in the forward pass, whatever order they were registered in (``swapped``:
     fc2 first); ``extra``: a third layer after them."""
 
     def __init__(self, swapped: bool = False, extra: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        fc1, fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 10)
-        if swapped:
-            self.fc2, self.fc1 = fc2, fc1
-        else:
-            self.fc1, self.fc2 = fc1, fc2
+        _register(self, {"fc1": (32, 64), "fc2": (64, 10)}, swapped)
         self.fc3 = torch.nn.Linear(10, 10) if extra else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,12 +46,7 @@ class Twins(torch.nn.Module):
 
     def __init__(self, swapped: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        a, b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
-        if swapped:
-            self.b, self.a = b, a
-        else:
-            self.a, self.b = a, b
+        _register(self, {"a": (16, 16), "b": (16, 16)}, swapped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(F.relu(self.a(x)))

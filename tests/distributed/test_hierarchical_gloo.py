@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_resume_gloo import SMALL
 
-from resumes import assert_same, straight_and_resumed
+from resumes import assert_same, rank_states, straight_and_resumed
 from spawn import free_port, run_ranks
 from thinwire.codecs.specs import build_codec
 from thinwire.comm.layout import NodeLayout
@@ -23,7 +23,6 @@ from thinwire.comm.meter import sent_bytes
 from thinwire.comm.nodes import build_hierarchy
 from thinwire.comm.torch_dist import TorchComm
 from thinwire.hierarchical import build_aggregator
-from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 
 SHAPES = {"w1": (33, 17), "b1": (33,), "w2": (9, 33), "b2": (9,)}
@@ -101,9 +100,7 @@ def test_a_hierarchical_run_resumes_exactly(tmp_path):
                       steps=2 * k, eval_every=k, out=str(tmp_path / "a"), checkpoint_every=k, task_options=SMALL,
                       batch_size=16, threads=1).resolve()
     straight, resumed = straight_and_resumed(cfg, k, tmp_path)
-    for rank in range(4):
-        a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * k), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * k), rank)
+    for rank, a, b in rank_states(cfg.out, tmp_path / "b", 2 * k, 4):
         for part in ("model", "optimizer", "meter"):
             assert_same(a[part], b[part], f"rank {rank} {part}")
         timed = ("overlap",)  # seconds measured on the clock: never equal twice

@@ -15,6 +15,7 @@ from torch import nn
 
 pytest.importorskip("detonation", reason="detonation is not installed (pip install detonation mltiming)")
 
+from resumes import rank_states  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 from thinwire.peers.detonation_demo import PeerDeMo, PeerDeMoConfig  # noqa: E402
 
@@ -250,9 +251,7 @@ def test_trainer_runs_and_resumes_it(tmp_path):
     resumed = launch(dataclasses.replace(cfg, out=str(tmp_path / "b"), resume=str(checkpoint.step_dir(out, 3))),
                      show_progress=False)
     assert resumed is not None and resumed.resumed_from == 3
-    for rank in range(2):
-        a = checkpoint.load_rank(checkpoint.step_dir(out, 6), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 6), rank)
+    for _, a, b in rank_states(out, tmp_path / "b", 6, 2):
         for name, t in a["model"].items():
             assert torch.equal(t, b["model"][name]), name
     assert resumed.final_loss == straight.final_loss

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resumes import assert_same, straight_and_resumed
+from resumes import assert_same, rank_states, straight_and_resumed
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
 
@@ -31,9 +31,7 @@ def test_pytorch_hooks_resume_exactly(spec, bucket_mb, tmp_path):
     cfg = TrainConfig(task="synthetic", method=spec, workers=2, steps=2 * K, eval_every=K, out=str(tmp_path / "a"),
                       checkpoint_every=K, task_options=SMALL, batch_size=16, bucket_mb=bucket_mb).resolve()
     straight, resumed = straight_and_resumed(cfg, K, tmp_path)
-    for rank in range(2):
-        a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * K), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * K), rank)
+    for rank, a, b in rank_states(cfg.out, tmp_path / "b", 2 * K, 2):
         for part in ("model", "optimizer", "method"):
             assert_same(a[part], b[part], f"rank {rank} {part}")
         # bytes always agree; with several buckets, a fresh DDP's first step runs on its initial

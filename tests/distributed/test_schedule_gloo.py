@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from resumes import rank_states
 from thinwire.optim import schedule
 from thinwire.run import checkpoint
 from thinwire.run.config import TrainConfig
@@ -23,9 +24,7 @@ def _rows(out):
 
 
 def _models_equal(out_a, out_b, step):
-    for rank in range(2):
-        a = checkpoint.load_rank(checkpoint.step_dir(out_a, step), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(out_b, step), rank)
+    for rank, a, b in rank_states(out_a, out_b, step, 2):
         for k in a["model"]:
             assert torch.equal(a["model"][k], b["model"][k]), (rank, k)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny
-from resumes import straight_and_resumed
+from resumes import rank_states, straight_and_resumed
 from spawn import run_ranks
 
 SPEC = "sparseloco:period=4,chunk=8,k=6,beta=0.9"
@@ -59,7 +59,6 @@ def test_four_gloo_ranks_agree_after_every_sync_and_send_exactly_the_layout():
 
 @pytest.mark.timeout(300)
 def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
-    from thinwire.run import checkpoint
     from thinwire.run.config import TrainConfig
 
     small = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
@@ -69,9 +68,7 @@ def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
                       batch_size=16).resolve()
     straight, resumed = straight_and_resumed(cfg, k, tmp_path)
     assert resumed.final_loss == straight.final_loss and resumed.resumed_from == k
-    for rank in range(2):
-        a = checkpoint.load_rank(checkpoint.step_dir(cfg.out, 2 * k), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(tmp_path / "b", 2 * k), rank)
+    for rank, a, b in rank_states(cfg.out, tmp_path / "b", 2 * k, 2):
         for name, t in a["model"].items():
             assert torch.equal(t, b["model"][name]), (rank, name)
         residual = a["method"]["fragments"][0]["agg"]["feedback"]["model"]

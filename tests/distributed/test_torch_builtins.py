@@ -30,16 +30,7 @@ def _train(rank, world, spec):
     comm = TorchComm()
     method = build_method(spec, model, opt, comm)
     net = getattr(method, "module", model)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        method.after_backward()
-        opt.step()
-        method.after_step()
-        losses.append(loss.item())
+    losses = [tiny.step(net, opt, method, *_batch(rank, step)).item() for step in range(STEPS)]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return losses, comm.meter.bytes_sent, flat, method.timing.comm_seconds
 

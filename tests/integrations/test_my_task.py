@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resumes import rank_states
 from thinwire.cli import main
 from thinwire.run import checkpoint
 from thinwire.run.config import file_module_name, import_modules
@@ -86,9 +87,7 @@ def test_a_resumed_run_of_the_users_task_ends_as_a_straight_run(tmp_path, capsys
     sys.modules.pop(file_module_name(EXAMPLE), None)
     assert main(["train", "--resume", str(checkpoint.step_dir(straight, 10)), "--out", str(resumed), "--quiet"]) == 0
     capsys.readouterr()
-    for rank in range(2):
-        a = checkpoint.load_rank(checkpoint.step_dir(straight, 20), rank)
-        b = checkpoint.load_rank(checkpoint.step_dir(resumed, 20), rank)
+    for rank, a, b in rank_states(straight, resumed, 20, 2):
         assert list(a["model"]) == list(b["model"]) and a["model"]
         for key, tensor in a["model"].items():
             assert torch.equal(tensor, b["model"][key]), f"rank {rank} {key}"

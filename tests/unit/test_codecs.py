@@ -194,16 +194,9 @@ def _rows_error(x: torch.Tensor, k: int, score: str) -> float:
 
 
 def _fft_bound(x: torch.Tensor, theta: float, exp_bits: int, man_bits: int) -> float:
-    from thinwire.codecs.fft import fast_length
+    from test_fft import spectrum
 
-    n = x.numel()
-    length = fast_length(n)
-    spec = torch.fft.rfft(x.reshape(-1).double(), n=length)
-    w = torch.full((spec.numel(),), 2.0, dtype=torch.float64)
-    w[0] = 1
-    if length % 2 == 0:
-        w[-1] = 1
-    energy = w * spec.abs().square()
+    spec, w, energy, length = spectrum(x)
     kept = math.ceil((1 - theta) * spec.numel())
     top = energy.topk(kept).indices
     parts = torch.view_as_real(spec[top])  # (K, 2) real and imaginary parts

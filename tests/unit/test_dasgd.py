@@ -30,18 +30,10 @@ def _train(comm, make, steps: int, *, same=False, bn=False, lr=0.1, momentum=0.0
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     method = make(model, opt, comm) if make is not None else None
     for step in range(steps):
-        x, y = _batch(comm.rank if comm is not None else 0, step, same)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        if method is not None:
-            method.after_backward()
-        opt.step()
-        if method is not None:
-            method.after_step()
+        tiny.step(model, opt, method, *_batch(comm.rank if comm is not None else 0, step, same))
         if hook is not None:
             hook(step, model, method)
-    flat = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
-    return flat, method
+    return tiny.flat(model), method
 
 
 def dasgd(**knobs):
@@ -242,12 +234,7 @@ def _resumed_equals_straight(cut, codec, saved_as):
                 opt.load_state_dict(saved[1])
                 m = make(model, opt, comm)
                 m.load_state_dict(saved[2])
-            x, y = _batch(comm.rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            m.after_backward()
-            opt.step()
-            m.after_step()
+            tiny.step(model, opt, m, *_batch(comm.rank, step))
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     resumed = LocalWorld(2).run(fn)

@@ -11,6 +11,19 @@ from thinwire.codecs.specs import build_codec
 from thinwire.comm.local import LocalWorld
 
 
+def spectrum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``x``'s rfft at the codec's padded length, in float64: the bins, each bin's weight in
+    Parseval's sum (2, but 1 for DC and, at an even length, Nyquist), their weighted energies
+    and the length."""
+    length = fast_length(x.numel())
+    spec = torch.fft.rfft(x.reshape(-1).double(), n=length)
+    w = torch.full((spec.numel(),), 2.0, dtype=torch.float64)
+    w[0] = 1
+    if length % 2 == 0:
+        w[-1] = 1
+    return spec, w, w * spec.abs().square(), length
+
+
 def _x(shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
@@ -24,13 +37,7 @@ the sampled selection; 675: odd). Padded lengths (4160 ->
     x = _x(shape).double().float()
     codec = build_codec("fft:theta=0.7,bits=32")
     out = codec.decode(codec.encode(x))
-    length = fast_length(x.numel())
-    spec = torch.fft.rfft(x.reshape(-1).double(), n=length)
-    w = torch.full((spec.numel(),), 2.0, dtype=torch.float64)
-    w[0] = 1
-    if length % 2 == 0:
-        w[-1] = 1
-    energy = w * spec.abs().square()
+    spec, _, energy, length = spectrum(x)
     kept = energy.topk(math.ceil(0.3 * spec.numel())).values.sum() / energy.sum()
     err = ((x - out).double().square().sum() / x.double().square().sum()).item()
     if length == x.numel():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import tiny
 from thinwire.algorithms.gossip import DPSGD, DPSGDConfig
 from thinwire.comm.local import LocalWorld
 
@@ -16,12 +17,7 @@ BASE = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(
 
 
 def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+    return tiny.batch(1000 * step + rank, 8, 6, 3)
 
 
 def _run(n, topology, steps, lr=0.1, mix=None):
@@ -30,13 +26,8 @@ def _run(n, topology, steps, lr=0.1, mix=None):
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         method = DPSGD(model, opt, comm, DPSGDConfig(topology=topology)) if mix is None else mix(model, comm)
         for step in range(steps):
-            x, y = _batch(comm.rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            method.after_backward()
-            opt.step()
-            method.after_step()
-        return _flat(model), comm.meter.snapshot()
+            tiny.step(model, opt, method, *_batch(comm.rank, step))
+        return tiny.flat(model), comm.meter.snapshot()
 
     return LocalWorld(n).run(fn)
 
@@ -82,11 +73,11 @@ def test_gossip_keeps_the_network_average(topology, n):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(comm.rank)))
-        before = _flat(model)
+        before = tiny.flat(model)
         method = DPSGD(model, None, comm, DPSGDConfig(topology=topology))
         for _ in range(3):
             method.after_backward()
-        return before, _flat(model)
+        return before, tiny.flat(model)
 
     results = LocalWorld(n).run(fn)
     before = torch.stack([r[0] for r in results])
@@ -98,7 +89,7 @@ def test_gossip_keeps_the_network_average(topology, n):
 
 def test_bytes_per_step_are_degree_times_the_model():
     results = _run(8, "exponential", 3)
-    numel = _flat(BASE).numel()
+    numel = tiny.flat(BASE).numel()
     for _, meter in results:
         assert meter["send"]["bytes"] == 3 * 5 * 4 * numel  # 3 steps, degree 5, fp32
         assert meter["send"]["calls"] == 3 * 5

@@ -299,9 +299,20 @@ def test_the_default_collective_timeout_keeps_the_promise_of_a_hang_ending_withi
     assert torch_dist.collective_timeout() == 3.0 and torch_dist.hang_limit() == 13.0
 
 
-def test_a_bad_collective_timeout_in_the_environment_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv("THINWIRE_COLLECTIVE_TIMEOUT", "soon")
-    _refused(capsys, ["train", *TASK], "THINWIRE_COLLECTIVE_TIMEOUT must be a number of seconds > 0, got 'soon'")
+@pytest.mark.parametrize("name, value", [("THINWIRE_COLLECTIVE_TIMEOUT", "soon"), ("THINWIRE_STOP_GRACE", "0"),
+                                         ("THINWIRE_STOP_GRACE", "inf")])
+def test_a_bad_collective_timeout_or_stop_grace_in_the_environment_is_refused(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(name, value)
+    _refused(capsys, ["train", *TASK], f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+def test_the_stop_grace_is_10_s_unless_the_environment_sets_it(monkeypatch):
+    from thinwire.run import config
+
+    monkeypatch.delenv(config.STOP_GRACE_ENV, raising=False)
+    assert config.stop_grace() == config.STOP_GRACE_S == 10.0
+    monkeypatch.setenv(config.STOP_GRACE_ENV, "2.5")
+    assert config.stop_grace() == 2.5
 
 
 @pytest.mark.spawns

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from thinwire.comm.base import Communicator, Done, Handle
 from thinwire.comm.meter import ByteMeter
+from thinwire.knobs import env_seconds
 
 # -- how long a rank that stops responding can hold a run ----------------------------------------
 # A rank that stops (SIGSTOP, a frozen machine) ends the run within HANG_LIMIT_S. Its peers
@@ -54,16 +55,7 @@ def collective_timeout() -> float:
     (derived from :data:`HANG_LIMIT_S`), or the ``THINWIRE_COLLECTIVE_TIMEOUT`` environment
     variable (a number > 0), which sets the timeout itself; the hang limit then follows it
     (:func:`hang_limit`)."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None:
-        return COLLECTIVE_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value < float("inf")):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
+    return env_seconds(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S)
 
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -14,6 +14,7 @@ from typing import Any
 
 from thinwire.algorithms.methods import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
 from thinwire.codecs.config import require
+from thinwire.knobs import env_seconds
 from thinwire.run.memory_estimate import BYTES_PER_WORKER, check_batch
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "muon")  # --optimizer: sgd has momentum 0.9; muon: thinwire.optim.muon
@@ -312,7 +313,8 @@ def plan(cfg: TrainConfig) -> Facts:
     import_modules(imports)
     defaults = get_task(cfg.task).defaults
     torchrun = "RANK" in os.environ
-    collective_timeout()  # a bad THINWIRE_COLLECTIVE_TIMEOUT is refused here, before any rank starts
+    collective_timeout()  # a bad THINWIRE_COLLECTIVE_TIMEOUT or THINWIRE_STOP_GRACE is refused here, before
+    stop_grace()  # any rank starts
     facts = Facts(defaults=defaults, imports=imports, torchrun=torchrun,
                   world=int(os.environ["WORLD_SIZE"]) if torchrun else cfg.workers,
                   decides=os.environ.get("RANK", "0") == "0", worker_limit=None if torchrun else worker_limit(),
@@ -532,6 +534,17 @@ def file_module_name(path: str) -> str:
 
 
 # -- what this machine can run ------------------------------------------------------------------
+STOP_GRACE_S = 10.0  # after a first SIGINT / SIGTERM, how long the ranks have to take up the stop at a step
+STOP_GRACE_ENV = "THINWIRE_STOP_GRACE"  # seconds; replaces STOP_GRACE_S where set
+
+
+def stop_grace() -> float:
+    """Seconds the ranks have, after a first SIGINT / SIGTERM, to take the stop up at a step
+    (then they are ended): :data:`STOP_GRACE_S`, or the ``THINWIRE_STOP_GRACE`` environment
+    variable (a number > 0), for a scheduler whose own grace before its SIGKILL differs."""
+    return env_seconds(STOP_GRACE_ENV, STOP_GRACE_S)
+
+
 WORKERS_PER_CORE = 8  # local ranks per core at most (they share the cores; beyond this they only wait)
 
 

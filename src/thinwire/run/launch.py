@@ -19,7 +19,7 @@ run ended by the launcher itself, so a rank that stops while its peers are busy 
 
 A first SIGINT / SIGTERM asks the ranks to stop at their next stop poll (about once a second
 of training) and checkpoint there. Ranks that have not taken the request up within
-:data:`STOP_GRACE_S` (a step of minutes, a rank still starting) are ended: by the launcher for
+:func:`~thinwire.run.config.stop_grace` (a step of minutes, a rank still starting) are ended: by the launcher for
 spawned ranks, by a timer in each rank under torchrun; the run then keeps nothing after its
 last checkpoint.
 """
@@ -54,14 +54,13 @@ from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
     collective_timeout,
     hang_limit,
 )
-from thinwire.run.config import TrainConfig, import_modules
+from thinwire.run.config import STOP_GRACE_S, TrainConfig, import_modules, stop_grace  # noqa: F401 (public here)
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import begin_rank, leave_rank, rank_context
 from thinwire.run.summary import Summary
 
 GRACE_S = 1.0  # after a rank fails, how long to wait for its own error message
 REPEAT_S = 1.0  # a signal repeated within this long of the first is the same delivery (see _on_stop_signals)
-STOP_GRACE_S = 10.0  # after a first SIGINT / SIGTERM, how long the ranks have to take up the stop at a step
 LOOK_GAP_S = 1.0  # the launcher's looks at the heartbeats: a longer gap between two counts as this long
 
 
@@ -226,14 +225,14 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> Summary | None:
 class _TorchrunStop:
     """A torchrun rank's stop: torchrun forwards SIGINT and SIGTERM to every rank (``received``);
     the rank takes the stop up at its next stop poll (``taken``), or, when the grace
-    (:data:`STOP_GRACE_S`, ``timer``) runs out before it reaches one, ends at once."""
+    (:func:`~thinwire.run.config.stop_grace`, ``timer``) runs out before it reaches one, ends at once."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.received: list[str] = []
         self.taken: list[bool] = []
         self.step: int | None = None  # the last step rank 0 reported (other ranks do not know it)
-        self.timer = threading.Timer(STOP_GRACE_S, self.give_up)
+        self.timer = threading.Timer(stop_grace(), self.give_up)
         self.timer.daemon = True
 
     def requested(self) -> int:
@@ -259,7 +258,7 @@ class _TorchrunStop:
 
 
 def _no_stop_in_grace() -> str:
-    return f"the ranks did not reach a step's end within {STOP_GRACE_S:g} s of the signal and were ended"
+    return f"the ranks did not reach a step's end within {stop_grace():g} s of the signal and were ended"
 
 
 def _device() -> torch.device:
@@ -407,13 +406,14 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
     or the stop record when a signal ended the run. Raises :class:`RunFailed` when a rank
     fails, or when its heartbeat (``beats``) stood still long enough to be taken for a hang
     (:class:`_Heartbeats`). ``last_step``: the step the run starts after. After a signal the
-    ranks have :data:`STOP_GRACE_S` to take the stop up at a step; then they are ended."""
+    ranks have :func:`~thinwire.run.config.stop_grace` to take the stop up at a step; then they are ended."""
     summary: Summary | None = None
     done: set[int] = set()
     errors: dict[int, dict] = {}
     taking: set[int] = set()  # the ranks that took up the stop asked for (at their stop poll)
     asked_at: float | None = None  # when this loop first saw the signal
     hearts = _Heartbeats(beats, cfg.workers) if beats is not None else None
+    grace = stop_grace()
     while len(done) < cfg.workers:
         try:
             kind, rank, fields = q.get(timeout=0.2)
@@ -440,7 +440,7 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
             raise RunFailed(_failure_message(procs, q, errors, failed, last_step))
         if received and asked_at is None:
             asked_at = time.monotonic()
-        if asked_at is not None and len(taking | done) < cfg.workers and time.monotonic() - asked_at > STOP_GRACE_S:
+        if asked_at is not None and len(taking | done) < cfg.workers and time.monotonic() - asked_at > grace:
             sys.stderr.write(f"thinwire: {received[0]}: {_no_stop_in_grace()}\n")
             _terminate(procs)
             return _unfinished(cfg, received, last_step, _no_stop_in_grace())
