@@ -39,7 +39,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# the figures README.md states, measured again at one commit into benchmarks/results/readme.md (about 35 minutes
+# the figures README.md states, measured again at one commit into benchmarks/results/readme.md (about 37 minutes
 # on 2 cores); the real shaped links need root (network namespaces and tc): run as root for them
 bench-readme: $(STAMP)
 	$(PY) benchmarks/bench_readme.py

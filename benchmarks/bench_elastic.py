@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import Figure, Report, load_note, parser, table
+from thinwire.run.summary import Summary, WorkerSummary
 
 WORKERS = 4
 KILL_EVERY = 100
@@ -64,9 +65,9 @@ class Incarnation:
     proc: subprocess.Popen
     started: float  # time.time() at the start of the process
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self) -> WorkerSummary | None:
         path = self.out / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return WorkerSummary.read(str(path)) if path.exists() else None
 
     def records(self) -> list[dict[str, Any]]:
         path = self.out / "metrics.jsonl"
@@ -196,10 +197,11 @@ def run_job(task: str, method: str, scenario: str, root: Path, timeout: float, q
 
 def read_job(job: Job, seconds: float) -> dict[str, Any]:
     summaries = [(inc, inc.summary()) for inc in job.runs]
-    finished = [s for _, s in summaries if s is not None and s["status"] == "ok"]
-    zero = job.live(0).summary() or {}
+    finished = [s for _, s in summaries if s is not None and s.status == "ok"]
+    zero = job.live(0).summary()
     evals = [r["test_loss"] for r in job.live(0).records() if "event" not in r and r.get("test_loss") is not None]
-    changes = zero.get("elastic", {}).get("changes", [])
+    membership = zero.elastic if zero is not None else {}
+    changes = membership.get("changes", [])
     absent = []  # kill or stop -> the quorum without the worker (worker 0's record)
     for what, at, replicas in job.events:
         if what not in ("kill", "stop"):
@@ -209,23 +211,23 @@ def read_job(job: Job, seconds: float) -> dict[str, Any]:
             absent.append(later[0]["time"] - at)
     rejoin = []  # a restarted process's start -> its first quorum (state taken, that step committed)
     for inc, s in summaries:
-        if inc in job.runs[:WORKERS] or s is None or not s["elastic"]["changes"]:
+        if inc in job.runs[:WORKERS] or s is None or not s.elastic["changes"]:
             continue
-        rejoin.append(s["elastic"]["changes"][0]["time"] - inc.started)
+        rejoin.append(s.elastic["changes"][0]["time"] - inc.started)
     cont = []  # SIGCONT -> the stopped worker brought up to date
     for what, at, replicas in job.events:
         if what == "cont":
             s = job.live(replicas[0]).summary()
-            healed = [c for c in (s or {}).get("elastic", {}).get("changes", []) if c["healed"] and c["time"] >= at]
+            healed = [c for c in (s.elastic.get("changes", []) if s else []) if c["healed"] and c["time"] >= at]
             cont.append(healed[0]["time"] - at if healed else float("nan"))
     return {
         "finished": len(finished), "processes": len(job.runs),
-        "identical": len({s["model_sha256"] for s in finished}) == 1 if finished else False,
+        "identical": len({s.model_sha256 for s in finished}) == 1 if finished else False,
         "loss": statistics.mean(evals[-LAST_EVALS:]) if evals else None,
-        "discarded": zero.get("elastic", {}).get("discarded"),
+        "discarded": membership.get("discarded"),
         "absent": absent, "rejoin": rejoin, "cont": cont, "seconds": seconds,
-        "bytes": sum(s["bytes_sent"] for _, s in summaries if s is not None),  # processes that ended cleanly
-        "train_seconds": zero.get("train_seconds"), "steps": zero.get("committed_step"),
+        "bytes": sum(s.bytes_sent for _, s in summaries if s is not None),  # processes that ended cleanly
+        "train_seconds": zero.train_seconds if zero else None, "steps": zero.committed_step if zero else None,
         "faults": sum(1 for e in job.events if e[0] in ("kill", "stop")),
     }
 
@@ -237,8 +239,8 @@ def plain_step_seconds(task: str, method: str, steps: int, eval_every: int, opti
            "--steps", str(steps), "--eval-every", str(eval_every), "--threads", "1", "--out", str(out), "--quiet",
            "--no-tensorboard", *options]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    summary = json.loads((out / "summary.json").read_text())
-    return summary["wall_seconds"] / summary["steps_run"]
+    summary = Summary.read(str(out / "summary.json"))
+    return summary.wall_seconds / summary.steps_run
 
 
 def fmt(xs: list[float]) -> str:

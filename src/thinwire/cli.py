@@ -236,6 +236,7 @@ def _train_elastic(args: argparse.Namespace) -> int:
     from thinwire.run import outdir
     from thinwire.run.config import TrainConfig
     from thinwire.run.elastic import EXIT_QUORUM_LOST, launch_elastic
+    from thinwire.run.summary import WorkerSummary
 
     given = given_options(args, TRAIN_FIELDS)
     resume = given.pop("resume", None)
@@ -250,37 +251,37 @@ def _train_elastic(args: argparse.Namespace) -> int:
             summary = launch_elastic(cfg, show_progress=not args.quiet)
         except ValueError as e:
             raise BadInput(str(e)) from None
-    if cfg.lighthouse is not None:  # one worker
-        final = summary.get("final") or {}
-        print(f"thinwire: worker {summary['replica']} {summary['status']} at step {summary['committed_step']}"
-              + (f", test loss {final['test_loss']:.4f}" if final.get("test_loss") is not None else "")
-              + f"; {summary['elastic']['discarded']} step(s) discarded, {len(summary['elastic']['changes'])} quorum "
-              "change(s)" + (f"; {cfg.out}/summary.json" if cfg.out else ""))
-        if summary["status"] != "ok":
-            print(f"thinwire: {summary['failure']}", file=sys.stderr)
+    if isinstance(summary, WorkerSummary):  # one worker (--lighthouse)
+        print(f"thinwire: worker {summary.replica} {_worker_line(summary)}"
+              + (f"; {cfg.out}/summary.json" if cfg.out else ""))
+        if summary.status != "ok":
+            print(f"thinwire: {summary.failure}", file=sys.stderr)
             return EXIT_QUORUM_LOST
         return 0
-    workers = summary["workers"]
-    finished = [r for r, w in workers.items() if w["summary"] and w["summary"]["status"] == "ok"]
-    for r, w in sorted(workers.items(), key=lambda kv: int(kv[0])):
-        s = w["summary"]
-        if s is None:
-            print(f"thinwire: worker {r}: ended without a summary ({w['error'] or 'exit ' + str(w['exit'])})")
-            continue
-        final = s.get("final") or {}
-        print(f"thinwire: worker {r}: {s['status']} at step {s['committed_step']}"
-              + (f", test loss {final['test_loss']:.4f}" if final.get("test_loss") is not None else "")
-              + f"; {s['elastic']['discarded']} discarded, {len(s['elastic']['changes'])} quorum change(s)")
+    for r, w in sorted(summary.workers.items()):
+        if w.summary is None:
+            print(f"thinwire: worker {r}: ended without a summary ({w.error or 'exit ' + str(w.exit)})")
+        else:
+            print(f"thinwire: worker {r}: {_worker_line(w.summary)}")
     if cfg.out:
         print(f"thinwire: {cfg.out}/summary.json, and each worker's in {cfg.out}/worker-K/")
-    if finished:
+    ended = [w.summary for w in summary.workers.values() if w.summary is not None]
+    if any(s.status == "ok" for s in ended):
         return 0
-    stopped = [w["summary"] for w in workers.values() if w["summary"] and w["summary"]["status"] == "stopped"]
+    stopped = [s for s in ended if s.status == "stopped"]
     if stopped:
-        print(f"thinwire: {stopped[0]['failure']}", file=sys.stderr)
+        print(f"thinwire: {stopped[0].failure}", file=sys.stderr)
         return EXIT_QUORUM_LOST
     print("thinwire: no worker finished the job", file=sys.stderr)
     return 1
+
+
+def _worker_line(s: Any) -> str:
+    """``ok at step 40, test loss 0.1234; 1 step(s) discarded, 3 quorum change(s)``: how an
+    elastic worker (a :class:`~thinwire.run.summary.WorkerSummary`) ended."""
+    loss = s.final.get("test_loss")
+    return (f"{s.status} at step {s.committed_step}" + (f", test loss {loss:.4f}" if loss is not None else "")
+            + f"; {s.elastic['discarded']} step(s) discarded, {len(s.elastic['changes'])} quorum change(s)")
 
 
 def _lighthouse(args: argparse.Namespace) -> int:

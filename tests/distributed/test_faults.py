@@ -199,24 +199,32 @@ def test_a_rank_stopped_while_its_peer_is_in_a_long_step_is_named_by_the_launche
     assert all(_gone(pid) for pid in ranks)
 
 
-@pytest.mark.timeout(120)
-def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_and_exits_143(tmp_path):
-    out, marks = tmp_path / "run", tmp_path / "marks"
+def _sigterm_asleep(out: Path, marks: Path, ranks: int, **env: str) -> tuple[int, str, float, list[int]]:
+    """Run _slow's task (``--checkpoint-every 1``) with ranks 0 to ``ranks - 1`` asleep for 10
+    minutes in step 4 and SIGTERM it once they all are: its exit code, stderr, the seconds from
+    the signal to its exit, and the ranks' pids."""
     marks.mkdir()
-    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0,1", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks),
-               THINWIRE_STOP_GRACE=str(GRACE_S))
+    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS=",".join(map(str, range(ranks))), SLOWTASK_SLEEP="600",
+               SLOWTASK_MARK=str(marks), THINWIRE_STOP_GRACE=str(GRACE_S), **env)
     proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
-    ranks: list[int] = []
+    pids: list[int] = []
     try:
-        _wait_for([marks / "rank0", marks / "rank1"], proc)  # both ranks are in a 10-minute step
-        ranks = [int((marks / f"rank{r}").read_text()) for r in (0, 1)]
+        _wait_for([marks / f"rank{r}" for r in range(ranks)], proc)  # every rank is in its 10-minute step
+        pids = [int((marks / f"rank{r}").read_text()) for r in range(ranks)]
         proc.send_signal(signal.SIGTERM)
         asked = time.monotonic()
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - asked
     finally:
-        _kill([proc.pid, *ranks])
-    assert proc.returncode == 143, err
+        _kill([proc.pid, *pids])
+    return proc.returncode, err, took, pids
+
+
+@pytest.mark.timeout(120)
+def test_a_first_sigterm_ends_a_run_whose_step_takes_minutes_within_the_grace_and_exits_143(tmp_path):
+    out = tmp_path / "run"
+    code, err, took, ranks = _sigterm_asleep(out, tmp_path / "marks", 2)
+    assert code == 143, err
     assert GRACE_S <= took < GRACE_S + 5, (took, err)
     assert f"did not reach a step's end within {GRACE_S} s of the signal and were ended" in err, err
     assert "stopped by SIGTERM after step 3; the ranks did not reach" in err, err
@@ -231,21 +239,11 @@ def test_a_first_sigterm_ends_a_torchrun_rank_in_a_step_of_minutes_within_the_gr
     # a world of one torchrun rank (torchrun's variables, no thinwire launcher): the rank's own timer
     from spawn import free_port
 
-    out, marks = tmp_path / "run", tmp_path / "marks"
-    marks.mkdir()
-    env = _env(SLOWTASK_AT="4", SLOWTASK_SLEEP_RANKS="0", SLOWTASK_SLEEP="600", SLOWTASK_MARK=str(marks),
-               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="", THINWIRE_STOP_GRACE=str(GRACE_S))
-    proc = subprocess.Popen(_slow(out, "--checkpoint-every", "1"), stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _wait_for([marks / "rank0"], proc)
-        proc.send_signal(signal.SIGTERM)
-        asked = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - asked
-    finally:
-        _kill([proc.pid])
-    assert proc.returncode == 143, err
+    out = tmp_path / "run"
+    code, err, took, _ = _sigterm_asleep(out, tmp_path / "marks", 1, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                         LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                                         CUDA_VISIBLE_DEVICES="")
+    assert code == 143, err
     assert GRACE_S <= took < GRACE_S + 5, (took, err)
     line = err.strip().splitlines()[-1]
     assert line.startswith("thinwire: stopped by SIGTERM after step 3; the ranks did not reach a step's end "), line

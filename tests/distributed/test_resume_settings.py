@@ -26,11 +26,6 @@ KEPT = ("task", "method", "workers", "batch_size", "lr", "optimizer", "seed", "l
         "threads", "task_options", "on_nonfinite", "checkpoint_every", "emulate_link", "imports")
 
 
-def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "thinwire", "train", "--quiet", *args], capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
@@ -46,8 +41,8 @@ def _files(out: Path) -> dict[str, tuple[bytes, int]]:
 @pytest.mark.timeout(300)
 def test_resume_alone_keeps_the_runs_settings_and_keeps_checkpointing(tmp_path, capsys):
     out = tmp_path / "a"
-    first = _cli(*SETTINGS, "--steps", "6", "--out", str(out), "--checkpoint-every", "3")
-    assert first.returncode == 0, first.stderr
+    assert main(["train", "--quiet", *SETTINGS, "--steps", "6", "--out", str(out), "--checkpoint-every", "3"]) == 0
+    capsys.readouterr()
     original = _summary(out)["config"]
 
     # docs/guide.md's pair: the same command with --resume in place of --out; the run finished, so
@@ -64,8 +59,8 @@ def test_resume_alone_keeps_the_runs_settings_and_keeps_checkpointing(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "seed 3 (this run: 4)" in err, err
 
-    longer = _cli("--resume", str(out), "--steps", "12")  # nothing else: every setting is the run's own
-    assert longer.returncode == 0, longer.stderr
+    # nothing else: every setting is the run's own
+    assert main(["train", "--quiet", "--resume", str(out), "--steps", "12"]) == 0, capsys.readouterr().err
     s = _summary(out)
     assert {k: s["config"][k] for k in KEPT} == {k: original[k] for k in KEPT}
     assert s["config"]["checkpoint_every"] == 3 and s["checkpoints_written"] == 2  # at steps 9 and 12
@@ -74,7 +69,7 @@ def test_resume_alone_keeps_the_runs_settings_and_keeps_checkpointing(tmp_path, 
 
 
 @pytest.mark.timeout(300)
-def test_a_run_stopped_by_sigint_resumes_with_its_checkpoint_interval(tmp_path):
+def test_a_run_stopped_by_sigint_resumes_with_its_checkpoint_interval(tmp_path, capsys):
     out = tmp_path / "b"
     cmd = [sys.executable, "-m", "thinwire", "train", "--quiet", *TASK, "--workers", "2", "--batch-size", "16",
            "--steps", "1000000", "--eval-every", "1000000", "--checkpoint-every", "40", "--out", str(out)]
@@ -91,8 +86,8 @@ def test_a_run_stopped_by_sigint_resumes_with_its_checkpoint_interval(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err
     stopped = _latest(out)
-    resumed = _cli("--resume", str(out), "--steps", str(stopped + 5))  # no --checkpoint-every
-    assert resumed.returncode == 0, resumed.stderr
+    # no --checkpoint-every
+    assert main(["train", "--quiet", "--resume", str(out), "--steps", str(stopped + 5)]) == 0, capsys.readouterr().err
     s = _summary(out)
     assert s["config"]["checkpoint_every"] == 40 and s["checkpoints_written"] >= 1
     assert s["resumed_from"] == stopped and _latest(out) == stopped + 5  # the last step's checkpoint

@@ -74,18 +74,18 @@ def test_probe_seconds_bounds_each_probe_of_the_command():
 @pytest.mark.timeout(240)
 def test_sigterm_prints_the_methods_probed_so_far_and_exits_143():
     p = subprocess.Popen([sys.executable, "-m", "thinwire", "cost", "--task", "synthetic", *OPTIONS, "--batch-size",
-                          "8", "--workers", "2", "--probe-steps", "20000", "--probe-seconds", "4", "--methods",
+                          "8", "--workers", "2", "--probe-steps", "20000", "--probe-seconds", "2", "--methods",
                           "identity", "--link", "1gbit,50us"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
         seen = []
         assert p.stdout is not None
-        for line in p.stdout:  # bf16's 4 s of steps, then its row
+        for line in p.stdout:  # bf16's 2 s of steps, then its row
             seen.append(line)
             if line.startswith("  bf16: "):
                 break
         assert seen and seen[-1].startswith("  bf16: "), "".join(seen)
-        for line in p.stdout:  # identity's probe starts (4 s of steps, after its ranks' start-up)
+        for line in p.stdout:  # identity's probe starts (2 s of steps, after its ranks' start-up)
             seen.append(line)
             if line.startswith("[2/2] probing identity"):
                 break

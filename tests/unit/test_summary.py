@@ -1,5 +1,6 @@
 """The typed run summary: what summary.json holds, read back field for field; the method's own
-figures flat beside the summary's; strict JSON; the schema version checked."""
+figures flat beside the summary's; strict JSON; the schema version checked. The same for an
+elastic worker's summary and a local elastic job's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 
 import pytest
 
-from thinwire.run.summary import SCHEMA, Summary
+from thinwire.run.summary import SCHEMA, JobSummary, Summary, WorkerExit, WorkerSummary
 
 
 def _summary(**kw) -> Summary:
@@ -67,3 +68,32 @@ def test_every_field_has_a_default_but_what_names_the_run():
     required = [f.name for f in dataclasses.fields(Summary)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     assert required == ["task", "method", "workers", "steps"]
+
+
+def _worker(replica: int, **kw) -> WorkerSummary:
+    return WorkerSummary(task="synthetic", method="powersgd", replica=replica, workers=2, steps=30, **kw)
+
+
+def test_an_elastic_jobs_summary_and_its_workers_read_back_equal(tmp_path):
+    ok = _worker(0, committed_step=30, final={"step": 30, "test_loss": 0.5},
+                 elastic={"discarded": 1, "changes": [], "present": [[1, 30, 2]]}, model_sha256="ab", bytes_sent=1e6)
+    job = JobSummary("http://127.0.0.1:1", {0: WorkerExit(0, None, ok), 1: WorkerExit(1, "RuntimeError: x", None)})
+    record = job.to_json()
+    assert record["schema"] == SCHEMA and record["elastic"] is True and sorted(record["workers"]) == ["0", "1"]
+    assert record["workers"]["0"]["summary"]["elastic"]["present"] == [[1, 30, 2]]  # nested, as written
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(record, allow_nan=False))
+    assert JobSummary.read(str(path)) == job
+    (tmp_path / "w.json").write_text(json.dumps(ok.to_json(), allow_nan=False))
+    assert WorkerSummary.read(str(tmp_path / "w.json")) == ok
+
+
+@pytest.mark.parametrize("record, needle", [
+    ({"schema": 2, "task": "t", "method": "m", "replica": 0, "workers": 1, "steps": 1}, "summary schema 2 is newer"),
+    ({"task": "t", "method": "m", "workers": 1, "steps": 1}, "not an elastic worker's summary: no replica"),
+    ({"task": "t", "method": "m", "replica": 0, "workers": 1, "steps": 1, "delay": 2},
+     "not an elastic worker's summary: unknown field(s) delay"),
+])
+def test_what_is_not_an_elastic_workers_summary_is_refused_by_name(record, needle):
+    with pytest.raises(ValueError, match="^" + needle.replace("(", r"\(").replace(")", r"\)")):
+        WorkerSummary.from_json(record)

@@ -51,8 +51,8 @@ import torch
 
 from thinwire.aggregate import Aggregator, CodecChooser
 from thinwire.codecs.base import Codec
+from thinwire.comm.background import Worker
 from thinwire.comm.base import Communicator
-from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.hierarchical import build_aggregator
 from thinwire.timing import Timing

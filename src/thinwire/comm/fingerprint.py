@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from thinwire.comm.base import Communicator
-from thinwire.comm.text import gather_bytes
+from thinwire.comm.byte_rows import gather_bytes
 
 # what one rank says of one parameter: name, shape, dtype, requires_grad
 Entry = tuple[str, tuple[int, ...], str, bool]

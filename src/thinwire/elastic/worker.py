@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
+from thinwire.comm.byte_rows import gather_bytes
 from thinwire.comm.fingerprint import entries
-from thinwire.comm.text import gather_bytes
 from thinwire.elastic.comm import QuorumComm
 from thinwire.elastic.lighthouse import url
 

@@ -49,9 +49,9 @@ from thinwire.algorithms.gradients import check_and_unscale, is_plain, loss_scal
 from thinwire.algorithms.methods import refuse_schedule
 from thinwire.codecs.base import Codec
 from thinwire.codecs.specs import build_codec
+from thinwire.comm.background import Worker
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
-from thinwire.comm.worker import Worker
 from thinwire.feedback import ErrorFeedback
 from thinwire.figures import figures
 from thinwire.hierarchical import build_aggregator

@@ -68,7 +68,7 @@ from thinwire.algorithms.base import Loss, Method
 from thinwire.algorithms.methods import METHODS
 from thinwire.algorithms.reporting import Reports
 from thinwire.comm.base import Communicator
-from thinwire.comm.text import gather_bytes, share_bytes
+from thinwire.comm.byte_rows import gather_bytes, share_bytes
 from thinwire.knobs import knob, require
 from thinwire.timing import Timing
 

@@ -13,8 +13,10 @@ size, which TensorBoard shows as ``thinwire/workers``; and a record ``{"event": 
 whether this worker took a present worker's state), ``summary.json`` (``elastic``: the
 changes, steps committed and discarded, heals, and the workers present per step as runs
 ``[first, last, workers]``, and ``model_sha256``, the final model's digest) and, with
-``--checkpoint-every``, its checkpoints. A local job's
-launcher writes ``OUT/summary.json``: every worker's summary and exit status.
+``--checkpoint-every``, its checkpoints (the summary:
+:class:`~thinwire.run.summary.WorkerSummary`). A local job's launcher writes
+``OUT/summary.json``: every worker's summary and exit status
+(:class:`~thinwire.run.summary.JobSummary`).
 
 The data position is the step: worker ``K`` trains on the batch stream of rank ``K`` of
 ``--workers``, from batch ``step`` on, so a step tried again after a failed vote takes the
@@ -38,6 +40,7 @@ from thinwire.algorithms import reporting
 from thinwire.run import checkpoint, outdir
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter, finite, write_json_atomic
+from thinwire.run.summary import JobSummary, WorkerExit, WorkerSummary
 
 Report = Callable[..., None]
 EXIT_QUORUM_LOST = 3  # a worker that gave up waiting for --min-workers exits with this
@@ -51,7 +54,7 @@ def worker_out(out: str | None, replica: int) -> str | None:
 # -- one worker ------------------------------------------------------------------------------------
 def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | None, report: Report | None = None,
                resume: str | None = None, resume_optional: bool = False,
-               device: torch.device | str = "cpu") -> dict[str, Any]:
+               device: torch.device | str = "cpu") -> WorkerSummary:
     """Train as worker ``replica`` of the elastic job whose Lighthouse is at ``lighthouse``
     until the job has committed ``cfg.steps`` steps; returns this worker's summary (also
     written to ``out``). ``resume``: a checkpoint (or a worker folder) of this worker's to
@@ -165,29 +168,27 @@ class _WorkerRun:
         if self.out and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
             _save(self.worker, self.out, cfg, self.window)
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> WorkerSummary:
         """The worker's summary, written to its folder."""
         from thinwire.run.trainer import environment, utc_now
         from thinwire.version import __version__
 
         cfg, worker, tally = self.cfg, self.worker, self.worker.tally
-        summary = finite({
-            "status": self.status, "failure": self.failure, "task": cfg.task, "method": cfg.method,
-            "replica": self.replica, "workers": cfg.workers, "min_workers": cfg.min_workers, "steps": cfg.steps,
-            "committed_step": worker.step, "seed": cfg.seed, "lr": cfg.lr, "optimizer": cfg.optimizer,
-            "final": self.last_eval,
-            "elastic": {"changes": [c.record() for c in tally.changes], "committed": tally.committed,
-                        "discarded": tally.discarded, "heals": tally.heals, "present": tally.present,
-                        "seconds_to_first_commit": self.first_commit, "timeout_seconds": cfg.elastic_timeout,
-                        "wait_seconds": cfg.elastic_wait},
-            "bytes_sent": worker.comm.meter.bytes_sent, "messages": worker.comm.meter.messages,
-            "model_sha256": _model_digest(self.model),
-            "wall_seconds": time.perf_counter() - self.t_start, "train_seconds": self.train_seconds,
-            "started_at": self.started, "ended_at": utc_now(),
-            "thinwire_version": __version__, "config": _config_record(cfg), **environment(self.device),
-        })
+        summary = WorkerSummary(
+            task=cfg.task, method=cfg.method, replica=self.replica, workers=cfg.workers, steps=int(cfg.steps or 0),
+            min_workers=int(cfg.min_workers or 1), seed=cfg.seed, lr=cfg.lr, optimizer=cfg.optimizer,
+            config=_config_record(cfg), status=self.status, failure=self.failure, committed_step=worker.step,
+            final=self.last_eval,
+            elastic={"changes": [c.record() for c in tally.changes], "committed": tally.committed,
+                     "discarded": tally.discarded, "heals": tally.heals, "present": tally.present,
+                     "seconds_to_first_commit": self.first_commit, "timeout_seconds": cfg.elastic_timeout,
+                     "wait_seconds": cfg.elastic_wait},
+            bytes_sent=worker.comm.meter.bytes_sent, messages=worker.comm.meter.messages,
+            model_sha256=_model_digest(self.model), wall_seconds=time.perf_counter() - self.t_start,
+            train_seconds=self.train_seconds, started_at=self.started, ended_at=utc_now(), version=__version__,
+            **environment(self.device))
         if self.writer is not None:
-            self.writer.write_summary(summary)
+            self.writer.write_summary(summary.to_json())
             self.writer.close()
         return summary
 
@@ -262,7 +263,7 @@ def _load(worker: Any, path: str, device: torch.device | str, *, optional: bool 
 
 
 # -- a local job ----------------------------------------------------------------------------------------
-def launch_elastic(cfg: TrainConfig, *, show_progress: bool = True) -> dict[str, Any]:
+def launch_elastic(cfg: TrainConfig, *, show_progress: bool = True) -> WorkerSummary | JobSummary:
     """Run the elastic job ``cfg`` describes: one worker here (``cfg.lighthouse`` given), or
     a Lighthouse and ``cfg.workers`` worker processes on this machine. Returns the summary:
     the worker's, or for a local job every worker's with its exit status."""
@@ -283,7 +284,7 @@ def _own_resume(path: str, replica: int) -> str:
     return str(own) if own.is_dir() else path
 
 
-def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
+def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
     from thinwire.elastic.lighthouse import serve
     from thinwire.run.spawn import rank_context
 
@@ -298,7 +299,7 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
                          daemon=False)
              for r in range(cfg.workers)]
     printer = _Printer(show_progress)
-    summaries: dict[int, dict[str, Any]] = {}
+    summaries: dict[int, WorkerSummary] = {}
     errors: dict[int, str] = {}
     try:
         for p in procs:
@@ -329,12 +330,11 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> dict[str, Any]:
             p.join(timeout=5)
         lighthouse.shutdown()
     printer.close()
-    summary = {"elastic": True, "lighthouse": lighthouse.address, "workers": {
-        str(r): {"exit": procs[r].exitcode, "error": errors.get(r), "summary": summaries.get(r)}
-        for r in range(cfg.workers)}}
+    summary = JobSummary(lighthouse.address, {r: WorkerExit(procs[r].exitcode, errors.get(r), summaries.get(r))
+                                              for r in range(cfg.workers)})
     if cfg.out:
         outdir.claim(cfg.out, "summary.json", "summary.json.tmp")
-        write_json_atomic(os.path.join(cfg.out, "summary.json"), finite(summary))
+        write_json_atomic(os.path.join(cfg.out, "summary.json"), summary.to_json())
     return summary
 
 
@@ -358,7 +358,7 @@ def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, thread
                                  resume=worker_out(cfg.resume, replica) if cfg.resume else None,
                                  resume_optional=True)
         q.put(("done", {"replica": replica, "summary": summary}))
-        if summary["status"] != "ok":
+        if summary.status != "ok":
             sys.exit(EXIT_QUORUM_LOST)
     except SystemExit:
         raise

@@ -1,12 +1,14 @@
 """A run's summary, typed: what ``thinwire train`` writes to ``OUT/summary.json`` and what
-:func:`thinwire.run.launch.launch` returns.
+:func:`thinwire.run.launch.launch` returns (:class:`Summary`); an elastic worker's
+(:class:`WorkerSummary`) and a local elastic job's (:class:`JobSummary`).
 
 The file is one flat JSON object: every field below by its name, the method's own figures
 beside them (``method_fields``: DaSGD's delay, AB-training's ranks...), ``schema`` (this
 module's :data:`SCHEMA`) and, where a figure was NaN or infinite, ``non_finite`` naming it
 (the figure itself is ``null``: strict JSON). :meth:`Summary.read` takes a file of this
 schema or of the unversioned layout before it (schema 0, the same keys); a newer schema is
-refused by name.
+refused by name. The elastic records are nested instead (a worker's ``final`` evaluation and
+``elastic`` membership figures; a job's workers), with the same ``schema`` and refusals.
 """
 
 from __future__ import annotations
@@ -109,19 +111,120 @@ class Summary:
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Summary:
         """A summary from ``summary.json``'s object; keys not of this class are the method's."""
-        schema = record.get("schema", 0)
-        if not isinstance(schema, int) or schema > SCHEMA:
-            raise ValueError(f"summary schema {schema!r} is newer than this thinwire reads ({SCHEMA}): "
-                             "upgrade thinwire")
+        _check(record, "a run summary", ("task", "method", "workers", "steps"))
         names = {f.name for f in dataclasses.fields(cls)} - {"method_fields"}
-        missing = [n for n in ("task", "method", "workers", "steps") if n not in record]
-        if missing:
-            raise ValueError(f"not a run summary: no {', '.join(missing)}")
         own = {k: v for k, v in record.items() if k in names}
         return cls(**own, method_fields={k: v for k, v in record.items() if k not in names and k != "schema"})
 
     @classmethod
     def read(cls, path: str) -> Summary:
         """``path`` (a ``summary.json``) as a summary."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f))
+
+
+def _check(record: dict[str, Any], what: str, required: tuple[str, ...]) -> None:
+    """Refuse a record of a newer schema, or one without the ``required`` fields."""
+    schema = record.get("schema", 0)
+    if not isinstance(schema, int) or schema > SCHEMA:
+        raise ValueError(f"summary schema {schema!r} is newer than this thinwire reads ({SCHEMA}): upgrade thinwire")
+    missing = [n for n in required if n not in record]
+    if missing:
+        raise ValueError(f"not {what}: no {', '.join(missing)}")
+
+
+def _known(cls: type, record: dict[str, Any], what: str) -> dict[str, Any]:
+    """``record``'s fields of the dataclass ``cls``; a field it does not have is refused by name."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(record) - names - {"schema"})
+    if unknown:
+        raise ValueError(f"not {what}: unknown field(s) {', '.join(unknown)}")
+    return {k: v for k, v in record.items() if k in names}
+
+
+@dataclass
+class WorkerSummary:
+    """One elastic worker's summary: what it writes to its ``summary.json`` (a local job's
+    ``OUT/worker-K/``) and what :func:`thinwire.run.elastic.run_worker` returns."""
+
+    # what ran
+    task: str
+    method: str
+    replica: int
+    workers: int  # the job's --workers (the quorum's size varies: ``elastic["present"]``)
+    steps: int
+    min_workers: int = 1
+    seed: int = 0
+    lr: float | None = None
+    optimizer: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    # how it ended: ``ok`` (the job committed ``steps``) or ``stopped`` (too few workers: ``failure``)
+    status: str = "ok"
+    failure: str | None = None
+    committed_step: int = 0
+    final: dict[str, Any] = field(default_factory=dict)  # the last evaluation's record (metrics.jsonl's)
+    # membership: ``changes`` (each quorum change), ``committed``, ``discarded``, ``heals``,
+    # ``present`` (runs ``[first step, last step, workers]``), ``seconds_to_first_commit``,
+    # ``timeout_seconds``, ``wait_seconds``
+    elastic: dict[str, Any] = field(default_factory=dict)
+    # the wire and the model
+    bytes_sent: float = 0.0
+    messages: int = 0
+    model_sha256: str = ""  # equal on two workers exactly when their models are equal bit for bit
+    # clocks and the machine
+    wall_seconds: float = 0.0
+    train_seconds: float = 0.0  # the steps alone (quorum, forward, backward, average, vote)
+    started_at: str | None = None
+    ended_at: str | None = None
+    version: str = ""
+    torch_version: str = ""
+    python_version: str = ""
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return finite({"schema": SCHEMA, **dataclasses.asdict(self)})
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> WorkerSummary:
+        _check(record, "an elastic worker's summary", ("task", "method", "replica", "workers", "steps"))
+        return cls(**_known(cls, record, "an elastic worker's summary"))
+
+    @classmethod
+    def read(cls, path: str) -> WorkerSummary:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f))
+
+
+@dataclass
+class WorkerExit:
+    """How one worker process of a local elastic job ended."""
+
+    exit: int | None  # the process's exit code
+    error: str | None = None  # the one line of a worker that raised
+    summary: WorkerSummary | None = None  # None: it ended before it wrote one
+
+
+@dataclass
+class JobSummary:
+    """A local elastic job's summary (``thinwire train --elastic``'s ``OUT/summary.json``):
+    each worker's exit and summary, by replica."""
+
+    lighthouse: str
+    workers: dict[int, WorkerExit] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return finite({"schema": SCHEMA, "elastic": True, "lighthouse": self.lighthouse, "workers": {
+            str(r): {"exit": w.exit, "error": w.error, "summary": None if w.summary is None else w.summary.to_json()}
+            for r, w in sorted(self.workers.items())}})
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> JobSummary:
+        _check(record, "an elastic job's summary", ("lighthouse", "workers"))
+        return cls(record["lighthouse"], {int(r): WorkerExit(w["exit"], w.get("error"), None if w.get("summary") is None
+                                                              else WorkerSummary.from_json(w["summary"]))
+                                           for r, w in record["workers"].items()})
+
+    @classmethod
+    def read(cls, path: str) -> JobSummary:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(json.load(f))

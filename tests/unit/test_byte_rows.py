@@ -3,8 +3,8 @@ every rank, padding dropped, a text over the width refused before anything is se
 
 import pytest
 
+from thinwire.comm.byte_rows import from_row, gather_bytes, share_bytes, to_row
 from thinwire.comm.local import LocalWorld
-from thinwire.comm.text import from_row, gather_bytes, share_bytes, to_row
 
 
 def test_every_rank_gets_every_text_and_rank_0s():
