@@ -88,6 +88,16 @@ def test_an_elastic_jobs_summary_and_its_workers_read_back_equal(tmp_path):
     assert WorkerSummary.read(str(tmp_path / "w.json")) == ok
 
 
+def test_an_elastic_workers_non_finite_figure_is_null_named_and_reads_back():
+    record = _worker(1, final={"test_loss": math.nan}, train_seconds=math.inf).to_json()
+    assert record["final"] == {"test_loss": None} and record["train_seconds"] is None
+    assert record["non_finite"] == {"final.test_loss": "nan", "train_seconds": "inf"}
+    json.dumps(record, allow_nan=False)
+    back = WorkerSummary.from_json(record)
+    assert back.non_finite == record["non_finite"] and back.to_json() == record
+    assert "non_finite" not in _worker(0).to_json()
+
+
 @pytest.mark.parametrize("record, needle", [
     ({"schema": 2, "task": "t", "method": "m", "replica": 0, "workers": 1, "steps": 1}, "summary schema 2 is newer"),
     ({"task": "t", "method": "m", "workers": 1, "steps": 1}, "not an elastic worker's summary: no replica"),

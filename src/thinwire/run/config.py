@@ -533,7 +533,7 @@ def file_module_name(path: str) -> str:
     return f"{FILE_MODULE}{stem}_{hashlib.sha1(real.encode()).hexdigest()[:8]}"
 
 
-# -- what this machine can run ------------------------------------------------------------------
+# -- how long a stop request waits for a step's end ----------------------------------------------
 STOP_GRACE_S = 10.0  # after a first SIGINT / SIGTERM, how long the ranks have to take up the stop at a step
 STOP_GRACE_ENV = "THINWIRE_STOP_GRACE"  # seconds; replaces STOP_GRACE_S where set
 
@@ -545,6 +545,7 @@ def stop_grace() -> float:
     return env_seconds(STOP_GRACE_ENV, STOP_GRACE_S)
 
 
+# -- what this machine can run ------------------------------------------------------------------
 WORKERS_PER_CORE = 8  # local ranks per core at most (they share the cores; beyond this they only wait)
 
 

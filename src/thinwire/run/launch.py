@@ -18,10 +18,10 @@ run ended by the launcher itself, so a rank that stops while its peers are busy 
 (not yet waiting on it) still ends the run within :func:`~thinwire.comm.torch_dist.hang_limit`.
 
 A first SIGINT / SIGTERM asks the ranks to stop at their next stop poll (about once a second
-of training) and checkpoint there. Ranks that have not taken the request up within
-:func:`~thinwire.run.config.stop_grace` (a step of minutes, a rank still starting) are ended: by the launcher for
-spawned ranks, by a timer in each rank under torchrun; the run then keeps nothing after its
-last checkpoint.
+of training) and checkpoint there. Ranks that have not taken the request up within the grace
+(:func:`~thinwire.run.config.stop_grace`: a step of minutes, a rank still starting) are ended:
+by the launcher for spawned ranks, by a timer in each rank under torchrun; the run then keeps
+nothing after its last checkpoint.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from thinwire.comm.torch_dist import (  # noqa: F401 (public here)
     collective_timeout,
     hang_limit,
 )
-from thinwire.run.config import STOP_GRACE_S, TrainConfig, import_modules, stop_grace  # noqa: F401 (public here)
+from thinwire.run.config import TrainConfig, import_modules, stop_grace
 from thinwire.run.progress import ProgressView
 from thinwire.run.spawn import begin_rank, leave_rank, rank_context
 from thinwire.run.summary import Summary
@@ -225,7 +225,8 @@ def _join_torchrun(cfg: TrainConfig, show_progress: bool) -> Summary | None:
 class _TorchrunStop:
     """A torchrun rank's stop: torchrun forwards SIGINT and SIGTERM to every rank (``received``);
     the rank takes the stop up at its next stop poll (``taken``), or, when the grace
-    (:func:`~thinwire.run.config.stop_grace`, ``timer``) runs out before it reaches one, ends at once."""
+    (:func:`~thinwire.run.config.stop_grace`, ``timer``) runs out before it reaches one, ends
+    at once."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -406,7 +407,8 @@ def _watch_ranks(cfg: TrainConfig, procs: Sequence[BaseProcess], q: Any, view: P
     or the stop record when a signal ended the run. Raises :class:`RunFailed` when a rank
     fails, or when its heartbeat (``beats``) stood still long enough to be taken for a hang
     (:class:`_Heartbeats`). ``last_step``: the step the run starts after. After a signal the
-    ranks have :func:`~thinwire.run.config.stop_grace` to take the stop up at a step; then they are ended."""
+    ranks have the grace (:func:`~thinwire.run.config.stop_grace`) to take the stop up at a
+    step; then they are ended."""
     summary: Summary | None = None
     done: set[int] = set()
     errors: dict[int, dict] = {}

@@ -180,9 +180,11 @@ class WorkerSummary:
     torch_version: str = ""
     python_version: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
+    non_finite: dict[str, str] | None = None  # figures that were NaN or infinite, by dotted path
 
     def to_json(self) -> dict[str, Any]:
-        return finite({"schema": SCHEMA, **dataclasses.asdict(self)})
+        record = {k: v for k, v in dataclasses.asdict(self).items() if k != NON_FINITE or v}
+        return finite({"schema": SCHEMA, **record})
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WorkerSummary:
