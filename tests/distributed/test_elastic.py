@@ -112,6 +112,7 @@ def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exac
     import json
 
     from thinwire.cli import main
+    from thinwire.run.summary import JobSummary, WorkerSummary
 
     common = ["train", "--elastic", "--workers", "2", "--min-workers", "1", "--method", "powersgd", "--quiet",
               "--eval-every", "10", "--elastic-timeout", "3"]
@@ -122,6 +123,8 @@ def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exac
     workers = job["workers"]
     assert sorted(workers) == ["0", "1"] and all(w["exit"] == 0 for w in workers.values())
     s0, s1 = workers["0"]["summary"], workers["1"]["summary"]
+    typed = JobSummary.read(str(first / "summary.json"))  # the typed readers take what the job wrote
+    assert typed.workers[1].summary == WorkerSummary.read(str(first / "worker-1" / "summary.json"))
     assert s0["status"] == s1["status"] == "ok" and s0["model_sha256"] == s1["model_sha256"]
     assert s0["elastic"]["present"] == [[1, 30, 2]] and s0["elastic"]["discarded"] == 0
     records = _read(first / "worker-0" / "metrics.jsonl")

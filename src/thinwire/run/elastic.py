@@ -187,10 +187,11 @@ class _WorkerRun:
             model_sha256=_model_digest(self.model), wall_seconds=time.perf_counter() - self.t_start,
             train_seconds=self.train_seconds, started_at=self.started, ended_at=utc_now(), version=__version__,
             **environment(self.device))
+        record = summary.to_json()  # strict JSON: a NaN loss is null, and non_finite says so
         if self.writer is not None:
-            self.writer.write_summary(summary.to_json())
+            self.writer.write_summary(record)
             self.writer.close()
-        return summary
+        return WorkerSummary.from_json(record)  # what the file holds, as the trainer's summary
 
 
 def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, window: list, step: int,
