@@ -298,8 +298,14 @@ def build_aggregator(named: Sequence[tuple[str, torch.Tensor]], codec_for: Codec
                      **options: Any) -> Aggregator:
     """The aggregator for ``comm``: a :class:`HierarchicalAggregator` over a world whose
     ``comm.hierarchy`` is set (ranks grouped into nodes), else a flat
-    :class:`~thinwire.aggregate.Aggregator`; ``options`` are the aggregator's keywords."""
-    kind = HierarchicalAggregator if getattr(comm, "hierarchy", None) is not None else Aggregator
+    :class:`~thinwire.aggregate.Aggregator`; ``options`` are the aggregator's keywords.
+    Over sharded groups (``hierarchy.sharded``: FSDP2 averaged inside the group already) the
+    tensors are this rank's shards, averaged with the same shards in the other groups by a
+    flat aggregator over ``hierarchy.inter``."""
+    hierarchy = getattr(comm, "hierarchy", None)
+    if hierarchy is not None and hierarchy.sharded:
+        return Aggregator(named, codec_for, hierarchy.inter, **options)
+    kind = HierarchicalAggregator if hierarchy is not None else Aggregator
     return kind(named, codec_for, comm, **options)
 
 

@@ -28,6 +28,7 @@ from thinwire.algorithms.build import build_method, optimizer_method_help
 from thinwire.algorithms.methods import is_gradient_codec, own_optimizer, resolve_method
 from thinwire.codecs.base import Codec
 from thinwire.comm.base import Communicator
+from thinwire.comm.groups import worker_groups
 from thinwire.figures import figures
 from thinwire.policy import Policy
 from thinwire.timing import Timing
@@ -121,6 +122,7 @@ def attach(
     bucket_mb: float = 25.0,
     find_unused_parameters: bool = False,
     overlap: bool = True,
+    mesh: Any = None,
 ) -> Attached:
     """Attach any method (a spec ``thinwire methods`` lists, a built codec or a
     :class:`~thinwire.policy.Policy`) to ``model`` and ``optimizer``.
@@ -134,6 +136,17 @@ def attach(
     (forward through :attr:`Attached.model`). ``overlap`` (default True): gradients are
     averaged while the backward pass goes on (see :class:`~thinwire.algorithms.sync.SyncReducer`
     for what a loop must then not do); False averages them in ``after_backward``.
+
+    ``mesh``: a 2-D ``DeviceMesh`` of worker groups, dimension 0 across the groups (the slow
+    link), dimension 1 inside a group (the fast one), ``G`` consecutive ranks per group. The
+    method then runs between the groups (:mod:`thinwire.comm.groups`): with ``model`` wrapped
+    by FSDP2's ``fully_shard(..., mesh=mesh["<dimension 1>"])``, each rank averages its shard with the same
+    shard in the other groups; with a plain ``model``, thinwire keeps each group's replicas in
+    step itself (an fp32 gradient mean inside the group every step) and each rank carries
+    ``1/G`` of every average across; with ``model`` wrapped in ``DistributedDataParallel`` over
+    ``mesh.get_group(1)``, DDP keeps them in step and each rank averages the whole model over
+    dimension 0 (after DDP's mean has landed: ``overlap`` does not apply). ``comm`` is then the
+    world (default: every process).
     """
     spec: str | Policy | Codec
     if isinstance(method, str):
@@ -149,7 +162,14 @@ def attach(
                              f"thinwire.attach(model, optimizer, {method!r})")
     else:  # a built codec or a Policy
         spec = method
-    if not own_optimizer(spec):  # an optimizer that is the method (DeMo) brings the communicator it was built with
+    if mesh is not None:
+        if own_optimizer(spec):
+            raise ValueError(f"{str(spec).split(':')[0]} cannot run between worker groups: its optimizer averages over "
+                             "the communicator it was built with")
+        comm = worker_groups(model, mesh, comm)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            overlap = False  # backward's gradient hooks fire before DDP's mean lands in .grad
+    elif not own_optimizer(spec):  # an optimizer that is the method (DeMo) brings the communicator it was built with
         comm = comm_or_world(comm)
     built = build_method(spec, model, optimizer, comm, bucket_mb=bucket_mb, overlap=overlap,
                          find_unused_parameters=find_unused_parameters)

@@ -5,7 +5,9 @@ floating-point buffer (BatchNorm's running mean and variance; integer buffers su
 ``num_batches_tracked`` are left alone) and, with ``average_momentum``, the optimizer's
 per-parameter state tensors of the parameter's shape (SGD's momentum buffer, Adam's two
 moments). Every rank lists them in the same order (module registration order), so the flat
-vectors line up across ranks.
+vectors line up across ranks. A parameter sharded by FSDP2 (a DTensor) counts with the part
+this rank holds (its local tensor): over sharded worker groups the flat vector is this rank's
+shard of the model, which lines up with the same shard in the other groups.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from thinwire.algorithms.gradients import GradientReducer
 from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
+from thinwire.comm.groups import local_part
 from thinwire.timing import Timing
 
 
@@ -89,12 +92,17 @@ class ModelState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Parameters, float buffers, then (with ``average_momentum``) optimizer state tensors."""
-        out = [p.data for p in self.params] + list(self.buffers)
+        out = self.local_params() + [local_part(b) for b in self.buffers]
         if self.average_momentum:
             if self._momentum is None:
                 self._momentum = self._find_momentum()
             out += self._momentum
         return out
+
+    def local_params(self) -> list[torch.Tensor]:
+        """The trainable parameters' data as this rank holds it (a shard's local tensor,
+        writing through to it), in order."""
+        return [local_part(p.detach()) for p in self.params]
 
     def _find_momentum(self) -> list[torch.Tensor]:
         assert self.optimizer is not None  # average_momentum needs it (checked when built)
@@ -104,7 +112,7 @@ class ModelState:
             for key in sorted(state):
                 t = state[key]
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape:
-                    found.append(t)
+                    found.append(local_part(t))
         return found
 
     def numel(self) -> int:

@@ -38,6 +38,7 @@ from thinwire.codecs.base import Codec
 from thinwire.codecs.identity import Identity, IdentityConfig
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
+from thinwire.comm.groups import is_sharded
 from thinwire.comm.nodes import check_intra_dtype
 from thinwire.hierarchical import HierarchicalAggregator, flat_aggregator
 from thinwire.knobs import describe_config
@@ -63,7 +64,11 @@ class Method(ABC):
     against), ``skip_unsafe`` (why a step dropped on every rank after its backward pass,
     for a non-finite gradient, would leave the method's state unclean; None: it would not),
     ``flat_only`` (why the method cannot average in two levels, uncompressed inside a node
-    and compressed between nodes (``--ranks-per-node``); None: it can), ``elastic_unsafe``
+    and compressed between nodes (``--ranks-per-node``); None: it can), ``sharded_unsafe``
+    (why it cannot run between groups whose ranks hold FSDP2 shards of the model, averaging
+    each rank's shard with the same shard in the other groups (:mod:`thinwire.comm.groups`);
+    None: it can; refused by default, as a method reads whole tensors unless it says
+    otherwise), ``elastic_unsafe``
     (why it cannot run elastic, with workers leaving and joining (:mod:`thinwire.elastic`);
     None: it can; :meth:`check_elastic` may refuse a config of a method that otherwise can).
 
@@ -85,6 +90,7 @@ class Method(ABC):
     skip_unsafe: ClassVar[str | None] = None
     replaces_optimizer: ClassVar[bool] = False
     flat_only: ClassVar[str | None] = None
+    sharded_unsafe: ClassVar[str | None] = "it reads whole parameter tensors, not a rank's shard of them"
     elastic_unsafe: ClassVar[str | None] = "its rules for a quorum that changes between steps are not written"
     # True where a step's computation is not the task's plain forward, backward and optimizer
     # step (AB-training's factorized layers, DeMo's own optimizer): ``compare`` and ``cost``
@@ -101,7 +107,12 @@ class Method(ABC):
         self.model: torch.nn.Module | None = model
         self.optimizer = optimizer
         self.comm = comm_or_world(comm)
-        if self.flat_only is not None and self.comm.hierarchy is not None:
+        hierarchy = self.comm.hierarchy
+        sharded = (hierarchy is not None and hierarchy.sharded) or (
+            model is not None and any(is_sharded(p) for p in model.parameters()))
+        if sharded and self.sharded_unsafe is not None:
+            raise ValueError(f"{self.name} cannot run between groups of sharded ranks: {self.sharded_unsafe}")
+        if self.flat_only is not None and hierarchy is not None and not hierarchy.sharded:
             raise ValueError(f"{self.name} cannot average in two levels: {self.flat_only}; give it a communicator "
                              "without nodes")
         self.warned: list[str] = []  # what the method warned of (:meth:`warn`): a run's summary lists them
@@ -211,10 +222,14 @@ class PeriodicAveraging(Method, Reports):
     local to a node, not to a rank: every step's gradients are averaged inside the node in
     fp32 (plain DDP there, :attr:`node`), so a node's ranks keep one model, and the averages
     on the schedule go uncompressed inside each node and through the codec between nodes
-    (the layout of HSDP with DiLoCo between nodes).
+    (the layout of HSDP with DiLoCo between nodes). Over sharded groups (FSDP2 inside a group,
+    ``hierarchy.sharded``) FSDP keeps the group's ranks in step, and every average is of this
+    rank's shards (:class:`~thinwire.algorithms.averaging.ModelState`'s local tensors) with the
+    same shards in the other groups.
     """
 
     elastic_unsafe: ClassVar[str | None] = None  # its averages run within one step: any quorum can take them
+    sharded_unsafe: ClassVar[str | None] = None  # it averages each rank's shard, element by element
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  comm: Communicator | None = None, config: Any = None, *, bucket_mb: float = 25.0,
@@ -227,7 +242,7 @@ class PeriodicAveraging(Method, Reports):
         hierarchy = self.comm.hierarchy
         # with nodes: the local steps' gradient mean inside the node (every step past the warm-up)
         self.node = None
-        if hierarchy is not None:
+        if hierarchy is not None and not hierarchy.sharded:  # sharded: FSDP averages inside the group
             from thinwire.codecs.specs import build_codec
 
             cast = None if hierarchy.dtype == torch.float32 else build_codec(hierarchy.dtype_name)  # --intra-dtype
@@ -255,7 +270,9 @@ class PeriodicAveraging(Method, Reports):
         reduce-scatter + all-gather, over all ranks, nodes or not)."""
         if scatter:
             assert codec is not None  # the config refuses scatter without a gathered codec
-            mean = ScatterMean("model", like, codec, self.comm)
+            hierarchy = self.comm.hierarchy
+            across = hierarchy.inter if hierarchy is not None and hierarchy.sharded else self.comm
+            mean = ScatterMean("model", like, codec, across)
             self.aggregators.append(mean)
             return mean
         agg = flat_aggregator("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
@@ -333,6 +350,7 @@ class Gossip(Method, Reports):
     at the old model (the D-PSGD order); :meth:`after_step` does nothing."""
 
     flat_only = "it exchanges with its graph neighbours by rank, not through a node's groups"
+    sharded_unsafe = "it exchanges whole models with its graph neighbours by rank"
     elastic_unsafe = "its graph of neighbours is fixed by rank and is not rebuilt when workers leave or join"
 
     decentralized = True

@@ -133,10 +133,11 @@ class DiLoCo(PeriodicAveraging):
                  **knobs: Any) -> None:
         super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self.codec = build_codec(self.config.codec.replace(";", ","))
-        self.outer_params = [torch.nn.Parameter(p.detach().clone()) for p in self.state.params]  # θ
+        # θ, sharded like the model: a shard's θ is its own part (FSDP2's local tensor)
+        self.outer_params = [torch.nn.Parameter(p.clone()) for p in self.state.local_params()]
         self.outer = (outer_optimizer or self._outer_from_config)(self.outer_params)
         self.fragments = [
-            Fragment(i, lo, hi, sum(p.numel() for p in self.state.params[lo:hi]), self._offset(i, len(groups)),
+            Fragment(i, lo, hi, sum(t.numel() for t in self.outer_params[lo:hi]), self._offset(i, len(groups)),
                      self.codec if len(groups) == 1 else build_codec(self.config.codec.replace(";", ",")))
             for groups in [self._groups()] for i, (lo, hi) in enumerate(groups)
         ]
@@ -165,7 +166,7 @@ class DiLoCo(PeriodicAveraging):
         buffer: the one it took is the present worker's unsent error)."""
         if self.step >= self.config.warmup:
             with torch.no_grad():
-                for theta, p in zip(self.outer_params, self.state.params, strict=True):
+                for theta, p in zip(self.outer_params, self.state.local_params(), strict=True):
                     p.copy_(theta)
         for f in self.fragments:
             if f.agg is not None:
@@ -235,12 +236,12 @@ class DiLoCo(PeriodicAveraging):
         """Start averaging fragment ``f``'s pseudo-gradient ``θ − θ_i``; merged ``delay`` local
         steps after ``local`` (at once with no delay, or with ``local`` None, with ``alpha``)."""
         t0 = time.perf_counter()
-        params = self.state.params[f.lo : f.hi]
+        params = self.state.local_params()[f.lo : f.hi]
         delta = f.delta = _flat(f.delta, f.numel, params[0])
         off = 0
         for theta, p in zip(self.outer_params[f.lo : f.hi], params):
             n = p.numel()
-            torch.sub(theta.detach().reshape(-1), p.detach().reshape(-1), out=delta[off : off + n])
+            torch.sub(theta.detach().reshape(-1), p.reshape(-1), out=delta[off : off + n])
             off += n
         if f.agg is None:
             f.agg = self.averager(delta, f.codec, scatter=self.scatter)
@@ -287,7 +288,7 @@ class DiLoCo(PeriodicAveraging):
         self.outer.step()
         alpha = self.alpha if alpha is None else alpha
         with torch.no_grad():
-            for theta, p in zip(thetas, self.state.params[f.lo : f.hi]):
+            for theta, p in zip(thetas, self.state.local_params()[f.lo : f.hi]):
                 theta.grad = None
                 if alpha == 0.0:
                     p.copy_(theta)
@@ -325,7 +326,7 @@ class DiLoCo(PeriodicAveraging):
     def _restart(self) -> None:
         """``θ`` := the model's parameters (identical on every rank after synchronous steps)."""
         with torch.no_grad():
-            for theta, p in zip(self.outer_params, self.state.params):
+            for theta, p in zip(self.outer_params, self.state.local_params()):
                 theta.copy_(p)
 
     def finish(self) -> None:

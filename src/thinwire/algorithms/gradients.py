@@ -53,6 +53,7 @@ from thinwire.aggregate import Aggregator, CodecChooser
 from thinwire.codecs.base import Codec
 from thinwire.comm.background import Worker
 from thinwire.comm.base import Communicator
+from thinwire.comm.groups import is_sharded, local_part
 from thinwire.feedback import ErrorFeedback
 from thinwire.hierarchical import build_aggregator
 from thinwire.timing import Timing
@@ -110,7 +111,8 @@ class GradientReducer:
         self._plain: dict[str, bool] = {}  # name -> sent as a plain cast (stays in the scaler's units)
         self.aggregator = self._aggregator_for(live)  # the set at construction: plans and codecs
         # overlap: buckets of the expected set launched from the backward pass
-        self.overlap = overlap
+        # FSDP2 writes a shard's gradient after backward's hooks: launching from them is not possible
+        self.overlap = overlap = overlap and not any(is_sharded(p) for _, p in self.named)
         self.armed = True  # launches happen only while armed (a method whose warm-up ended disarms)
         self._expected = live  # the names averaged at the last reduce(): their buckets launch in backward
         self._passes = 0  # the most backward passes seen before one reduce(); 0: none yet (step 0 waits)
@@ -168,8 +170,8 @@ class GradientReducer:
             params = dict(self.named)
             # buckets filled from the last parameter: backward computes gradients roughly in
             # reverse order, so the first buckets are ready first (DDP's order too)
-            agg = build_aggregator([(n, params[n]) for n in reversed(names)], self.codec_for, self.comm,
-                             bucket_mb=self.bucket_mb, feedback=self.feedback)
+            held = [(n, local_part(params[n].detach())) for n in reversed(names)]  # a shard: its own shape
+            agg = build_aggregator(held, self.codec_for, self.comm, bucket_mb=self.bucket_mb, feedback=self.feedback)
             self._aggregators[names] = agg
             while len(self._aggregators) > MAX_SETS:
                 old = next(k for k, a in self._aggregators.items() if a is not self.aggregator)
@@ -185,7 +187,7 @@ class GradientReducer:
     def _is_plain(self, name: str, p: torch.Tensor) -> bool:
         plain = self._plain.get(name)
         if plain is None:
-            plain = self._plain[name] = is_plain(self.codec_for(name, p), p.shape)
+            plain = self._plain[name] = is_plain(self.codec_for(name, p), local_part(p.detach()).shape)
         return plain
 
     # -- work ------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class GradientReducer:
         found = None
         if scale is not None:
             held = [(name, p) for (name, p), has in zip(self.named, local) if has]
-            found = check_and_unscale([g for _, p in held if (g := p.grad) is not None],  # every one held
+            found = check_and_unscale([local_part(g) for _, p in held if (g := p.grad) is not None],  # every one held
                                       [1.0 if self._is_plain(name, p) else 1.0 / scale for name, p in held])
         bad, used = False, local
         if scale is not None or self.find_unused_parameters:
@@ -239,6 +241,7 @@ class GradientReducer:
                 p.grad = torch.zeros_like(p)  # used on another rank: DDP gives this rank the mean too
             grad = p.grad if p.requires_grad else torch.zeros_like(p)  # frozen here: sent, not kept
             assert grad is not None  # requires_grad: held, or created just above
+            grad = local_part(grad)  # a shard's gradient (FSDP2): the part this rank holds
             tensors[name] = grad
             if scale is not None and p.requires_grad and not self._is_plain(name, p):
                 back.append(grad)  # averaged unscaled on every rank, this one's zeros included

@@ -38,6 +38,13 @@ quantizer, per parameter tensor over its kept values ``v``: ``s = mean(v)``, ``c
 mean of the ``c`` coded ``b`` (0 for an empty bin); a value decodes as ``table[q] + s``. A
 width of 0 (one value, or all equal) becomes 1. ``bits=32`` sends fp32 values unquantized.
 
+**Shards.** Over sharded worker groups (FSDP2 inside a group) each rank tiles its own shard:
+the local tensor of a row-sharded matrix (``rows/G × rest``) in the same ``chunk × chunk``
+blocks, so a block never straddles two shards, and the ``k`` kept per block are picked within
+the shard. A matrix whose shard's row count is not a multiple of ``chunk`` gets a padded last
+row of blocks on each shard, where the whole matrix has one; its selection and byte count
+therefore differ from an unsharded worker's (``wire_bytes`` counts the shard's).
+
 **Wire** (one all_gather per sync, a fixed layout from the shapes alone), per rank: the
 per-tensor statistics, ``(1 + 2^bits)`` fp32 each (none for ``bits=32``); the positions
 inside their blocks, in the smallest integer type that holds a block's last index (uint8
@@ -361,7 +368,7 @@ class SparseLoCo(DiLoCo):
         super().__init__(model, optimizer, comm, cast(Any, config), bucket_mb=bucket_mb, overlap=overlap, **knobs)
         cfg = self.config
         self.wire = ChunkedTopK(ChunkedTopKConfig(chunk=cfg.chunk, k=cfg.k, bits=cfg.bits, sigmas=cfg.sigmas),
-                                [tuple(p.shape) for p in self.state.params])
+                                [tuple(t.shape) for t in self.state.local_params()])  # a shard's own rows
         self.codec = self.wire
         for f in self.fragments:  # one, the whole model (built before its aggregator is)
             f.codec = self.wire

@@ -76,6 +76,7 @@ class SyncReducer(Method, Reports):
     name = "sync"  # a codec's or a policy's own spec names it (``spec``), not a registry entry
     summary = "synchronous gradient averaging through a codec or a policy"
     elastic_unsafe = None  # each step's average is over the workers present, its divisor their count
+    sharded_unsafe = None  # a shard's gradient goes through the codec as a tensor of its own (its local shape)
 
 
     def __init__(

@@ -171,13 +171,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class Hierarchy:
-    """A world's node groups: ``intra`` (this rank's node, ranked by local rank) and ``inter``
-    (this local rank on every node, ranked by node)."""
+    """A world's worker groups (nodes): ``intra`` (this rank's group, ranked by local rank)
+    and ``inter`` (this local rank in every group, ranked by group).
+
+    ``sharded``: the group's ranks hold one replica sharded between them (FSDP2's
+    ``fully_shard`` over ``intra``), so each rank holds only its shard of every parameter, and
+    the group's own averaging (the gradients' reduce-scatter) is FSDP's. thinwire then averages
+    each rank's shard with the same shard in the other groups, over ``inter`` alone. Not
+    sharded: the ranks of a group are replicas, and thinwire averages inside the group itself
+    (fp32, as DDP does) before the codec between groups (:mod:`thinwire.hierarchical`)."""
 
     layout: NodeLayout
     intra: Communicator
     inter: Communicator
     dtype: torch.dtype = torch.float32  # of the collectives inside the node
+    sharded: bool = False
 
     @property
     def dtype_name(self) -> str:

@@ -22,6 +22,8 @@ stages run in fp32 unless the hierarchy says ``bf16`` (``--intra-dtype``; :data:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from thinwire.comm.base import Communicator, Hierarchy
@@ -33,14 +35,17 @@ INTRA_LINK = "100gbit,10us"
 
 
 def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | None = None, *,
-                    intra_dtype: str = "fp32") -> Hierarchy:
+                    intra_dtype: str = "fp32", mesh: Any = None, sharded: bool = False) -> Hierarchy:
     """Create every node's and every local rank's group (all ranks call this, in the same
     order), set ``world.nodes`` and ``world.hierarchy`` and return the hierarchy. Each rank
     first checks that all ranks agree on the layout (one small all_gather, not metered).
     ``intra_link``: the link inside a node for an emulated world (default :data:`INTRA_LINK`);
     ``intra_dtype``: ``fp32`` or ``bf16``, the dtype of the collectives inside a node (bf16
     halves their bytes, rounding each gradient to bf16 before the node's sum, and the mean
-    again for the node's all_gather)."""
+    again for the node's all_gather). ``mesh``: a 2-D ``DeviceMesh`` (across groups, inside a
+    group) whose process groups are used instead of new ones (a world over
+    ``torch.distributed``); ``sharded``: the groups' ranks hold FSDP2 shards
+    (:class:`~thinwire.comm.base.Hierarchy`)."""
     from thinwire.comm.link import EmulatedLink, Link
 
     if intra_dtype not in INTRA_DTYPES:
@@ -50,11 +55,16 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
         raise ValueError(f"the node layout has {layout.world_size} ranks, the world {world.world_size}")
     _agree(world, layout)
     base = world.inner if isinstance(world, EmulatedLink) else world
-    intra = inter = None
-    for node in range(layout.count):  # every group is created by every rank, in this order
-        intra = base.subgroup(layout.node_ranks(node)) or intra
-    for local in range(layout.ranks_per_node):
-        inter = base.subgroup(layout.peers(local)) or inter
+    intra: Communicator | None
+    inter: Communicator | None
+    if mesh is not None:
+        intra, inter = mesh_groups(base, layout, mesh)
+    else:
+        intra = inter = None
+        for node in range(layout.count):  # every group is created by every rank, in this order
+            intra = base.subgroup(layout.node_ranks(node)) or intra
+        for local in range(layout.ranks_per_node):
+            inter = base.subgroup(layout.peers(local)) or inter
     assert intra is not None and inter is not None  # every rank is on one node and has one local rank
     share = layout.ranks_per_node
     if isinstance(world, EmulatedLink):  # this rank's part of the node's card
@@ -62,11 +72,36 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
         inter = EmulatedLink(inter, part, sleep=world.sleep, _clock=world._clock)
         intra = EmulatedLink(intra, Link.parse(intra_link or INTRA_LINK), sleep=world.sleep)
     intra.scope, inter.scope = "intra", "inter"
-    hierarchy = Hierarchy(layout, intra, inter, INTRA_DTYPES[intra_dtype])
+    hierarchy = Hierarchy(layout, intra, inter, INTRA_DTYPES[intra_dtype], sharded=sharded)
     world.nodes = layout
     world.hierarchy = hierarchy if share > 1 else None
     world.meter.inter_share = share
     return hierarchy
+
+
+def mesh_groups(world: Communicator, layout: NodeLayout, mesh: Any) -> tuple[Communicator, Communicator]:
+    """This rank's group (``intra``) and its peers in the other groups (``inter``) as
+    communicators over a 2-D ``DeviceMesh``'s own process groups: dimension 0 across the
+    groups, dimension 1 inside one (torchtitan's HSDP order: replicate, then shard). The
+    mesh must lay out the groups as ``layout`` does, ``G`` consecutive ranks each (torchrun's
+    nodes); its bytes are counted by ``world``'s meter."""
+    from thinwire.comm.torch_dist import TorchComm
+
+    if not isinstance(world, TorchComm) or world.world_size != layout.world_size:
+        raise ValueError("a DeviceMesh's groups need a communicator over every torch.distributed process")
+    if mesh.ndim != 2:
+        raise ValueError(f"a mesh of worker groups has 2 dimensions (across groups, inside a group), this one has "
+                         f"{mesh.ndim}")
+    expected = [layout.node_ranks(k) for k in range(layout.count)]
+    got = mesh.mesh.tolist()
+    if got != expected:
+        raise ValueError(f"the mesh's groups must be {layout.ranks_per_node} consecutive ranks each (dimension 0 "
+                         f"across the groups, dimension 1 inside one: {expected}), got {got}")
+    rank = world.rank
+    node, local = layout.node(rank), layout.local_rank(rank)
+    intra = TorchComm(mesh.get_group(1), world.meter, _order=layout.node_ranks(node))
+    inter = TorchComm(mesh.get_group(0), world.meter, _order=layout.peers(local))
+    return intra, inter
 
 
 def check_intra_dtype(saved: str | None, ours: str) -> None:
