@@ -87,7 +87,8 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
         ranks = sorted(held.mesh.flatten().tolist())
         if ranks != sorted(mine):
             raise ValueError(f"the model is sharded over ranks {ranks}, the mesh's dimension inside a group holds "
-                             f"{sorted(mine)} on rank {rank}: shard it with fully_shard(..., mesh=mesh[name of dimension 1])")
+                             f"{sorted(mine)} on rank {rank}: shard it over dimension 1, "
+                             "fully_shard(model, mesh=mesh[its name])")
         build_hierarchy(world, layout, intra_dtype=intra_dtype, mesh=mesh, sharded=True)
         return world
     group = getattr(model, "process_group", None)
