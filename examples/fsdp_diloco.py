@@ -112,7 +112,9 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
         if rank == 0 and (step + 1) % 20 == 0:
-            print(f"step {step + 1}: loss {loss.item():.4f}, {run.bytes_sent / 1e6:.3f} MB sent between groups")
+            meter = run.comm.meter  # this rank's bytes: FSDP's inside the group, the method's between groups
+            print(f"step {step + 1}: loss {loss.item():.4f}; MB sent inside the group "
+                  f"{meter.link_bytes('intra') / 1e6:.3f}, between groups {meter.link_bytes('inter') / 1e6:.3f}")
         if args.save and step + 1 == (args.save_at or args.steps):
             save(args.save, step + 1, model, optimizer, run, mesh)
     run.finish()  # the groups end on one model: a last outer step
@@ -124,7 +126,7 @@ def main() -> None:
     if args.report:
         digest = float(sum(t.double().sum() * (i + 1) for i, t in enumerate(whole)))
         with open(f"{args.report}.rank{rank}.json", "w") as f:
-            json.dump({"losses": losses, "digest": digest, "bytes_between_groups": run.bytes_sent,
+            json.dump({"losses": losses, "digest": digest, "bytes_between_groups": run.comm.meter.link_bytes("inter"),
                        "shard_numel": sum(p.to_local().numel() for p in model.parameters())}, f)
     dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ the groups, in a user's loop (``thinwire.attach(..., mesh=mesh)``).
   its own shard's shapes, and a resume from the method's, the model's and the optimizer's
   state is bit for bit the straight run;
 - a group sends between groups what one unsharded worker sends, each rank its shard's part;
+  FSDP's own collectives inside a group are metered apart (link ``intra``);
 - methods that read whole tensors, and meshes that do not match how the model was wrapped,
   are refused by name.
 """
@@ -80,7 +81,7 @@ def _train(rank: int, layout: str, mesh, spec: str, wrap: str = "") -> dict:
     losses = _steps(model, opt, run, rank, 0, STEPS)
     run.finish()
     return {"losses": losses, "full": _full(model), "inter": run.comm.meter.link_bytes("inter"),
-            "bytes": run.bytes_sent}
+            "intra": run.comm.meter.link_bytes("intra"), "bytes": run.bytes_sent}
 
 
 def _resume(rank: int, mesh, spec: str, k: int, n: int) -> dict:
@@ -229,7 +230,19 @@ def test_a_codec_between_sharded_groups_sends_its_count_for_the_shards_shapes(re
             # over 2 groups an all_gather sends (n - 1) = 1 payload, an all_reduce 2(n - 1)/n = 1
             per_step += codec.nbytes(size, torch.float32) if codec.compresses(size) else 4 * size.numel()
         assert r[spec, "sharded"]["inter"] == STEPS * per_step, (spec, rank)
-        assert r[spec, "sharded"]["bytes"] == r[spec, "sharded"]["inter"]  # FSDP's own traffic is not ours
+        assert r[spec, "sharded"]["bytes"] == r[spec, "sharded"]["inter"] + r[spec, "sharded"]["intra"]
+
+
+@pytest.mark.spawns
+@pytest.mark.timeout(320)
+def test_fsdps_own_traffic_inside_the_group_is_metered_apart(results):
+    # each Linear is a unit: its shard (rows padded to a multiple of 2, half each) is all-gathered
+    # in forward and again in backward ((G - 1) shards sent each), its gradient reduce-scattered
+    # ((G - 1)/G of the padded whole): 3 shards of fp32 per unit and step at G = 2
+    shard = sum(math.ceil(w[0] / 2) * (w[1] + 1) for w in (SHAPES[0], SHAPES[2]))  # weight rows and bias
+    for r in results:
+        assert r["identity", "sharded"]["intra"] == STEPS * 3 * 4 * shard
+        assert r["identity", "flat"]["intra"] == 0
 
 
 @pytest.mark.spawns

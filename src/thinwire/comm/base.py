@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -186,6 +186,7 @@ class Hierarchy:
     inter: Communicator
     dtype: torch.dtype = torch.float32  # of the collectives inside the node
     sharded: bool = False
+    mesh: Any = None  # the 2-D DeviceMesh the groups were built from (across, inside), if any
 
     @property
     def dtype_name(self) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from thinwire.comm.base import Communicator
 from thinwire.comm.layout import NodeLayout
+from thinwire.comm.meter import ByteMeter
 from thinwire.comm.nodes import build_hierarchy
 
 
@@ -90,6 +91,7 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
                              f"{sorted(mine)} on rank {rank}: shard it over dimension 1, "
                              "fully_shard(model, mesh=mesh[its name])")
         build_hierarchy(world, layout, intra_dtype=intra_dtype, mesh=mesh, sharded=True)
+        meter_fsdp(model, world.meter)  # FSDP's own traffic, counted inside the groups
         return world
     group = getattr(model, "process_group", None)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -104,3 +106,51 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
         return TorchComm(mesh.get_group(0), _order=layout.peers(local_rank))
     build_hierarchy(world, layout, intra_dtype=intra_dtype, mesh=mesh)
     return world
+
+
+def shard_replica(model: torch.nn.Module, mesh: Any) -> list[torch.nn.Module]:
+    """Shard ``model`` over the 1-D ``mesh`` (a group's ranks) with FSDP2's ``fully_shard``, as
+    its documentation advises: every block of a ``ModuleList`` (a transformer's layers) as a
+    unit of its own, else every direct child holding parameters, then the root (what is left).
+    Returns the units, the root last. Parameters become DTensors sharded on dimension 0."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    units = [m for m in blocks if any(True for _ in m.parameters())] or [
+        c for c in model.children() if any(True for _ in c.parameters())]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return [*units, model]
+
+
+def meter_fsdp(model: torch.nn.Module, meter: ByteMeter) -> int:
+    """Count FSDP2's own collectives inside the group with ``meter`` (link ``intra``): each
+    unit's all-gather of the parameters (its shard in, forward and, resharded, backward) and
+    reduce-scatter of the gradients, as FSDP issues them (its padded buffers), through FSDP's
+    custom-collective hooks; a unit whose collectives the user replaced keeps them, unmetered.
+    Returns how many units it saw."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class Gather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            meter.record("all_gather", input_tensor.numel() * input_tensor.element_size(), group.size(), "intra")
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class Scatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            meter.record("reduce_scatter", input_tensor.numel() * input_tensor.element_size(), group.size(), "intra")
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        # FSDP's defaults only: a collective of the user's own stays theirs (and unmetered)
+        if all(type(g._all_gather_comm) is DefaultAllGather for g in groups):
+            unit.set_custom_all_gather(Gather())
+        if all(type(g._reduce_scatter_comm) is DefaultReduceScatter for g in groups):
+            unit.set_custom_reduce_scatter(Scatter())
+    return len(units)

@@ -72,7 +72,7 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
         inter = EmulatedLink(inter, part, sleep=world.sleep, _clock=world._clock)
         intra = EmulatedLink(intra, Link.parse(intra_link or INTRA_LINK), sleep=world.sleep)
     intra.scope, inter.scope = "intra", "inter"
-    hierarchy = Hierarchy(layout, intra, inter, INTRA_DTYPES[intra_dtype], sharded=sharded)
+    hierarchy = Hierarchy(layout, intra, inter, INTRA_DTYPES[intra_dtype], sharded=sharded, mesh=mesh)
     world.nodes = layout
     world.hierarchy = hierarchy if share > 1 else None
     world.meter.inter_share = share
