@@ -406,7 +406,7 @@ class Aggregator:
         if state.get("nodes") is not None and type(self) is Aggregator:
             count, per_node = state["nodes"]
             raise ValueError(f"checkpoint was saved with {count} node(s) x {per_node} rank(s); this run has no "
-                             "nodes (flat): residuals are per shard, so resume with the same --ranks-per-node")
+                             "nodes (flat): residuals are per shard, so resume with the same --group-size")
         saved, ours = list(state["codecs"]), [c.describe() for c in self.codecs]
         if saved != ours:
             raise ValueError(f"checkpoint was saved with codecs {saved}, this aggregator has {ours}")

@@ -311,7 +311,7 @@ def _lighthouse(args: argparse.Namespace) -> int:
 TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir",
                 "links", "emulate_link", "out", "overwrite", "eval_every", "bucket_mb", "threads", "task_options",
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
-                "intra_link", "intra_dtype", "tensorboard", "lr_schedule", "warmup_steps", "min_lr",
+                "intra_link", "intra_dtype", "shard", "tensorboard", "lr_schedule", "warmup_steps", "min_lr",
                 "muon_lr", "elastic", "min_workers", "lighthouse", "replica", "elastic_timeout",
                 "elastic_wait")  # train's options, by field
 

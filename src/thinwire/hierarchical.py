@@ -289,7 +289,7 @@ class HierarchicalAggregator(Aggregator):
         if saved != ours:
             what = "no nodes (flat)" if saved is None else f"{saved[0]} node(s) x {saved[1]} rank(s)"
             raise ValueError(f"checkpoint was saved with {what}; this run has {ours[0]} node(s) x {ours[1]} "
-                             "rank(s): residuals are per shard, so resume with the same --ranks-per-node")
+                             "rank(s): residuals are per shard, so resume with the same --group-size")
         check_intra_dtype(state.get("intra_dtype"), self.hierarchy.dtype_name)
         super().load_state_dict(state)
 

@@ -148,12 +148,12 @@ BAD = [
     (["--method", "torch-powersgd", "--on-nonfinite", "skip"], "--on-nonfinite skip cannot keep torch-powersgd clean"),
     (["--import", "no_such_codec_module"], "--import no_such_codec_module: ModuleNotFoundError"),
     (["--import", "/nonexistent/codecs.py"], "--import /nonexistent/codecs.py: ImportError: no such file"),
-    (["--workers", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide the world of 4 ranks"),
-    (["--workers", "4", "--ranks-per-node", "two"], "ranks-per-node must be a number of ranks or auto"),
-    (["--workers", "4", "--ranks-per-node", "auto"], "--ranks-per-node auto takes the layout from torchrun"),
-    (["--workers", "4", "--intra-link", "10gbit,1us"], "--intra-link needs --ranks-per-node"),
+    (["--workers", "4", "--ranks-per-node", "3"], "--group-size 3 must divide the world of 4 ranks"),
+    (["--workers", "4", "--ranks-per-node", "two"], "group-size must be a number of ranks or auto"),
+    (["--workers", "4", "--ranks-per-node", "auto"], "--group-size auto takes the layout from torchrun"),
+    (["--workers", "4", "--intra-link", "10gbit,1us"], "--intra-link needs --group-size"),
     (["--workers", "4", "--ranks-per-node", "2", "--intra-link", "fast"], "link must look like"),
-    (["--workers", "4", "--intra-dtype", "bf16"], "--intra-dtype needs --ranks-per-node"),
+    (["--workers", "4", "--intra-dtype", "bf16"], "--intra-dtype needs --group-size"),
     (["--workers", "4", "--ranks-per-node", "2", "--intra-dtype", "fp16"],
      "intra-dtype must be one of fp32, bf16, got 'fp16'"),
     (["--workers", "4", "--ranks-per-node", "1", "--intra-dtype", "bf16"],
@@ -162,6 +162,14 @@ BAD = [
      "powergossip cannot average in two levels: it exchanges with its graph neighbours by rank"),
     (["--workers", "4", "--ranks-per-node", "2", "--method", "demo"], "demo cannot average in two levels"),
     (["--workers", "4", "--ranks-per-node", "2", "--method", "torch-ddp"], "torch-ddp cannot average in two levels"),
+    (["--workers", "4", "--shard"], "--shard needs --group-size"),
+    (["--workers", "4", "--group-size", "1", "--shard"], "--shard needs --group-size of 2 or more ranks"),
+    (["--workers", "4", "--group-size", "2", "--shard", "--method", "dpsgd"],
+     "--shard: dpsgd cannot run between groups of sharded ranks: it exchanges whole models with its graph neighbours"),
+    (["--workers", "4", "--group-size", "2", "--shard", "--method", "demo"],
+     "--shard: demo cannot run between groups of sharded ranks"),
+    (["--workers", "4", "--group-size", "2", "--shard", "--intra-dtype", "bf16"],
+     "--intra-dtype applies to groups of replicas"),
 ]
 
 
@@ -580,7 +588,7 @@ def test_cost_probes_every_method_and_gives_a_verdict_against_bf16():
     (["--probe-steps", "1"], "probe-steps must be >= 2"),
     (["--repeats", "0"], "repeats must be >= 1, got 0"),
     (["--link", "fast"], "link"),
-    (["--workers", "4", "--intra-link", "1gbit,1us"], "--intra-link needs --ranks-per-node"),
+    (["--workers", "4", "--intra-link", "1gbit,1us"], "--intra-link needs --group-size"),
 ])
 def test_cost_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     assert main(["cost", "--task", "synthetic", *args]) == 2

@@ -33,7 +33,7 @@ def test_these_are_refused_by_name_with_the_reason(spec, why):
     (["--lighthouse", "127.0.0.1:1", "--replica", "2"], ("--replica must be in 0..1",)),
     (["--elastic-timeout", "0"], ("--elastic-timeout must be",)),
     (["--elastic-wait", "-1"], ("--elastic-wait must be",)),
-    (["--ranks-per-node", "2"], ("--elastic does not take --ranks-per-node",)),
+    (["--ranks-per-node", "2"], ("--elastic does not take --group-size",)),
     (["--link", "1gbit,50us"], ("--elastic does not take --link",)),
     (["--lighthouse", "nowhere"], ("an address must be HOST:PORT",)),
 ])

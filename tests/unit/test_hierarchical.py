@@ -258,7 +258,7 @@ def test_a_flat_ring_over_nodes_crosses_from_each_nodes_last_rank():
 
 
 def test_bad_layouts_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="--ranks-per-node 3 must divide the world of 4 ranks"):
+    with pytest.raises(ValueError, match="--group-size 3 must divide the world of 4 ranks"):
         NodeLayout(4, 3)
     with pytest.raises(ValueError, match="disagrees with torchrun's layout: LOCAL_WORLD_SIZE=4"):
         layout_for(8, 2, rank=0, env={"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "LOCAL_RANK": "0"})

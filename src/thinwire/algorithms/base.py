@@ -64,7 +64,7 @@ class Method(ABC):
     against), ``skip_unsafe`` (why a step dropped on every rank after its backward pass,
     for a non-finite gradient, would leave the method's state unclean; None: it would not),
     ``flat_only`` (why the method cannot average in two levels, uncompressed inside a node
-    and compressed between nodes (``--ranks-per-node``); None: it can), ``sharded_unsafe``
+    and compressed between nodes (``--group-size``); None: it can), ``sharded_unsafe``
     (why it cannot run between groups whose ranks hold FSDP2 shards of the model, averaging
     each rank's shard with the same shard in the other groups (:mod:`thinwire.comm.groups`);
     None: it can; refused by default, as a method reads whole tensors unless it says
@@ -218,7 +218,7 @@ class PeriodicAveraging(Method, Reports):
     local steps, averages through :meth:`averager` and adds its own other seconds (gathering,
     merging) to ``self._timing``.
 
-    Over a world with nodes (``comm.hierarchy``, ``--ranks-per-node``) the local steps are
+    Over a world with nodes (``comm.hierarchy``, ``--group-size``) the local steps are
     local to a node, not to a rank: every step's gradients are averaged inside the node in
     fp32 (plain DDP there, :attr:`node`), so a node's ranks keep one model, and the averages
     on the schedule go uncompressed inside each node and through the codec between nodes
@@ -335,8 +335,8 @@ class PeriodicAveraging(Method, Reports):
         self.warmup.armed = self.warming_up
         if self.node is not None:
             if "node" not in state:
-                raise ValueError("checkpoint was saved without nodes (flat); this run has --ranks-per-node: resume "
-                                 "with the same --ranks-per-node")
+                raise ValueError("checkpoint was saved without nodes (flat); this run has --group-size: resume "
+                                 "with the same --group-size")
             check_intra_dtype(state.get("intra_dtype"), self._intra_dtype())
             self.node.load_state_dict(state["node"])
             self.node.armed = not self.warming_up

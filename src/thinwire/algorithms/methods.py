@@ -108,6 +108,14 @@ def skip_unsafe(spec: str) -> str | None:
     return METHODS[parse_spec(spec)[0]].skip_unsafe if kind_of(spec) == "method" else None
 
 
+def sharded_refusal(spec: str | Policy | Codec) -> str | None:
+    """Why the method of a resolved spec cannot run between groups of sharded ranks
+    (:attr:`Method.sharded_unsafe`), or None: codecs and policies can."""
+    if isinstance(spec, str) and kind_of(spec) == "method":
+        return METHODS[parse_spec(spec)[0]].sharded_unsafe
+    return None
+
+
 def flat_only(spec: str | Policy | Codec) -> str | None:
     """Why the method of a resolved spec cannot average in two levels (:attr:`Method.flat_only`),
     or None when it can (codecs and policies always can)."""

@@ -1,4 +1,4 @@
-"""Where each rank sits: ranks grouped into nodes (``--ranks-per-node``), and the dtypes the
+"""Where each rank sits: ranks grouped into nodes (``--group-size``), and the dtypes the
 collectives inside a node may run in. Plain data, no communicator: the meter, the launcher and
 the hierarchy all read it."""
 
@@ -23,7 +23,7 @@ class NodeLayout:
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(f"--ranks-per-node {self.ranks_per_node} must divide the world of "
+            raise ValueError(f"--group-size {self.ranks_per_node} must divide the world of "
                              f"{self.world_size} ranks")
 
     @property
@@ -72,16 +72,16 @@ def layout_for(world_size: int, ranks_per_node: int | str | None, rank: int | No
     launched = torchrun_layout(env) if rank is not None else None
     if ranks_per_node == "auto":
         if launched is None:
-            raise ValueError("--ranks-per-node auto takes the layout from torchrun (LOCAL_WORLD_SIZE); "
+            raise ValueError("--group-size auto takes the layout from torchrun (LOCAL_WORLD_SIZE); "
                              "give a number of ranks per node instead")
         ranks_per_node = launched[0]
     layout = NodeLayout(world_size, int(ranks_per_node))
     if launched is not None and rank is not None:
         local_world, group_rank, local_rank = launched
         if local_world != layout.ranks_per_node:
-            raise ValueError(f"--ranks-per-node {layout.ranks_per_node} disagrees with torchrun's layout: "
+            raise ValueError(f"--group-size {layout.ranks_per_node} disagrees with torchrun's layout: "
                              f"LOCAL_WORLD_SIZE={local_world}")
         if rank != group_rank * local_world + local_rank:
             raise ValueError(f"torchrun placed rank {rank} at node {group_rank}, local rank {local_rank}: not "
-                             f"{local_world} consecutive ranks per node, which --ranks-per-node needs")
+                             f"{local_world} consecutive ranks per node, which --group-size needs")
     return layout

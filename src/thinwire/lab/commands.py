@@ -197,7 +197,7 @@ def bench_parser(sub: Any) -> None:
 
 COMPARE_FIELDS = ("task", "workers", "steps", "batch_size", "lr", "optimizer", "seed", "data_dir", "links",
                   "emulate_link", "eval_every", "bucket_mb", "threads", "task_options", "imports", "max_workers",
-                  "ranks_per_node", "intra_link", "intra_dtype", "tensorboard", "lr_schedule", "warmup_steps",
+                  "ranks_per_node", "intra_link", "intra_dtype", "shard", "tensorboard", "lr_schedule", "warmup_steps",
                   "min_lr", "muon_lr")
 
 
@@ -205,7 +205,7 @@ PROBE_SECONDS = 20.0  # thinwire cost: seconds of training steps per probe, by d
 
 
 COST_FIELDS = ("task", "workers", "batch_size", "seed", "data_dir", "links", "threads", "task_options", "imports",
-               "max_workers", "ranks_per_node", "intra_link", "intra_dtype")
+               "max_workers", "ranks_per_node", "intra_link", "intra_dtype", "shard")
 
 
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:

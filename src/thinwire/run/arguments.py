@@ -44,15 +44,21 @@ def task_options_help() -> str:
 
 
 def node_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks-per-node", metavar="L|auto",
-                   help="ranks per node (auto: torchrun's LOCAL_WORLD_SIZE): average uncompressed inside each node and "
-                   "through the method's codec between nodes; with --workers N, N/L emulated nodes (default: flat)")
+    p.add_argument("--group-size", "--ranks-per-node", dest="ranks_per_node", metavar="G|auto",
+                   help="a worker is a group of G consecutive ranks (a node; auto: torchrun's LOCAL_WORLD_SIZE) that "
+                   "trains one replica in step over --intra-link; the method runs between the groups over --link; "
+                   "--workers still counts ranks (default: every rank a worker of its own)")
+    p.add_argument("--shard", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard each group's replica over its ranks with FSDP2 (fully_shard), each rank exchanging only "
+                   "its shard between groups (default: no, the group's ranks hold replicas, averaged in fp32 inside "
+                   "the group, or what a resumed run was saved with; needs --group-size)")
     p.add_argument("--intra-link", metavar="LINK",
-                   help="the link inside a node, modeled and emulated as --link is between nodes (default: "
-                   "100gbit,10us; needs --ranks-per-node)")
+                   help="the link inside a group, modeled and emulated as --link is between groups (default: "
+                   "100gbit,10us; needs --group-size)")
     p.add_argument("--intra-dtype", metavar="fp32|bf16",
-                   help="the dtype of the collectives inside a node (default fp32; bf16 halves their bytes, rounding "
-                   "each gradient before the node's sum and the mean after the codec; needs --ranks-per-node)")
+                   help="the dtype of thinwire's collectives inside a group of replicas (default fp32; bf16 halves "
+                   "their bytes, rounding each gradient before the group's sum and the mean after the codec; needs "
+                   "--group-size)")
 
 
 def optimizer_options(p: argparse.ArgumentParser) -> None:
@@ -139,7 +145,7 @@ def nodes_resolved(base):
     resolved = base.resolve()
     check_task(resolved)
     return dataclasses.replace(base, ranks_per_node=resolved.ranks_per_node, intra_link=resolved.intra_link,
-                               intra_dtype=resolved.intra_dtype)
+                               intra_dtype=resolved.intra_dtype, shard=resolved.shard)
 
 
 def check_task(cfg) -> None:

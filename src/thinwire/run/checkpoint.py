@@ -7,6 +7,9 @@ Layout under a run's ``--out`` directory::
         step-00000120/
             meta.json          step, world size, task, method, seed, config
             rank-0.pt ...      one file per rank (gossip ranks hold different models)
+            group-0/ ...       with --shard: each worker group's model and optimizer, sharded over
+                               its ranks, through torch.distributed.checkpoint (.metadata,
+                               __R_0.distcp: one file per rank of the group)
 
 Each rank writes its file to a temporary name and renames it; after every rank has written
 (a barrier), rank 0 writes ``meta.json`` and then replaces ``latest.json``. A crash at any
@@ -17,7 +20,11 @@ directory if the newest is damaged.
 A rank's file holds the model, the optimizer, the method's own state (error-feedback
 residuals, factors, schedules, snapshots, phases, per-edge state), the byte meter, the
 clock, the seconds spent so far and the RNG states; the data position is the step itself
-(every task's batch stream is a pure function of the step).
+(every task's batch stream is a pure function of the step). Between sharded groups
+(``--shard``) the model and the optimizer are not in it: each group writes them through
+``torch.distributed.checkpoint`` over its own ranks (the groups' inner optimizers differ, so
+one checkpoint over the world would keep one group's), and each rank's file records the SHA-256
+and size of every file of its group's folder (:func:`write_group`, :func:`load_group`).
 
 Trust: ``meta.json`` records the SHA-256 and size of every rank's file as written, and a
 checkpoint is used only after :func:`verify` (the launcher, before any rank starts) and
@@ -30,8 +37,9 @@ pickled objects.
 
 Deleting: thinwire removes only what it wrote: ``latest.json`` and the ``step-NNNNNNNN/``
 directories its manifest records (:mod:`thinwire.run.outdir`), and inside those only
-``meta.json``, ``rank-R.pt`` and their temporary files; a file of anyone else's inside
-``checkpoints/`` stays, and so does the directory holding it.
+``meta.json``, ``rank-R.pt`` and their temporary files, and the ``group-K/`` folders it created
+with the checkpoint's own files in them; a file of anyone else's inside ``checkpoints/`` stays,
+and so does the directory holding it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ KEEP = 2  # checkpoints kept on disk: the newest and the one before it
 LATEST = "latest.json"
 STEP_NAME = re.compile(r"step-\d{8,}")  # a checkpoint directory's name (step_dir: at least 8 digits)
 OWN_FILE = re.compile(r"\.?(meta\.json|rank-\d+\.pt)(\.tmp)?")  # the files thinwire writes into one
+GROUP_NAME = re.compile(r"group-\d+")  # a sharded group's folder in one (--shard)
+DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")  # what torch.distributed.checkpoint writes
 CHUNK = 1 << 20
 
 
@@ -119,18 +129,61 @@ def commit(out: str | os.PathLike, step: int, meta: dict[str, Any],
         remove_step(old)
 
 
-def prepare(out: str | os.PathLike, step: int) -> None:
+def prepare(out: str | os.PathLike, step: int, groups: int = 0) -> None:
     """Rank 0, before any rank writes the checkpoint at ``step``: the directory is created
-    and recorded in the folder's manifest (:mod:`thinwire.run.outdir`); an existing one of
-    that step (an earlier run's) is emptied of thinwire's files first, so none can mix with
-    this one. A directory of that name thinwire did not create is refused
-    (:class:`~thinwire.run.outdir.ForeignFile`)."""
+    and recorded in the folder's manifest (:mod:`thinwire.run.outdir`), with a ``group-K``
+    folder for each of ``groups`` sharded groups; an existing one of that step (an earlier
+    run's) is emptied of thinwire's files first, so none can mix with this one. A directory
+    of that name thinwire did not create is refused (:class:`~thinwire.run.outdir.ForeignFile`)."""
+    _prepare_step(out, step)
+    for k in range(groups):
+        outdir.mkdir(out, group_dir(out, step, k))
+
+
+def group_dir(out: str | os.PathLike, step: int, group: int) -> Path:
+    return step_dir(out, step) / f"group-{group}"
+
+
+def write_group(out: str | os.PathLike, step: int, group: int, state: dict[str, Any], process_group: Any,
+                ) -> dict[str, dict[str, Any]]:
+    """Every rank of sharded group ``group``, after :func:`prepare`: ``state`` (DTensors
+    sharded over the group) through ``torch.distributed.checkpoint`` over ``process_group``
+    into ``group-K``; returns the record (:func:`file_record`) of every file in that folder,
+    for each rank's own file."""
+    import torch.distributed.checkpoint as dcp
+
+    g = group_dir(out, step, group)
+    dcp.save(state, checkpoint_id=g, process_group=process_group)  # returns once .metadata is written
+    return {p.name: file_record(p) for p in sorted(g.iterdir()) if DCP_FILE.fullmatch(p.name) and p.is_file()}
+
+
+def load_group(d: Path, group: int, state: dict[str, Any], process_group: Any,
+               records: dict[str, dict[str, Any]]) -> None:
+    """Load sharded group ``group``'s part of checkpoint ``d`` into ``state`` (in place, as
+    ``torch.distributed.checkpoint.load`` does), after checking every file of its folder
+    against ``records`` (this rank's own file holds them, and ``meta.json`` that file's)."""
+    import torch.distributed.checkpoint as dcp
+
+    g = d / f"group-{group}"
+    if not g.is_dir() or g.is_symlink():
+        raise CheckpointError(f"checkpoint {d}: group-{group} is missing (a checkpoint of sharded groups holds one "
+                              "folder per group)")
+    present = sorted(p.name for p in g.iterdir() if DCP_FILE.fullmatch(p.name))
+    if present != sorted(records):
+        raise CheckpointError(f"checkpoint {d}: group-{group} holds {present[:4]}, its record names "
+                              f"{sorted(records)[:4]}")
+    for name, record in records.items():
+        _check_record(g / name, file_record(g / name), record, d)
+    dcp.load(state, checkpoint_id=g, process_group=process_group)
+
+
+def _prepare_step(out: str | os.PathLike, step: int) -> None:
     d = step_dir(out, step)
     if d.is_dir() and not d.is_symlink():
         remove_step(d)
     outdir.mkdir(out, root(out))
     if d.is_dir() and not d.is_symlink() and not outdir.owns(out, d):  # someone else's folder of that name
-        theirs = [p.name for p in d.iterdir() if OWN_FILE.fullmatch(p.name)]
+        theirs = [p.name for p in d.iterdir() if OWN_FILE.fullmatch(p.name) or GROUP_NAME.fullmatch(p.name)]
         if theirs:
             raise outdir.ForeignFile(f"{d} holds {theirs[0]}, which thinwire did not write; move it away or "
                                      "choose another --out")
@@ -165,6 +218,11 @@ def remove_step(d: Path) -> None:
     for p in d.iterdir():
         if OWN_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink():
             p.unlink()
+        elif GROUP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and outdir.owns(out, p):
+            for f in p.iterdir():
+                if DCP_FILE.fullmatch(f.name) and f.is_file() and not f.is_symlink():
+                    f.unlink()
+            outdir.rmdir(out, p)
     outdir.rmdir(out, d)
 
 
@@ -333,14 +391,20 @@ def check_matches(meta: dict[str, Any], *, workers: int, task: str, method: str,
 def check_same_run(meta: dict[str, Any], *, workers: int, task: str, method: str,
                    task_options: dict[str, Any] | None = None, seed: int | None = None,
                    batch_size: int | None = None, optimizer: str | None = None, lr: float | None = None,
-                   schedule: dict[str, Any] | None = None) -> None:
+                   schedule: dict[str, Any] | None = None, groups: tuple[int, bool] | None = None) -> None:
     """Refuse a checkpoint from a different run, naming every field that differs (the seed
     and the batch size decide the data stream a resume continues; the optimizer's kind and
     learning rate travel in its saved state, which a resume restores; the learning-rate
-    ``schedule``'s settings decide the rate at each step). A checkpoint written before a
-    setting existed holds its default."""
+    ``schedule``'s settings decide the rate at each step; ``groups``, (ranks per group,
+    sharded): a sharded run's state is its shards, which another layout would cut elsewhere,
+    so it resumes only with the same layout, and is not resharded). A checkpoint written
+    before a setting existed holds its default."""
     diffs = []
     saved = meta.get("config", {})
+    if groups is not None:
+        was = (int(saved.get("ranks_per_node") or 1), bool(saved.get("shard", False)))
+        if (was[1] or groups[1]) and was != groups:
+            diffs.append(f"worker groups {_layout(*was)} (this run: {_layout(*groups)})")
     defaults = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0}
     for key, value in (schedule or {}).items():
         if saved.get(key, defaults.get(key)) != value:
@@ -359,6 +423,10 @@ def check_same_run(meta: dict[str, Any], *, workers: int, task: str, method: str
         diffs.append(f"task options {meta.get('task_options')} (this run: {task_options})")
     if diffs:
         raise CheckpointError("the checkpoint is from a different run: " + "; ".join(diffs))
+
+
+def _layout(size: int, shard: bool) -> str:
+    return f"of {size} rank(s), {'sharded' if shard else 'replicated'}" if size > 1 else "of 1 rank"
 
 
 def check_steps(meta: dict[str, Any], steps: int) -> None:

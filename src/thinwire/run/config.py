@@ -12,7 +12,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinwire.algorithms.methods import check_world, flat_only, own_optimizer, resolve_method, skip_unsafe
+from thinwire.algorithms.methods import (
+    check_world,
+    flat_only,
+    own_optimizer,
+    resolve_method,
+    sharded_refusal,
+    skip_unsafe,
+)
 from thinwire.codecs.config import require
 from thinwire.knobs import env_seconds
 from thinwire.run.memory_estimate import BYTES_PER_WORKER, check_batch
@@ -59,6 +66,7 @@ class TrainConfig:
     ranks_per_node: int | str | None = None
     intra_link: str | None = None  # the link inside a node (modeled, emulated); None: comm.nodes.INTRA_LINK
     intra_dtype: str | None = None  # of the collectives inside a node: fp32 (None) or bf16 (comm.layout.INTRA_DTYPES)
+    shard: bool = False  # --shard: each group's replica sharded over its ranks with FSDP2 (needs ranks_per_node > 1)
     # TensorBoard event files beside metrics.jsonl: None when the tensorboard package is installed, True needs it
     tensorboard: bool | None = None
     # False: the evaluation steps write their records without test figures (thinwire cost's probes time
@@ -122,14 +130,25 @@ class TrainConfig:
         self._check_outputs(facts)
         method, rules = self._method(facts)
         min_workers = self._elastic(method, facts)
-        if per_node is not None and per_node > 1:
+        if self.shard:
+            require(per_node is not None and per_node > 1, "--shard needs --group-size of 2 or more ranks (the ranks "
+                    "a replica is sharded over)")
+            require(self.intra_dtype in (None, "fp32"), "--intra-dtype applies to groups of replicas: FSDP2 runs "
+                    "the collectives of a sharded group")
+            why = sharded_refusal(method)
+            require(why is None, f"--shard: {method.split(':')[0]} cannot run between groups of sharded ranks: "
+                    f"{why}; leave --shard out to run it between groups of replicas")
+            require(opt != "muon", "--shard: Muon orthogonalises whole weight matrices, and a rank holds a shard of "
+                    "each; use --optimizer adamw, or leave --shard out")
+        elif per_node is not None and per_node > 1:
             why = flat_only(method)
-            require(why is None, f"--ranks-per-node: {method.split(':')[0]} cannot average in two levels: {why}; "
-                    "leave --ranks-per-node out to run it flat")
+            require(why is None, f"--group-size: {method.split(':')[0]} cannot average in two levels: {why}; "
+                    "leave --group-size out to run it flat")
         own = own_optimizer(method)  # DeMo: the method is the optimizer (a resumed run's config names it)
         name = method.partition(":")[0]
         if facts.meta is not None:  # a checkpoint of another run says so first
-            self._check_resume(facts, method, steps=steps, batch=batch, opt=name if own else opt, lr=lr)
+            self._check_resume(facts, method, steps=steps, batch=batch, opt=name if own else opt, lr=lr,
+                               groups=(per_node or 1, self.shard))
         if own:
             require(self.optimizer in (None, name), f"{name} is an optimizer itself, so it replaces "
                     f"--optimizer {self.optimizer}: drop --optimizer (--lr sets its learning rate)")
@@ -171,7 +190,7 @@ class TrainConfig:
         for bad, flag, why_not in (
                 (self.policy is not None or bool(self.policy_rules), "--policy",
                  "give a preset or a codec with --method"),
-                (self.ranks_per_node is not None, "--ranks-per-node", "a worker is one rank; the quorum is flat"),
+                (self.ranks_per_node is not None, "--group-size", "a worker is one rank; the quorum is flat"),
                 (self.emulate_link, "--emulate-link", "torchft's group is not thinwire's emulated one"),
                 (self.on_nonfinite == "skip", "--on-nonfinite skip", "a worker's failed vote already drops a step"),
                 (bool(self.links), "--link", "modeled times assume a fixed world")):
@@ -194,13 +213,14 @@ class TrainConfig:
 
         layout = facts.layout
         if layout is None:
-            require(self.intra_link is None, "--intra-link needs --ranks-per-node (the link inside a node)")
-            require(self.intra_dtype is None, "--intra-dtype needs --ranks-per-node (the dtype inside a node)")
+            require(self.intra_link is None, "--intra-link needs --group-size (the link inside a group)")
+            require(self.intra_dtype is None, "--intra-dtype needs --group-size (the dtype inside a group)")
+            require(not self.shard, "--shard needs --group-size (the ranks a replica is sharded over)")
             return None, None, None
         dtype = self.intra_dtype or "fp32"
         require(dtype in INTRA_DTYPES, f"intra-dtype must be one of {', '.join(INTRA_DTYPES)}, got {dtype!r}")
         require(dtype == "fp32" or layout.ranks_per_node > 1,
-                f"--intra-dtype {dtype} needs nodes of more than one rank (with --ranks-per-node 1 nothing runs "
+                f"--intra-dtype {dtype} needs nodes of more than one rank (with --group-size 1 nothing runs "
                 "inside a node)")
         return layout.ranks_per_node, str(Link.parse(self.intra_link or INTRA_LINK)), dtype
 
@@ -248,7 +268,7 @@ class TrainConfig:
                                   task_options=self.task_options, seed=self.seed, batch_size=settings["batch"],
                                   optimizer=settings["opt"], lr=settings["lr"],
                                   schedule={"lr_schedule": self.lr_schedule, "warmup_steps": self.warmup_steps,
-                                            "min_lr": self.min_lr})
+                                            "min_lr": self.min_lr}, groups=settings["groups"])
         if facts.continuing and facts.finished:
             raise RunFinished(f"{facts.own} already finished its {settings['steps']} steps (summary.json): nothing to "
                               "do; raise --steps to train longer")
@@ -282,7 +302,7 @@ class Facts:
     decides: bool  # this process decides for the run (rank 0 under torchrun; the launcher otherwise)
     worker_limit: tuple[int, str] | None  # the most local ranks this machine holds, and why (None: torchrun)
     out: str | None  # where the run writes (a resume without --out: its own run directory)
-    layout: Any = None  # the NodeLayout --ranks-per-node asks for (None: flat)
+    layout: Any = None  # the NodeLayout --group-size asks for (None: flat)
     policy: Any = None  # the --policy file's Policy
     resume_dir: Any = None  # the checkpoint directory --resume means, its metadata and its run directory
     meta: dict[str, Any] | None = None
@@ -389,7 +409,7 @@ def check_own_outputs(out: str) -> None:
 
 
 def node_layout(ranks_per_node: int | str | None, world: int, torchrun: bool) -> Any:
-    """The NodeLayout of ``--ranks-per-node`` over ``world`` ranks (under torchrun: checked
+    """The NodeLayout of ``--group-size`` over ``world`` ranks (under torchrun: checked
     against torchrun's own layout), or None."""
     from thinwire.comm.layout import layout_for
 
@@ -397,7 +417,7 @@ def node_layout(ranks_per_node: int | str | None, world: int, torchrun: bool) ->
         try:
             ranks_per_node = int(ranks_per_node)
         except ValueError:
-            raise ValueError(f"ranks-per-node must be a number of ranks or auto, got {ranks_per_node!r}") from None
+            raise ValueError(f"group-size must be a number of ranks or auto, got {ranks_per_node!r}") from None
     return layout_for(world, ranks_per_node, rank=int(os.environ["RANK"]) if torchrun else None)
 
 

@@ -30,7 +30,8 @@ def summary_tables(s: Summary) -> list[Any]:
     from thinwire.run.labels import short
 
     label = short(s.label)
-    nodes = "" if s.ranks_per_node == 1 else f" ({s.workers // s.ranks_per_node} nodes)"
+    sharded = ", sharded" if s.shard else ""
+    nodes = "" if s.ranks_per_node == 1 else f" ({s.workers // s.ranks_per_node} groups of {s.ranks_per_node}{sharded})"
     table = Table(title=escape(f"{s.task} · {label} · {s.workers} workers{nodes} · {s.steps} steps"))
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -43,7 +44,8 @@ def summary_tables(s: Summary) -> list[Any]:
     table.add_row("bytes sent per worker", size_text(s.bytes_sent_per_worker))
     by_link = s.bytes_by_link_per_worker
     if s.ranks_per_node > 1:
-        table.add_row(f"of which inside ({s.intra_dtype or 'fp32'}) / between nodes",
+        inside = "FSDP2" if s.shard else s.intra_dtype or "fp32"
+        table.add_row(f"of which inside ({inside}) / between groups",
                       f"{size_text(by_link.get('intra', 0))} / {size_text(by_link.get('inter', 0))}")
     table.add_row("fp32 all_reduce would send", size_text(s.fp32_bytes_per_worker))
     if s.compression_ratio:

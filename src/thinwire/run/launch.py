@@ -271,7 +271,8 @@ def _device() -> torch.device:
 
 def _maybe_emulate(comm: Communicator, cfg: TrainConfig) -> Communicator:
     """The run's communicator: delayed by the first link (``--emulate-link``), its ranks
-    grouped into nodes (``--ranks-per-node``)."""
+    grouped into worker groups (``--group-size``; with ``--shard``, over a 2-D DeviceMesh whose
+    dimension 1 the trainer shards each group's replica over)."""
     if cfg.emulate_link:
         from thinwire.comm.link import EmulatedLink, Link
 
@@ -280,8 +281,15 @@ def _maybe_emulate(comm: Communicator, cfg: TrainConfig) -> Communicator:
         from thinwire.comm.layout import NodeLayout
         from thinwire.comm.nodes import build_hierarchy
 
-        build_hierarchy(comm, NodeLayout(comm.world_size, int(cfg.ranks_per_node)), cfg.intra_link,
-                        intra_dtype=cfg.intra_dtype or "fp32")
+        layout = NodeLayout(comm.world_size, int(cfg.ranks_per_node))
+        mesh = None
+        if cfg.shard:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(_device().type, (layout.count, layout.ranks_per_node),
+                                    mesh_dim_names=("cross", "group"))
+        build_hierarchy(comm, layout, cfg.intra_link, intra_dtype=cfg.intra_dtype or "fp32", mesh=mesh,
+                        sharded=cfg.shard)
     return comm
 
 

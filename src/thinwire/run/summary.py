@@ -35,6 +35,7 @@ class Summary:
     ranks_per_node: int = 1
     intra_link: str | None = None
     intra_dtype: str | None = None
+    shard: bool = False  # each group's replica sharded over its ranks with FSDP2 (--shard)
     # how it ended: ``ok``, ``diverged`` (``failure`` says why) or ``stopped`` (by ``signal``)
     status: str = "ok"
     failure: str | None = None

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,6 +25,7 @@ from thinwire.algorithms.base import Method
 from thinwire.algorithms.build import build_method, method_optimizer
 from thinwire.comm.base import Communicator
 from thinwire.comm.fingerprint import agree_on_parameters
+from thinwire.comm.groups import local_part, meter_fsdp, shard_replica
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import LINKS, sent_bytes
 from thinwire.optim import schedule
@@ -205,6 +206,10 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
     with comm.meter.paused():  # set-up traffic is not the method's
         for p in model.parameters():
             comm.broadcast(p.data, src=0)  # identical start even if a user's init is not seeded
+    groups = comm.hierarchy
+    if groups is not None and groups.sharded:  # --shard: each group's replica sharded over its ranks (FSDP2)
+        shard_replica(model, groups.mesh["group"])
+        meter_fsdp(model, comm.meter)  # FSDP's own collectives, counted inside the group
     optimizer = optimizer_for(cfg.method_spec(), cfg.optimizer, list(model.parameters()), cfg.lr,
                               task.defaults.weight_decay, comm, model=model, muon_lr=cfg.muon_lr)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
@@ -412,13 +417,25 @@ def _agree(comm: Communicator, bad: int | None, stop: int, seconds: float,
 
 def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="cpu",
           loss_window: tuple[float, int] = (0.0, 0)) -> None:
-    """This rank's checkpoint file; after every rank has written, rank 0 commits it."""
+    """This rank's checkpoint file; after every rank has written, rank 0 commits it. Between
+    sharded groups each group's model and optimizer go through torch.distributed.checkpoint
+    into its own folder first (:func:`checkpoint.write_group`), recorded in the rank's file."""
     with comm.meter.paused():
         own = method.state_dict()  # first: it may land work in flight, whose seconds count below
         t = method.timing
+        groups = comm.hierarchy if comm.hierarchy is not None and comm.hierarchy.sharded else None
+        if comm.rank == 0:
+            checkpoint.prepare(cfg.out, step, groups.layout.count if groups is not None else 0)
+        comm.barrier()
+        held: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if groups is not None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            held = {"group_files": checkpoint.write_group(cfg.out, step, groups.node, {
+                "model": model_state, "optimizer": optimizer_state}, groups.mesh.get_group("group"))}
         state = {
-            "format": checkpoint.FORMAT, "rank": comm.rank, "step": step,
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "format": checkpoint.FORMAT, "rank": comm.rank, "step": step, **held,
             "method": own,
             "meter": _meter_state(comm.meter), "rng": checkpoint.rng_state(), "last_eval": dict(last_eval),
             "seconds": {"compute": clock.compute, "backward": clock.backward, "train_wall": clock.train_wall,
@@ -427,9 +444,6 @@ def _save(cfg, comm, step, model, optimizer, method, clock, last_eval, device="c
             "first_nonfinite": dict(clock.first_nonfinite),
             "loss_window": list(loss_window),  # this rank's training losses since the last metrics row
         }
-        if comm.rank == 0:
-            checkpoint.prepare(cfg.out, step)  # an earlier run's directory of this step goes first
-        comm.barrier()
         record = checkpoint.write_rank(cfg.out, step, comm.rank, state)
         files = _gather_records(comm, record, device)  # also the barrier: every rank's file is on disk
         if comm.rank == 0:
@@ -462,8 +476,24 @@ def _resume(cfg, comm, model, optimizer, method, clock, device):
                              task_options=cfg.task_options, seed=cfg.seed, batch_size=cfg.batch_size,
                              optimizer=cfg.optimizer, lr=cfg.lr)
     state = checkpoint.load_rank(d, comm.rank, map_location=device, meta=meta)
-    model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
-    optimizer.load_state_dict(state["optimizer"])
+    groups = comm.hierarchy if comm.hierarchy is not None and comm.hierarchy.sharded else None
+    if groups is not None:  # the group's model and optimizer, through torch.distributed.checkpoint
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if "group_files" not in state:
+            raise checkpoint.CheckpointError(f"checkpoint {d} holds whole models (a run without --shard): resume "
+                                             "it without --shard")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        held = {"model": model_state, "optimizer": optimizer_state}
+        checkpoint.load_group(d, groups.node, held, groups.mesh.get_group("group"), state["group_files"])
+        set_state_dict(model, optimizer, model_state_dict=cast(Any, held["model"]),
+                       optim_state_dict=cast(Any, held["optimizer"]))
+    else:
+        if "model" not in state:
+            raise checkpoint.CheckpointError(f"checkpoint {d} holds sharded groups (a run with --shard): resume it "
+                                             "with --shard")
+        model.load_state_dict(state["model"])  # model, optimizer, then the method (AB's factors travel in the model)
+        optimizer.load_state_dict(state["optimizer"])
     method.load_state_dict(state["method"])
     _load_meter(comm.meter, state["meter"])
     checkpoint.set_rng_state(state["rng"])
@@ -586,13 +616,17 @@ def _decentralized_eval(task, model, comm) -> dict[str, Any]:
     """Gossip methods: the ranks' models differ, so report the averaged model's test metrics
     (as ``test_*``), the mean of the local models' accuracies and the consensus distance
     ``mean_i ||x_i - x_mean||^2`` over parameters and float buffers (all_reduces issued with
-    the meter paused by the caller: bookkeeping, not method traffic)."""
-    state = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    the meter paused by the caller: bookkeeping, not method traffic). Between sharded groups
+    each rank holds a shard: the mean is of its shard over the groups, and the distance is
+    summed over a group's shards."""
+    groups = comm.hierarchy
+    across = groups.inter if groups is not None and groups.sharded else comm  # ranks holding the same part
+    state = [local_part(t.detach()) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     local = task.evaluate(model)
-    own = torch.cat([t.detach().reshape(-1).double() for t in state])  # (numel,)
+    own = torch.cat([t.reshape(-1).double() for t in state])  # (numel,)
     mean = own.clone()
-    comm.all_reduce(mean)
-    mean /= comm.world_size
+    across.all_reduce(mean)
+    mean /= across.world_size
     figures = torch.tensor([(own - mean).square().sum().item(), local.get("accuracy") or 0.0], dtype=torch.float64)
     comm.all_reduce(figures)
     saved = [t.detach().clone() for t in state]
@@ -606,7 +640,8 @@ def _decentralized_eval(task, model, comm) -> dict[str, Any]:
             t.copy_(keep)
     out = {f"test_{k}": v for k, v in averaged.items()}
     out["local_test_accuracy_mean"] = figures[1].item() / comm.world_size
-    out["consensus_distance"] = figures[0].item() / comm.world_size
+    # the world's sum: every worker's distance, once per rank of a replicated group or once a shard
+    out["consensus_distance"] = figures[0].item() / (across.world_size if across is not comm else comm.world_size)
     return out
 
 
@@ -644,11 +679,13 @@ def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None =
 
 
 def _tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a (nested) state dict; tensors sharing storage count once."""
+    """Bytes of every tensor in a (nested) state dict; tensors sharing storage count once; of a
+    sharded (DTensor) one, the shard this rank holds."""
     seen: set[int] = set()
 
     def walk(o: Any) -> int:
         if isinstance(o, torch.Tensor):
+            o = local_part(o)
             key = o.untyped_storage().data_ptr()
             if key in seen:
                 return 0
@@ -684,9 +721,9 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
     return Summary(
         task=cfg.task, method=cfg.method, workers=comm.world_size, steps=cfg.steps, config=cfg.to_dict(),
         data=task.data_facts() if task is not None else None,  # e.g. the text corpus's size and SHA-256
-        # inside a node and between nodes (without --ranks-per-node every rank is its own node)
+        # inside a node and between nodes (without --group-size every rank is its own node)
         ranks_per_node=cfg.ranks_per_node or 1, intra_link=cfg.intra_link, intra_dtype=cfg.intra_dtype,
-        **_verdict(clock, done, last_eval), steps_run=clock.steps_run, skipped_steps=clock.skipped,
+        shard=cfg.shard, **_verdict(clock, done, last_eval), steps_run=clock.steps_run, skipped_steps=clock.skipped,
         first_nonfinite=dict(clock.first_nonfinite) or None,
         **{f"final_{key}": last_eval.get(of) for key, of in FINAL.items()},
         bytes_sent_per_worker=per_worker, fp32_bytes_per_worker=fp32,
