@@ -57,3 +57,10 @@ def test_sharded_groups_follow_replicated_groups_from_the_command_line(tmp_path)
     # between the groups each sharded rank sends half of what a replicated rank sends in total
     assert a.bytes_by_link_per_worker["inter"] == pytest.approx(b.bytes_by_link_per_worker["inter"], rel=0.02)
     assert a.bytes_by_link_per_worker["intra"] > 0  # FSDP2's own collectives, metered
+    # rank 0 holds half of every parameter (the synthetic MLP's rows split evenly over 2 ranks), and
+    # so half of the gradients, AdamW's moments and DiLoCo's θ and outer momentum
+    assert a.memory is not None and b.memory is not None
+    for part in ("parameters", "gradients", "method"):
+        assert 2 * a.memory[part] == b.memory[part], part
+    assert a.memory["fsdp_unsharded"] > 0 and b.memory["fsdp_unsharded"] == 0
+    assert a.memory["activations"] > 0

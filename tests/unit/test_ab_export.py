@@ -18,7 +18,8 @@ from thinwire.algorithms.ab import ABConfig, ABTraining
 from thinwire.comm.local import LocalWorld
 from thinwire.nn import Factorized, factorize_model, unfactorize_model
 from thinwire.run.config import TrainConfig
-from thinwire.run.trainer import _tensor_bytes, train_rank
+from thinwire.run.memory import tensor_bytes as _tensor_bytes
+from thinwire.run.trainer import train_rank
 
 
 class Plain(nn.Module):

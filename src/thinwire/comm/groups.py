@@ -110,14 +110,27 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
 
 def shard_replica(model: torch.nn.Module, mesh: Any) -> list[torch.nn.Module]:
     """Shard ``model`` over the 1-D ``mesh`` (a group's ranks) with FSDP2's ``fully_shard``, as
-    its documentation advises: every block of a ``ModuleList`` (a transformer's layers) as a
-    unit of its own, else every direct child holding parameters, then the root (what is left).
-    Returns the units, the root last. Parameters become DTensors sharded on dimension 0."""
+    its documentation advises, block by block: every child holding parameters of a
+    ``ModuleList`` or ``Sequential`` (a transformer's layers, a ResNet stage's blocks; the
+    outermost such, not what is inside a block) is a unit of its own, else every direct child
+    holding parameters; then the root (what is left: embeddings, heads). Returns the units,
+    the root last. Parameters become DTensors sharded on dimension 0."""
     from torch.distributed.fsdp import fully_shard
 
-    blocks = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-    units = [m for m in blocks if any(True for _ in m.parameters())] or [
-        c for c in model.children() if any(True for _ in c.parameters())]
+    def has_params(m: torch.nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    units: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and has_params(child):
+                units.append(child)  # a block: its insides go with it
+            else:
+                visit(child)
+
+    visit(model)
+    units = units or [c for c in model.children() if has_params(c)]
     for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)

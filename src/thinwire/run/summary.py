@@ -82,6 +82,9 @@ class Summary:
     method_fields: dict[str, Any] = field(default_factory=dict)  # flat in the file
     # the machine, by nothing that names it
     peak_rss_bytes: int | None = None
+    # rank 0's bytes of model state: parameters, gradients, optimizer, method, FSDP's unsharded working set,
+    # their sum (model_state_peak), and apart the activations one forward pass saved (thinwire.run.memory)
+    memory: dict[str, int | None] | None = None
     version: str = ""
     torch_version: str = ""
     python_version: str = ""

@@ -29,7 +29,7 @@ from thinwire.comm.groups import local_part, meter_fsdp, shard_replica
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import LINKS, sent_bytes
 from thinwire.optim import schedule
-from thinwire.run import checkpoint
+from thinwire.run import checkpoint, memory
 from thinwire.run.config import TrainConfig
 from thinwire.run.metrics import MetricsWriter
 from thinwire.run.summary import Summary
@@ -115,6 +115,7 @@ class _Run:
     loss_sum: float = 0.0
     loss_steps: int = 0
     started_at: str = ""  # when this process began the run (ISO 8601, UTC)
+    activation_bytes: int | None = None  # what this process's first forward pass saved for backward
 
     @property
     def skip_mode(self) -> bool:
@@ -213,7 +214,7 @@ def _setup(cfg: TrainConfig, comm: Communicator, report: Report | None, device: 
     optimizer = optimizer_for(cfg.method_spec(), cfg.optimizer, list(model.parameters()), cfg.lr,
                               task.defaults.weight_decay, comm, model=model, muon_lr=cfg.muon_lr)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before a method reshapes the model
-    model_bytes = _tensor_bytes(model.state_dict())
+    model_bytes = memory.tensor_bytes(model.state_dict())
     # gradients are averaged while backward goes on, except where a step must be agreed on
     # before anything is encoded (--on-nonfinite skip)
     method = build_method(cfg.method_spec(), model, optimizer, comm, bucket_mb=cfg.bucket_mb,
@@ -244,7 +245,12 @@ def _train_step(run: _Run, net: torch.nn.Module, batch: tuple[torch.Tensor, torc
     t0 = time.perf_counter()
     x, y = (t.to(run.device, non_blocking=True) for t in batch)
     before = _spent(method)
-    loss = run.task.loss(net(x), y)
+    if run.activation_bytes is None:  # once: the activations a step holds, for the summary's memory figures
+        with memory.SavedForBackward() as saved:
+            loss = run.task.loss(net(x), y)
+        run.activation_bytes = saved.bytes
+    else:
+        loss = run.task.loss(net(x), y)
     run.optimizer.zero_grad(set_to_none=False)
     tb = time.perf_counter()
     loss.backward()
@@ -346,7 +352,8 @@ def _finish(run: _Run) -> Summary | None:
 
     cfg = run.cfg
     summary = _summary(cfg, run.comm, run.method, run.clock, run.fp32_per_step, run.last_eval, __version__,
-                       run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps, task=run.task)
+                       run.device, run.model_bytes, run.model, done=run.stopped_at or run.steps, task=run.task,
+                       optimizer=run.optimizer, activations=run.activation_bytes)
     summary = dataclasses.replace(summary, warnings=list(getattr(run.method, "warned", [])),
                                   resumed_from=run.start or None, stopped_at=run.stopped_at,
                                   started_at=run.started_at, ended_at=utc_now())
@@ -367,7 +374,7 @@ def _nonfinite(params) -> int | None:
     held = [i for i, (_, p) in enumerate(params) if p.grad is not None]
     if not held:
         return None
-    norms = torch.stack(torch._foreach_norm([params[i][1].grad for i in held]))
+    norms = torch.stack(torch._foreach_norm([local_part(params[i][1].grad) for i in held]))  # a shard: its own
     finite = norms.isfinite()
     if bool(finite.all()):
         return None
@@ -678,34 +685,12 @@ def _hidden(link: Link, comm: Communicator, method: Method, intra: Link | None =
         leads=tuple(map(tuple, o["leads"])), intra_s=intra_s / n)
 
 
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a (nested) state dict; tensors sharing storage count once; of a
-    sharded (DTensor) one, the shard this rank holds."""
-    seen: set[int] = set()
-
-    def walk(o: Any) -> int:
-        if isinstance(o, torch.Tensor):
-            o = local_part(o)
-            key = o.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return o.untyped_storage().nbytes()
-        if isinstance(o, dict):
-            return sum(walk(v) for v in o.values())
-        if isinstance(o, (list, tuple)):
-            return sum(walk(v) for v in o)
-        return 0
-
-    return walk(obj)
-
-
 # summary.json's final figures: the last evaluation's
 FINAL = {"loss": "test_loss", "accuracy": "test_accuracy", "bpc": "test_bpc", "train_loss": "train_loss"}
 
 
 def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device, model_bytes=0, model=None,
-             done: int | None = None, task=None) -> Summary:
+             done: int | None = None, task=None, optimizer=None, activations: int | None = None) -> Summary:
     """Rank 0's summary of a run that ended after step ``done`` (default: ``cfg.steps``)."""
     done = cfg.steps if done is None else done
     with comm.meter.paused():
@@ -742,10 +727,13 @@ def _summary(cfg, comm, method, clock, fp32_per_step, last_eval, version, device
         per_parameter=_per_parameter(method, done - clock.skipped, comm.world_size),
         # what the method keeps across steps (residuals, snapshots, factors...): its own state
         # plus what it added to the model (AB-training's factors), rank 0's
-        method_state_bytes=_tensor_bytes(own)
-        + (max(0, _tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
+        method_state_bytes=memory.tensor_bytes(own)
+        + (max(0, memory.tensor_bytes(model.state_dict()) - model_bytes) if model is not None else 0),
         method_fields=reporting.summary_fields(method),
         peak_rss_bytes=_peak_rss(),  # this rank's (rank 0's) peak resident memory so far
+        # rank 0's model state in bytes (a shard's, between sharded groups): run/memory.py
+        memory=memory.held(model, optimizer, method, own, activations) if model is not None and optimizer is not None
+        else None,
         version=version, **environment(device))
 
 
