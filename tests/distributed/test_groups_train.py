@@ -25,8 +25,10 @@ def _cfg(tmp_path, spec: str, shard: bool = True) -> TrainConfig:
 
 @pytest.mark.spawns
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("spec", ["diloco:period=3", "streaming-diloco:period=4,fragments=2,delay=1",
-                                  "sparseloco:period=3,chunk=8,k=4", "topk:ratio=0.1,ef=true"])
+# streaming DiLoCo runs DiLoCo's engine, with a fragment in flight across the checkpoint; SparseLoCo's
+# blocks are cut by the shard; a gradient codec's residuals are per shard (test_groups_gloo.py resumes
+# top-k and PowerSGD in a user's loop)
+@pytest.mark.parametrize("spec", ["streaming-diloco:period=4,fragments=2,delay=1", "sparseloco:period=3,chunk=8,k=4"])
 def test_sharded_groups_resume_exactly(spec, tmp_path):
     cfg = _cfg(tmp_path, spec)
     straight, resumed = straight_and_resumed(cfg, K, tmp_path)

@@ -375,3 +375,49 @@ def test_extending_a_finished_run_ends_bit_identical_to_the_straight_run(name, t
                      {k: v for k, v in b["method"].items() if k != "warm"}, f"rank {rank} method", clocks=False)
     for key in ("final_loss", "final_accuracy", "bytes_sent_per_worker"):
         assert getattr(longer, key) == getattr(straight, key), key
+
+
+def test_a_sharded_groups_folders_are_removed_with_their_checkpoint_but_nobody_elses_file(tmp_path):
+    out = tmp_path / "run"
+    checkpoint.prepare(out, 4, groups=2)
+    d = checkpoint.step_dir(out, 4)
+    for k in (0, 1):  # what torch.distributed.checkpoint writes into a group's folder
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+            (d / f"group-{k}" / name).write_bytes(b"x")
+    (d / "group-1" / "notes.txt").write_text("mine")  # someone else's file in thinwire's folder
+    (d / "rank-0.pt").write_bytes(b"x")
+    checkpoint.remove_step(d)
+    assert not (d / "group-0").exists()
+    assert sorted(p.name for p in (d / "group-1").iterdir()) == ["notes.txt"]
+
+
+def test_a_sharded_groups_files_are_checked_before_they_are_read(tmp_path):
+    out = tmp_path / "run"
+    checkpoint.prepare(out, 4, groups=1)
+    g = checkpoint.group_dir(out, 4, 0)
+    (g / ".metadata").write_bytes(b"meta")
+    (g / "__0_0.distcp").write_bytes(b"shard")
+    records = {p.name: checkpoint.file_record(p) for p in g.iterdir()}
+    (g / "__0_0.distcp").write_bytes(b"shard!")  # changed after it was recorded
+    with pytest.raises(CheckpointError, match="__0_0.distcp"):
+        checkpoint.load_group(checkpoint.step_dir(out, 4), 0, {}, None, records)
+    with pytest.raises(CheckpointError, match="group-1 is missing"):
+        checkpoint.load_group(checkpoint.step_dir(out, 4), 1, {}, None, records)
+    (g / "__1_0.distcp").write_bytes(b"extra")
+    with pytest.raises(CheckpointError, match="group-0 holds"):
+        checkpoint.load_group(checkpoint.step_dir(out, 4), 0, {}, None, records)
+
+
+@pytest.mark.parametrize("saved, ours, message", [
+    ({"ranks_per_node": 2, "shard": True}, (2, False), "worker groups of 2 rank(s), sharded (this run: of 2 rank(s), "
+                                                       "replicated)"),
+    ({"ranks_per_node": 2, "shard": True}, (4, True), "(this run: of 4 rank(s), sharded)"),
+    ({"ranks_per_node": 2}, (2, True), "worker groups of 2 rank(s), replicated (this run: of 2 rank(s), sharded)"),
+    ({}, (2, True), "worker groups of 1 rank (this run: of 2 rank(s), sharded)"),
+])
+def test_a_sharded_checkpoint_resumes_only_with_its_own_layout(saved, ours, message):
+    meta = {"world_size": 4, "task": "text", "method": "identity", "config": saved}
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        checkpoint.check_same_run(meta, workers=4, task="text", method="identity", groups=ours)
+    checkpoint.check_same_run(meta, workers=4, task="text", method="identity",
+                              groups=(int(saved.get("ranks_per_node", 1)), bool(saved.get("shard"))))

@@ -81,8 +81,12 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
     if len(rows) * len(rows[0]) != world.world_size:
         raise ValueError(f"the mesh holds {len(rows)} x {len(rows[0])} ranks, the world {world.world_size}")
     layout = NodeLayout(world.world_size, len(rows[0]))
+    expected = [layout.node_ranks(k) for k in range(layout.count)]
+    if rows != expected:
+        raise ValueError(f"the mesh's groups must be {layout.ranks_per_node} consecutive ranks each (dimension 0 "
+                         f"across the groups, dimension 1 inside one: {expected}), got {rows}")
     rank = world.rank
-    mine = rows[layout.node(rank)] if layout.node(rank) < len(rows) else []
+    mine = rows[layout.node(rank)]
     held = shard_mesh(model)
     if held is not None:
         ranks = sorted(held.mesh.flatten().tolist())
