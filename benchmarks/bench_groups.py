@@ -75,7 +75,8 @@ def rank_main(preset: str, warmup: int, blocks: int, arms: list[str], out: str) 
     from torch.distributed.device_mesh import init_device_mesh
 
     import thinwire
-    from thinwire.comm.groups import shard_replica
+    from thinwire.comm.groups import meter_fsdp, shard_replica
+    from thinwire.comm.meter import ByteMeter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -84,12 +85,15 @@ def rank_main(preset: str, warmup: int, blocks: int, arms: list[str], out: str) 
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 256, (BATCH, CONTEXT + 1), generator=g) for _ in range(4)]
     runs, steps = {}, {}
+    floor_meter = ByteMeter()
     for arm in ["compute", *arms]:
         model = _model(preset)
         shard_replica(model, mesh["group"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         spec = {**SYNC_ARMS, **SLOW_ARMS}.get(arm)
         run = thinwire.attach(model, optimizer, spec, mesh=mesh) if spec is not None else None
+        if run is None:  # the floor's own FSDP traffic, metered as the arms' is
+            meter_fsdp(model, floor_meter)
         runs[arm] = (model, optimizer, run)
 
         def step(i: int, model=model, optimizer=optimizer, run=run) -> None:
@@ -119,14 +123,18 @@ def rank_main(preset: str, warmup: int, blocks: int, arms: list[str], out: str) 
             wrapped[arm] = timed
         marks: dict[str, tuple[int, float, float]] = {}
 
-        def mark(chosen: list[str] = chosen, marks: dict = marks) -> None:  # after the untimed round
-            for a in chosen:
-                m = runs[a][2].comm.meter
+        def meter_of(arm: str) -> ByteMeter:
+            run = runs[arm][2]
+            return run.comm.meter if run is not None else floor_meter
+
+        def mark(marks: dict = marks, wrapped: dict = wrapped) -> None:  # after the untimed round
+            for a in wrapped:
+                m = meter_of(a)
                 marks[a] = (counted[a], m.link_bytes("inter"), m.link_bytes("intra"))
 
         seconds[kind] = alternate_blocks(wrapped, per_block, warmup, blocks, after_warmup=mark)
-        for arm in chosen:
-            m = runs[arm][2].comm.meter
+        for arm in wrapped:
+            m = meter_of(arm)
             n, inter, intra = marks[arm]
             seconds[kind][f"{arm}:inter_mb"] = [(m.link_bytes("inter") - inter) / (counted[arm] - n) / 1e6]
             seconds[kind][f"{arm}:intra_mb"] = [(m.link_bytes("intra") - intra) / (counted[arm] - n) / 1e6]
@@ -167,12 +175,13 @@ def measure(report: Report, args) -> None:
                 continue
             floor = blocks["compute"]
             rows.append([f"compute ({per_block}-step blocks)", f"{median(floor) * 1e3:.0f}",
-                         f"{min(floor) * 1e3:.0f}-{max(floor) * 1e3:.0f}", "1.000", "0.00", "-"])
+                         f"{min(floor) * 1e3:.0f}-{max(floor) * 1e3:.0f}", "1.000", "0.000",
+                         f"{blocks['compute:intra_mb'][0]:.2f}"])
             for arm in [a for a in arms if a in (SYNC_ARMS if kind == "sync" else SLOW_ARMS)]:
                 ratio = paired_ratio(blocks[arm], floor)
                 rows.append([arm, f"{median(blocks[arm]) * 1e3:.0f}",
                              f"{min(blocks[arm]) * 1e3:.0f}-{max(blocks[arm]) * 1e3:.0f}", f"{ratio:.3f}",
-                             f"{blocks[f'{arm}:inter_mb'][0]:.2f}", f"{blocks[f'{arm}:intra_mb'][0]:.2f}"])
+                             f"{blocks[f'{arm}:inter_mb'][0]:.3f}", f"{blocks[f'{arm}:intra_mb'][0]:.2f}"])
                 if (arm, rate) == TARGET[:2]:
                     report.figures.append(Figure(f"{arm}_vs_compute_{rate}mbit_sharded_groups", ratio, "<=",
                                                  TARGET[2], "x", f"{arm} {median(blocks[arm]) * 1e3:.0f} ms/step "
