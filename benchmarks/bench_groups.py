@@ -30,7 +30,7 @@ cosine to 0.1x, context 64, 512 test windows), run by ``thinwire train``: synchr
 ranks, and DiLoCo between 2 groups of 2 ranks in step, replicated and sharded: the same
 tokens per step in every run.
 
-Targets (issue: a worker is a group of ranks): SparseLoCo <= 1.10x the compute-only step at
+Targets: SparseLoCo <= 1.10x the compute-only step at
 10 Mbit/s; DiLoCo between 2 groups of 2 within 1% of synchronous AdamW's final test loss, and
 below DiLoCo's over 4 drifting ranks.
 """  # noqa: E501  (line 1 is the --help description: kept whole)
@@ -237,6 +237,19 @@ def quality(report: Report, keep: str | None) -> None:
                + table(["run", "method", "final test loss", "MB sent / rank", "of which between groups", "s"], rows))
 
 
+def _shown(argv: list[str]) -> list[str]:
+    """The command's own options, without where it writes its JSON and keeps its runs (paths of one machine)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--keep"):
+            skip = True
+        elif not a.startswith(("--json=", "--keep=")):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -259,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     from _shaped_link import unavailable
 
     report = Report("Worker groups: 2 sharded groups of 2 ranks over a shaped link",
-                    " ".join(["python benchmarks/bench_groups.py", *(argv if argv is not None else sys.argv[1:])]))
+                    " ".join(["python benchmarks/bench_groups.py",
+                              *_shown(argv if argv is not None else sys.argv[1:])]))
     if args.quality:
         quality(report, args.keep)
     why = unavailable()
