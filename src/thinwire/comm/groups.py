@@ -28,7 +28,7 @@ import torch
 from thinwire.comm.base import Communicator
 from thinwire.comm.layout import NodeLayout
 from thinwire.comm.meter import ByteMeter
-from thinwire.comm.nodes import build_hierarchy
+from thinwire.comm.nodes import build_hierarchy, check_mesh
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -74,19 +74,12 @@ def worker_groups(model: torch.nn.Module, mesh: Any, world: Communicator | None 
     from thinwire.comm.torch_dist import TorchComm
 
     world = world if world is not None else TorchComm()
-    if getattr(mesh, "ndim", None) != 2:
-        raise ValueError(f"a mesh of worker groups has 2 dimensions (across groups, inside a group), this one has "
-                         f"{getattr(mesh, 'ndim', 'none')}")
-    rows = mesh.mesh.tolist()
-    if len(rows) * len(rows[0]) != world.world_size:
-        raise ValueError(f"the mesh holds {len(rows)} x {len(rows[0])} ranks, the world {world.world_size}")
-    layout = NodeLayout(world.world_size, len(rows[0]))
-    expected = [layout.node_ranks(k) for k in range(layout.count)]
-    if rows != expected:
-        raise ValueError(f"the mesh's groups must be {layout.ranks_per_node} consecutive ranks each (dimension 0 "
-                         f"across the groups, dimension 1 inside one: {expected}), got {rows}")
+    if getattr(mesh, "ndim", None) == 2 and mesh.mesh.numel() != world.world_size:
+        raise ValueError(f"the mesh holds {mesh.mesh.numel()} ranks, the world {world.world_size}")
+    layout = NodeLayout(world.world_size, mesh.size(1) if getattr(mesh, "ndim", None) == 2 else world.world_size)
+    check_mesh(mesh, layout)
     rank = world.rank
-    mine = rows[layout.node(rank)]
+    mine = layout.node_ranks(layout.node(rank))
     held = shard_mesh(model)
     if held is not None:
         ranks = sorted(held.mesh.flatten().tolist())

@@ -89,19 +89,25 @@ def mesh_groups(world: Communicator, layout: NodeLayout, mesh: Any) -> tuple[Com
 
     if not isinstance(world, TorchComm) or world.world_size != layout.world_size:
         raise ValueError("a DeviceMesh's groups need a communicator over every torch.distributed process")
-    if mesh.ndim != 2:
-        raise ValueError(f"a mesh of worker groups has 2 dimensions (across groups, inside a group), this one has "
-                         f"{mesh.ndim}")
-    expected = [layout.node_ranks(k) for k in range(layout.count)]
-    got = mesh.mesh.tolist()
-    if got != expected:
-        raise ValueError(f"the mesh's groups must be {layout.ranks_per_node} consecutive ranks each (dimension 0 "
-                         f"across the groups, dimension 1 inside one: {expected}), got {got}")
+    check_mesh(mesh, layout)
     rank = world.rank
     node, local = layout.node(rank), layout.local_rank(rank)
     intra = TorchComm(mesh.get_group(1), world.meter, _order=layout.node_ranks(node))
     inter = TorchComm(mesh.get_group(0), world.meter, _order=layout.peers(local))
     return intra, inter
+
+
+def check_mesh(mesh: Any, layout: NodeLayout) -> None:
+    """Raise ``ValueError`` unless ``mesh`` is 2-D and lays out ``layout``'s groups: dimension 0
+    across them, dimension 1 inside one, ``G`` consecutive ranks each (torchrun's nodes)."""
+    if getattr(mesh, "ndim", None) != 2:
+        raise ValueError(f"a mesh of worker groups has 2 dimensions (across groups, inside a group), this one has "
+                         f"{getattr(mesh, 'ndim', 'none')}")
+    expected = [layout.node_ranks(k) for k in range(layout.count)]
+    got = mesh.mesh.tolist()
+    if got != expected:
+        raise ValueError(f"the mesh's groups must be {layout.ranks_per_node} consecutive ranks each (dimension 0 "
+                         f"across the groups, dimension 1 inside one: {expected}), got {got}")
 
 
 def check_intra_dtype(saved: str | None, ours: str) -> None:
