@@ -20,10 +20,13 @@ Not part of the package.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 ADDRESSES = ("198.18.0.1", "198.18.0.2")
 
@@ -112,6 +115,26 @@ def veth_counters(device: str, namespace: str | None = None) -> dict[str, int]:
     stats = json.loads(done.stdout)[0]["stats64"]
     return {"tx_bytes": stats["tx"]["bytes"], "tx_packets": stats["tx"]["packets"],
             "rx_bytes": stats["rx"]["bytes"], "rx_packets": stats["rx"]["packets"]}
+
+
+def run_nodes(rate_mbit: float, per_node: int, cmd: Sequence[str], *, port: int, timeout: float, tag: str) -> dict:
+    """``cmd`` (a rank's command line, given ``--result PATH``) as ``per_node`` ranks in each of
+    two namespaces joined by a veth shaped to ``rate_mbit`` Mbit/s (1 torch thread each, this
+    folder on their path); returns what rank 0 wrote to ``PATH`` as JSON. Raises naming the
+    rate, with the ranks' last output, when no result was written."""
+    out = Path(tempfile.gettempdir()) / f"thinwire-{tag}-{os.getpid()}-{rate_mbit:g}.json"
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=path)
+    with ShapedPair(rate_mbit) as pair:
+        procs = [pair.popen_node(node, local, per_node, [*cmd, "--result", str(out)], env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for node in (0, 1) for local in range(per_node)]
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    if not out.exists():
+        raise RuntimeError(f"a rank failed at {rate_mbit:g} Mbit/s:\n" + "\n".join(log[-3000:] for log in logs))
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
 
 
 def _ip(*args: str) -> None:

@@ -38,7 +38,6 @@ below DiLoCo's over 4 drifting ranks.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -145,22 +144,11 @@ def rank_main(preset: str, warmup: int, blocks: int, arms: list[str], out: str) 
 
 
 def run_rate(preset: str, rate: int, warmup: int, blocks: int, arms: list[str]) -> dict:
-    from _shaped_link import ShapedPair
+    from _shaped_link import run_nodes
 
-    out = Path(tempfile.gettempdir()) / f"thinwire-groups-{os.getpid()}-{rate}.json"
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, MASTER_PORT="29519", OMP_NUM_THREADS="1", PYTHONPATH=path)
-    with ShapedPair(rate) as pair:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--preset", preset, "--warmup",
-               str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms), "--result", str(out)]
-        procs = [pair.popen_node(group, local, PER_GROUP, cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True) for group in (0, 1) for local in range(PER_GROUP)]
-        logs = [p.communicate(timeout=7200)[0] for p in procs]
-    if any(p.returncode for p in procs) or not out.exists():
-        raise RuntimeError(f"a rank failed at {rate} Mbit/s:\n" + "\n".join(log[-3000:] for log in logs))
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--preset", preset, "--warmup",
+           str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms)]
+    return run_nodes(rate, PER_GROUP, cmd, port=29519, timeout=7200, tag="groups")
 
 
 def measure(report: Report, args) -> None:

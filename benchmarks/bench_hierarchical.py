@@ -276,23 +276,12 @@ def _delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[
 
 # -- the launcher (root namespace) ---------------------------------------------------------------------
 def run_rate(model: str, rate: int, warmup: int, blocks: int, arms: list[str]) -> dict:
-    from _shaped_link import ShapedPair
+    from _shaped_link import ShapedPair, run_nodes
 
-    out = Path(tempfile.gettempdir()) / f"thinwire-hier-{os.getpid()}-{model}-{rate}.json"
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, MASTER_PORT="29518", OMP_NUM_THREADS="1", PYTHONPATH=path)
-    with ShapedPair(rate) as pair:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--model", model, "--warmup",
-               str(warmup), "--blocks", str(blocks), "--arms", ",".join(arms), "--device", pair.devices[0],
-               "--result", str(out)]
-        procs = [pair.popen_node(node, local, PER_NODE, cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True) for node in (0, 1) for local in range(PER_NODE)]
-        logs = [p.communicate(timeout=3000)[0] for p in procs]
-    if any(p.returncode for p in procs) and not out.exists():
-        raise RuntimeError(f"a rank failed at {rate} Mbit/s:\n" + "\n".join(log[-3000:] for log in logs))
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+    device = ShapedPair(rate).devices[0]  # node 0's end of the veth, which rank 0 reads the counters of
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", "--model", model, "--warmup", str(warmup),
+           "--blocks", str(blocks), "--arms", ",".join(arms), "--device", device]
+    return run_nodes(rate, PER_NODE, cmd, port=29518, timeout=3000, tag=f"hier-{model}")
 
 
 def measure(report: Report, model: str, arms: list[str], args) -> bool:
