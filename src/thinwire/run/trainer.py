@@ -647,8 +647,8 @@ def _decentralized_eval(task, model, comm) -> dict[str, Any]:
             t.copy_(keep)
     out = {f"test_{k}": v for k, v in averaged.items()}
     out["local_test_accuracy_mean"] = figures[1].item() / comm.world_size
-    # the world's sum: every worker's distance, once per rank of a replicated group or once a shard
-    out["consensus_distance"] = figures[0].item() / (across.world_size if across is not comm else comm.world_size)
+    # the world's sum holds each rank's distance, or, between sharded groups, each group's once (a shard each)
+    out["consensus_distance"] = figures[0].item() / across.world_size
     return out
 
 
