@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # the first run: a race on the bundled default (mnist1d, 2 local workers) of the fp32 all_reduce, bf16, PowerSGD,
 # top-k and DaSGD, 3 seeds each, which names the winner at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s where one wins beyond
-# the spread over the seeds (else a tie) and writes runs/default/report.md and its plots (about 3 minutes on 2 cores)
+# the spread over the seeds (else a tie) and writes runs/default/report.md and its plots (about 4 minutes on 2 cores)
 RUN_ARGS ?= --methods identity,bf16,powersgd,topk,dasgd --steps 600 --seeds 3 --link 10gbit,10us --link 1gbit,50us \
 	--link 100mbit,1ms --out runs/default --overwrite
 
