@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from thinwire.algorithms import reporting
-from thinwire.comm.groups import local_part
+from thinwire.comm.groups import is_sharded, local_part
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -59,7 +59,7 @@ class SavedForBackward:
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter) and not callable(getattr(t, "to_local", None)):
+        if not isinstance(t, torch.nn.Parameter) and not is_sharded(t):
             key = t.untyped_storage().data_ptr()
             if key not in self._seen:
                 self._seen.add(key)
