@@ -58,12 +58,13 @@ def test_four_gloo_ranks_agree_after_every_sync_and_send_exactly_the_layout():
 
 
 @pytest.mark.timeout(300)
-def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("sync", ["blocking", "eager"])  # eager: the checkpoint lands the average in flight
+def test_the_trainer_resumes_mid_period_bit_for_bit(sync, tmp_path):
     from thinwire.run.config import TrainConfig
 
     small = {"dim": 24, "hidden": 32, "classes": 4, "samples": 512, "test_samples": 128}
     k = 5  # mid-period: syncs after steps 3, 6 and 9
-    cfg = TrainConfig(task="synthetic", method="sparseloco:period=3,chunk=8,k=4", workers=2, steps=2 * k,
+    cfg = TrainConfig(task="synthetic", method=f"sparseloco:period=3,chunk=8,k=4,sync={sync}", workers=2, steps=2 * k,
                       eval_every=k, out=str(tmp_path / "a"), checkpoint_every=k, task_options=small,
                       batch_size=16).resolve()
     straight, resumed = straight_and_resumed(cfg, k, tmp_path)
@@ -74,5 +75,11 @@ def test_the_trainer_resumes_mid_period_bit_for_bit(tmp_path):
         residual = a["method"]["fragments"][0]["agg"]["feedback"]["model"]
         assert torch.equal(residual, b["method"]["fragments"][0]["agg"]["feedback"]["model"])
     report = straight.method_report
-    assert report["outer_steps"] == 4  # steps 3, 6, 9, then finish()
-    assert straight.bytes_sent_per_worker == 4 * report["payload_bytes_per_sync"]
+    payloads = 4 * report["payload_bytes_per_sync"]  # steps 3, 6, 9, then finish()'s on step 10
+    if sync == "blocking":
+        assert report["outer_steps"] == 4
+        assert straight.bytes_sent_per_worker == payloads
+    else:  # stepped at 3, 6, 9; finish() lands step 9's mean, syncs step 10, averages θ in fp32 (2 ranks: once)
+        numel = sum(t.numel() for t in a["model"].values() if t.is_floating_point())
+        assert report["outer_steps"] == 5
+        assert straight.bytes_sent_per_worker == payloads + 4 * numel

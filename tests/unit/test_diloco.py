@@ -156,7 +156,7 @@ def test_bad_knobs_name_the_rule(spec, message):
 def test_the_spec_fills_every_default():
     assert resolve_method("diloco") == ("diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,"
                                         "nesterov=true,codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,"
-                                        "final_sync=true")
+                                        "final_sync=true,sync=blocking")
     assert DiLoCoConfig().period == 50
 
 

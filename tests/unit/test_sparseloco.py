@@ -309,7 +309,7 @@ def test_bad_knobs_name_the_rule(spec, message):
 
 def test_the_spec_fills_every_default():
     assert resolve_method("sparseloco") == ("sparseloco:period=15,warmup=0,beta=0.95,chunk=64,k=64,bits=2,"
-                                            "sigmas=6.0,outer_lr=1.0,final_sync=true")
+                                            "sigmas=6.0,outer_lr=1.0,final_sync=true,sync=blocking")
     cfg = SparseLoCoConfig()
     assert (cfg.codec, cfg.average_momentum) == ("identity", False)  # fixed by the method, not knobs
 

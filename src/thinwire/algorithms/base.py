@@ -256,26 +256,28 @@ class PeriodicAveraging(Method, Reports):
     def averager(self, like: torch.Tensor, codec: Codec | None = None) -> Aggregator: ...
 
     @overload
-    def averager(self, like: torch.Tensor, codec: Codec | None = None, *,
-                 scatter: bool) -> Aggregator | ScatterMean: ...
+    def averager(self, like: torch.Tensor, codec: Codec | None = None, *, scatter: bool,
+                 comm: Communicator | None = None) -> Aggregator | ScatterMean: ...
 
-    def averager(self, like: torch.Tensor, codec: Codec | None = None, *,
-                 scatter: bool = False) -> Aggregator | ScatterMean:
+    def averager(self, like: torch.Tensor, codec: Codec | None = None, *, scatter: bool = False,
+                 comm: Communicator | None = None) -> Aggregator | ScatterMean:
         """An :class:`~thinwire.aggregate.Aggregator` of one flat tensor shaped as ``like``
         (the model state, or a delta of it) through ``codec`` (default: fp32, ``identity``),
         whose seconds count in :attr:`timing`. Build it once and reuse it. Over nodes its
         stages inside a node stay fp32 whatever ``--intra-dtype`` says: it averages weights
         (or their deltas), which bf16 would round at every sync. ``scatter``: a
         :class:`~thinwire.scatter.ScatterMean` instead (a gathered codec's compressed
-        reduce-scatter + all-gather, over all ranks, nodes or not)."""
+        reduce-scatter + all-gather, over all ranks, nodes or not). ``comm``: another
+        communicator over the same ranks (a background sync's; flat worlds only)."""
         if scatter:
             assert codec is not None  # the config refuses scatter without a gathered codec
             hierarchy = self.comm.hierarchy
             across = hierarchy.inter if hierarchy is not None and hierarchy.sharded else self.comm
-            mean = ScatterMean("model", like, codec, across)
+            mean = ScatterMean("model", like, codec, comm or across)
             self.aggregators.append(mean)
             return mean
-        agg = flat_aggregator("model", like, codec if codec is not None else Identity(IdentityConfig()), self.comm)
+        agg = flat_aggregator("model", like, codec if codec is not None else Identity(IdentityConfig()),
+                              comm or self.comm)
         if isinstance(agg, HierarchicalAggregator):
             agg.dtype = torch.float32
         self.aggregators.append(agg)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from thinwire.aggregate import Aggregator, Reduction, Watch
+from thinwire.algorithms.background_sync import BackgroundSync
 from thinwire.algorithms.base import PeriodicAveraging
 from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec
@@ -61,6 +62,10 @@ from thinwire.payload import Aggregation
 from thinwire.scatter import ScatterMean, ScatterReduction
 
 OUTER = ("sgd", "adam")
+SYNCS = ("blocking", "eager", "delayed")
+SYNC_HELP = ("how a round's average runs: blocking (the next round waits for it), or in the background behind the "
+             "next round's inner steps and applied at that round's end, eager (this worker's own pseudo-gradient "
+             "applied at once in its stead) or delayed (nothing in its stead)")
 OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -82,9 +87,11 @@ class DiLoCoConfig:
                                   "true|false")
     final_sync: bool = knob(True, "finish() ends with one more outer step on the steps since each fragment's last "
                             "sync, so every rank holds the same model (false: each keeps its own)", "true|false")
+    sync: str = knob("blocking", SYNC_HELP, "|".join(SYNCS))
 
     def __post_init__(self) -> None:
         require(self.period >= 1, f"period must be >= 1, got {self.period}")
+        check_sync(self)
         require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
         require(self.outer in OUTER, f"outer must be one of {', '.join(OUTER)}, got {self.outer!r}")
         require(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
@@ -94,6 +101,13 @@ class DiLoCoConfig:
         require(not self.scatter or codec.aggregation is Aggregation.GATHER,
                 f"scatter=true needs a gathered codec (rangefloat, qsgd, topk, ...); {codec.name} is summed by "
                 "all_reduce, which is a reduce-scatter + all-gather already")
+
+
+def check_sync(config: Any) -> None:
+    """Refuse a ``sync`` the config cannot take (shared by the DiLoCo family's configs)."""
+    require(config.sync in SYNCS, f"sync must be one of {', '.join(SYNCS)}, got {config.sync!r}")
+    require(config.sync == "blocking" or config.final_sync,
+            f"sync={config.sync} needs final_sync=true: the last round's average lands in finish()")
 
 
 @dataclass(eq=False)
@@ -149,11 +163,24 @@ class DiLoCo(PeriodicAveraging):
         self._plain: Aggregator | None = None
         self.syncs_before_finish: int | None = None  # set by finish(): the outer steps of the run itself
         self.never_synced_warned = False
+        # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
+        sync = getattr(self.config, "sync", "blocking")
+        self.background = BackgroundSync(self.comm, f"{self.name} sync={sync}") if sync != "blocking" else None
+        # eager: this worker's own fresh pseudo-gradient stands in for its part of the mean (weight 1/M)
+        self.eager_weight = 1.0 / self.comm.world_size if sync == "eager" else 0.0
+        self._fresh: torch.Tensor | None = None  # this round's pseudo-gradient
+        self._own: torch.Tensor | None = None  # eager: the one in flight, whose 1/M part was applied already
+        if sync == "eager":
+            self.decentralized = True  # type: ignore[misc]  # the ranks' θ differ by their own previews
 
     @classmethod
     def check_elastic(cls, config: Any) -> str | None:
         """An average launched in one step and merged ``delay`` steps later (streaming DiLoCo's
-        overlap) may cross a change of the quorum: refused; a sync within its step runs elastic."""
+        overlap) may cross a change of the quorum: refused, as is one run behind a whole round
+        (``sync=eager|delayed``); a sync within its step runs elastic."""
+        if getattr(config, "sync", "blocking") != "blocking":
+            return (f"sync={config.sync} keeps a round's average in flight through the next round, over which the "
+                    "quorum may change (sync=blocking runs elastic)")
         if getattr(config, "delay", 0) > 0:
             return (f"delay={config.delay} keeps a fragment's average in flight across steps, over which the "
                     "quorum may change (delay=0 runs elastic)")
@@ -225,7 +252,11 @@ class DiLoCo(PeriodicAveraging):
 
     def outer_step(self) -> None:
         """Sync every fragment now: average the pseudo-gradients, step the outer optimizer,
-        continue from ``θ`` (with the fragments' mixing)."""
+        continue from ``θ`` (with the fragments' mixing; ``sync=eager|delayed``: the average in
+        flight lands first)."""
+        if self.background is not None:
+            self._drain(self.fragments[0])
+            return
         for f in self.fragments:
             if f.merge_at is not None:
                 self._merge(f)
@@ -234,17 +265,16 @@ class DiLoCo(PeriodicAveraging):
 
     def _launch(self, f: Fragment, local: int | None, alpha: float | None = None) -> None:
         """Start averaging fragment ``f``'s pseudo-gradient ``θ − θ_i``; merged ``delay`` local
-        steps after ``local`` (at once with no delay, or with ``local`` None, with ``alpha``)."""
+        steps after ``local`` (at once with no delay, or with ``local`` None, with ``alpha``).
+        With ``sync=eager|delayed`` a round's average goes to the background (:meth:`_round`)."""
+        if self.background is not None and local is not None:
+            self._round(f, local)
+            return
         t0 = time.perf_counter()
-        params = self.state.local_params()[f.lo : f.hi]
-        delta = f.delta = _flat(f.delta, f.numel, params[0])
-        off = 0
-        for theta, p in zip(self.outer_params[f.lo : f.hi], params):
-            n = p.numel()
-            torch.sub(theta.detach().reshape(-1), p.reshape(-1), out=delta[off : off + n])
-            off += n
+        delta = f.delta = self._pseudo(f, f.delta)
+        self._before_encode(f)
         if f.agg is None:
-            f.agg = self.averager(delta, f.codec, scatter=self.scatter)
+            f.agg = self.averager(delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
         f.agg.step = f.syncs  # the codec's step (its seeds): identical on every rank
         t1 = time.perf_counter()
         at_once = local is None or self.delay == 0
@@ -278,22 +308,9 @@ class DiLoCo(PeriodicAveraging):
         elif not f.landed:
             raise RuntimeError(f"fragment {f.index} has no average to merge")
         t1 = time.perf_counter()
-        delta, thetas = f.delta, self.outer_params[f.lo : f.hi]
-        assert delta is not None  # set at the launch
-        off = 0
-        for theta in thetas:
-            n = theta.numel()
-            theta.grad = delta[off : off + n].view(theta.shape)  # only this fragment's θ steps
-            off += n
-        self.outer.step()
-        alpha = self.alpha if alpha is None else alpha
-        with torch.no_grad():
-            for theta, p in zip(thetas, self.state.local_params()[f.lo : f.hi]):
-                theta.grad = None
-                if alpha == 0.0:
-                    p.copy_(theta)
-                else:
-                    p.lerp_(theta, 1.0 - alpha)  # p + (1 − α)(θ − p)
+        assert f.delta is not None  # set at the launch
+        self._step_outer(f, f.delta)
+        self._continue(f, self.alpha if alpha is None else alpha)
         t2 = time.perf_counter()
         if f.index == 0:
             self._average_rest()
@@ -303,6 +320,150 @@ class DiLoCo(PeriodicAveraging):
         f.merged_at = self.step - self.config.warmup
         self.syncs += 1
         self._timing.codec_seconds += t2 - t1
+
+    @property
+    def _sync_comm(self) -> Communicator | None:
+        """The communicator the fragments' averages run over: the background's own, or the
+        world's (None)."""
+        return self.background.twin if self.background is not None else None
+
+    def _pseudo(self, f: Fragment, out: torch.Tensor | None) -> torch.Tensor:
+        """This rank's pseudo-gradient ``θ − θ_i`` of fragment ``f``, flat, in ``out`` (fp32,
+        allocated when it does not fit)."""
+        params = self.state.local_params()[f.lo : f.hi]
+        out = _flat(out, f.numel, params[0])
+        off = 0
+        for theta, p in zip(self.outer_params[f.lo : f.hi], params):
+            n = p.numel()
+            torch.sub(theta.detach().reshape(-1), p.reshape(-1), out=out[off : off + n])
+            off += n
+        return out
+
+    def _before_encode(self, f: Fragment) -> None:
+        """What a subclass does to its codec's state before a pseudo-gradient is encoded, with
+        no average in flight (SparseLoCo: decay its error buffer). Default: nothing."""
+
+    def _step_outer(self, f: Fragment, grad: torch.Tensor) -> None:
+        """Step the outer optimizer on fragment ``f``'s ``θ`` with the flat ``grad`` (only this
+        fragment's ``θ`` steps)."""
+        thetas = self.outer_params[f.lo : f.hi]
+        off = 0
+        for theta in thetas:
+            n = theta.numel()
+            theta.grad = grad[off : off + n].view(theta.shape)
+            off += n
+        self.outer.step()
+        for theta in thetas:
+            theta.grad = None
+
+    def _continue(self, f: Fragment, alpha: float) -> None:
+        """Set fragment ``f``'s parameters to ``α · θ_i + (1 − α) · θ`` (``θ`` at ``α = 0``)."""
+        with torch.no_grad():
+            for theta, p in zip(self.outer_params[f.lo : f.hi], self.state.local_params()[f.lo : f.hi]):
+                if alpha == 0.0:
+                    p.copy_(theta)
+                else:
+                    p.lerp_(theta, 1.0 - alpha)  # p + (1 − α)(θ − p)
+
+    # -- sync=eager|delayed: a round's average behind the next round ----------------------
+    def _round(self, f: Fragment, local: int) -> None:
+        """End a round with its average in the background. With ``Δ_i`` this round's
+        pseudo-gradient, ``Δ̄'`` the previous round's mean (landing now) and ``Δ_i'`` this
+        rank's part in it, the outer optimizer steps ``θ`` with ``Δ̄' + w (Δ_i − Δ_i')`` (eager,
+        ``w = 1/M``: the worker's own fresh pseudo-gradient in place of its part of the mean
+        still in flight) or ``Δ̄'`` (delayed, ``w = 0``); every rank continues from its ``θ``,
+        and ``Δ_i`` is averaged behind the next round's inner steps."""
+        assert self.background is not None  # sync=eager|delayed
+        t0 = time.perf_counter()
+        fresh = self._fresh = self._pseudo(f, self._fresh)
+        delta = f.delta = _flat(f.delta, f.numel, fresh)
+        t1 = time.perf_counter()
+        landed = self._take_landed(f)  # waiting for it counts as blocked, not as codec work
+        t2 = time.perf_counter()
+        w = self.eager_weight
+        if landed or w:
+            if not landed:
+                delta.zero_()
+            if w:
+                delta.add_(fresh, alpha=w)
+                if self._own is not None and landed:
+                    delta.sub_(self._own, alpha=w)  # its own part, applied a round ago
+            self._step_outer(f, delta)
+            self.syncs += 1
+        self._continue(f, 0.0)
+        t3 = time.perf_counter()
+        if f.index == 0:
+            self._average_rest()
+        t4 = time.perf_counter()
+        # the launch: the codec's state is idle now (nothing in flight)
+        delta.copy_(fresh)
+        self._before_encode(f)
+        if f.agg is None:
+            f.agg = self.averager(delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
+        f.agg.step = f.syncs
+        f.syncs += 1
+        agg = f.agg
+
+        def work() -> float:
+            before = agg.timing.codec_seconds
+            agg.start({"model": delta}).wait()
+            return agg.timing.codec_seconds - before
+
+        self.background.launch(work)
+        if w:  # this round's pseudo-gradient is now the one in flight
+            self._own, self._fresh = fresh, self._own
+        f.merged_at = local
+        self._timing.codec_seconds += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+
+    def _take_landed(self, f: Fragment) -> bool:
+        """Land the average in flight into ``f.delta``; whether a mean is there to apply (just
+        landed, or landed before a checkpoint), which this call consumes."""
+        if self.background is not None and self.background.land():
+            f.landed = True
+        landed, f.landed = f.landed, False
+        return landed
+
+    def _drain(self, f: Fragment) -> None:
+        """Land the average in flight and apply what of it is not applied yet, sync the steps
+        since the round's start (blocking, through the same codec) and continue every rank
+        from ``θ``; under eager, whose ranks' ``θ`` differ by their previews, from the fp32
+        mean of the ranks' ``θ`` (one uncompressed average: our choice, the paper does not say
+        how a run ends)."""
+        local = self.step - self.config.warmup
+        partial = local > 0 and f.merged_at != local
+        fresh = self._fresh = self._pseudo(f, self._fresh) if partial else self._fresh
+        delta = f.delta = _flat(f.delta, f.numel, self.outer_params[f.lo])
+        if self._take_landed(f):
+            if self.eager_weight and self._own is not None:
+                delta.sub_(self._own, alpha=self.eager_weight)
+            self._step_outer(f, delta)
+            self.syncs += 1
+        self._own = None
+        if partial:
+            assert fresh is not None  # computed above
+            delta.copy_(fresh)
+            self._before_encode(f)
+            if f.agg is None:
+                f.agg = self.averager(delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
+            f.agg.step = f.syncs
+            f.syncs += 1
+            f.agg.start({"model": delta}).wait()  # nothing is in flight: this thread may use the twin
+            assert self.background is not None
+            self.comm.meter.absorb(self.background.twin.meter)
+            self._step_outer(f, delta)
+            self.syncs += 1
+        if self.eager_weight:
+            flat = torch.cat([t.detach().reshape(-1) for t in self.outer_params])
+            self.averager(flat).start({"model": flat}).wait()
+            off = 0
+            with torch.no_grad():
+                for theta in self.outer_params:
+                    theta.copy_(flat[off : off + theta.numel()].view(theta.shape))
+                    off += theta.numel()
+        self._continue(f, 0.0)
+        if f.index == 0:
+            self._average_rest()
+        f.merged_at = local
 
     def _average_rest(self) -> None:
         """Float buffers (and, with ``average_momentum``, the inner optimizer's state): their
@@ -341,13 +502,16 @@ class DiLoCo(PeriodicAveraging):
         choice: the papers do not say how a run ends between syncs."""
         local = self.step - self.config.warmup
         self.syncs_before_finish = self.syncs
-        launched = self.syncs > 0 or any(f.merge_at is not None for f in self.fragments)
+        launched = self.syncs > 0 or any(f.merge_at is not None or f.syncs for f in self.fragments)
         if local > 0 and not launched and not self.never_synced_warned:
             self.never_synced_warned = True
             self.warn(f"{self.spec.split(':')[0]}: {local} local steps and no outer step before finish() "
                       f"(period={self.config.period}): the run trained a single round"
                       + (" and finish() averages it" if self.config.final_sync else
                          "; with final_sync=false every rank keeps its own model"))
+        if self.background is not None:
+            self._drain(self.fragments[0])
+            return None
         for f in self.fragments:
             if f.merge_at is not None:
                 self._merge(f)
@@ -361,8 +525,14 @@ class DiLoCo(PeriodicAveraging):
     # -- figures ----------------------------------------------------------------------------
     @property
     def comm_seconds(self) -> float:
-        """Launch-to-completion seconds of every fragment average so far."""
-        return sum(f.watch.total for f in self.fragments)
+        """Launch-to-completion seconds of every fragment average so far (run behind later steps)."""
+        own = self.background.seconds if self.background is not None else 0.0
+        return sum(f.watch.total for f in self.fragments) + own
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds the training thread waited for averages still in flight."""
+        return self.blocked_seconds + (self.background.blocked if self.background is not None else 0.0)
 
     def hidden_seconds(self, link: Link) -> float:
         """Modeled seconds of the syncs' collectives on ``link`` that the steps between launch
@@ -370,14 +540,15 @@ class DiLoCo(PeriodicAveraging):
         sync merged at its launch hides nothing and is not counted; in two levels, the
         collectives between nodes)."""
         n = self.comm.world_size
-        return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows)
+        own = self.background.hidden_seconds(link) if self.background is not None else 0.0
+        return sum(min(meter_seconds(link, sent, n), window) for sent, window in self._windows) + own
 
     def hidden_fraction(self) -> float | None:
         """1 − blocked / communication time of the syncs run behind later steps (None with no
         delay, or before one completed); an average still in flight counts once it completes.
         Like the window figures, it covers the run since its start or its last resume."""
         total = self.comm_seconds
-        return None if total <= 0 else max(0.0, 1.0 - self.blocked_seconds / total)
+        return None if total <= 0 else max(0.0, 1.0 - self.waited_seconds / total)
 
     def stats(self) -> dict[str, Any]:
         return {"outer_steps": self.syncs, "peak_bytes_per_sync": self.peak_bytes}
@@ -389,16 +560,25 @@ class DiLoCo(PeriodicAveraging):
         outer_state = sum(t.numel() for s in self.outer.state.values() for t in s.values()
                           if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"method": self.spec, "outer_steps": self.syncs, "syncs_before_finish": self.syncs_before_finish,
+                "sync": getattr(self.config, "sync", "blocking"),
                 "outer_optimizer": type(self.outer).__name__,
                 "fragments": [[f.lo, f.hi, f.numel, f.offset] for f in self.fragments],
                 "peak_bytes_per_sync": self.peak_bytes, "hidden_fraction": self.hidden_fraction(),
-                "blocked_seconds": self.blocked_seconds, "average_seconds": self.comm_seconds,
-                "extra_memory_bytes": 4 * (2 * self.state.numel() + outer_state)}
+                "blocked_seconds": self.waited_seconds, "average_seconds": self.comm_seconds,
+                "extra_memory_bytes": 4 * ((2 + self._copies) * self.state.numel() + outer_state)}
+
+    @property
+    def _copies(self) -> int:
+        """Flat model-sized buffers beyond θ and the pseudo-gradient: a background sync keeps
+        this round's pseudo-gradient apart from the mean in flight, eager also the one it sent."""
+        return 0 if self.background is None else 2 if self.eager_weight else 1
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs; an average in flight is landed first (its mean is
         stored, and merged at the same step after resuming)."""
+        if self.background is not None and self.background.land():  # a round's average in flight
+            self.fragments[0].landed = True
         fragments = []
         for f in self.fragments:
             if f.pending is not None:
@@ -412,7 +592,9 @@ class DiLoCo(PeriodicAveraging):
                               "agg": None if f.agg is None else f.agg.state_dict()})
         return {**super().state_dict(), "syncs": self.syncs, "peak_bytes": self.peak_bytes,
                 "outer_params": [t.detach().clone() for t in self.outer_params],
-                "outer": self.outer.state_dict(), "fragments": fragments}
+                "outer": self.outer.state_dict(), "fragments": fragments,
+                "outer_sync": getattr(self.config, "sync", "blocking"),
+                "own": None if self._own is None else self._own.detach().clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "fragments" not in state:  # saved before fragments: one, never in flight
@@ -422,6 +604,10 @@ class DiLoCo(PeriodicAveraging):
         if len(state["fragments"]) != len(self.fragments):
             raise ValueError(f"the state holds {len(state['fragments'])} fragment(s), this run has "
                              f"{len(self.fragments)}")
+        saved_sync, sync = state.get("outer_sync", "blocking"), getattr(self.config, "sync", "blocking")
+        if saved_sync != sync and saved_sync != "blocking" and state["fragments"][0]["landed"]:
+            raise ValueError(f"checkpoint was saved with sync={saved_sync} and a round's average in flight; this run "
+                             f"has sync={sync}: resume with sync={saved_sync}")
         super().load_state_dict(state)
         self.syncs = int(state["syncs"])
         self.peak_bytes = float(state["peak_bytes"])
@@ -438,8 +624,10 @@ class DiLoCo(PeriodicAveraging):
             if saved["delta"] is not None:
                 f.delta.copy_(saved["delta"])
             if saved["agg"] is not None:
-                f.agg = f.agg or self.averager(f.delta, f.codec, scatter=self.scatter)
+                f.agg = f.agg or self.averager(f.delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
                 f.agg.load_state_dict(saved["agg"])
+        own = state.get("own") if self.eager_weight else None
+        self._own = None if own is None else own.to(self.outer_params[0].device).clone()
 
 
 def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ from typing import Any, cast
 
 import torch
 
-from thinwire.algorithms.diloco import DiLoCo, Fragment
+from thinwire.algorithms.diloco import SYNC_HELP, SYNCS, DiLoCo, Fragment, check_sync
 from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec, in_range
 from thinwire.codecs.dct import position_dtype
@@ -115,9 +115,11 @@ class SparseLoCoConfig:
                            "> 0")
     final_sync: bool = knob(True, "finish() ends with one more sparse outer step on the steps since the last sync, "
                             "so every rank holds the same model (false: each keeps its own)", "true|false")
+    sync: str = knob("blocking", SYNC_HELP, "|".join(SYNCS))
 
     def __post_init__(self) -> None:
         require(self.period >= 1, f"period must be >= 1, got {self.period}")
+        check_sync(self)
         require(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
         require(0 <= self.beta < 1, f"beta must be in [0, 1), got {self.beta}")
         require(1 <= self.chunk <= CHUNK_MAX, f"chunk must be in 1..{CHUNK_MAX}, got {self.chunk}")
@@ -376,15 +378,13 @@ class SparseLoCo(DiLoCo):
     def _outer_from_config(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.config.outer_lr)  # θ ← θ − α Δ
 
-    def _launch(self, f: Fragment, local: int | None, alpha: float | None = None) -> None:
-        """Decay the error buffer (the aggregator's residual, ``e ← β e``), then DiLoCo's
-        launch: the aggregator adds the pseudo-gradient to it, sends its top-k and keeps
-        what was not sent."""
+    def _before_encode(self, f: Fragment) -> None:
+        """Decay the error buffer (the aggregator's residual, ``e ← β e``); the encode that
+        follows adds the pseudo-gradient to it, sends its top-k and keeps what was not sent."""
         if f.agg is not None:
             residual = f.agg.feedback.residuals.get("model")
             if residual is not None:
                 residual.mul_(self.config.beta)
-        super()._launch(f, local, alpha)
 
     def wire_bytes(self) -> int:
         """Bytes of one rank's payload per sync (the all_gather sends ``R − 1`` of them)."""
@@ -393,7 +393,7 @@ class SparseLoCo(DiLoCo):
     def report(self) -> dict[str, Any]:
         report = super().report()
         numel = self.state.numel()
-        report["extra_memory_bytes"] = 4 * 3 * numel  # θ, the flat pseudo-gradient, the error buffer
+        report["extra_memory_bytes"] = 4 * (3 + self._copies) * numel  # θ, the pseudo-gradient, the error buffer
         report["payload_bytes_per_sync"] = self.wire_bytes()
         report["density"] = self.wire.kept / max(1, self.wire.numel)
         return report

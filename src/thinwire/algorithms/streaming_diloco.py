@@ -74,6 +74,8 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
         require(self.delay >= 0, f"delay must be >= 0, got {self.delay}")
         require(self.delay < self.period, f"delay must be < period: delay={self.delay} >= period={self.period}")
         require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1], got {self.alpha}")
+        require(self.sync == "blocking", f"streaming-diloco runs its fragments' averages behind the next steps "
+                f"through delay, not sync={self.sync}")
 
 
 @METHODS.register

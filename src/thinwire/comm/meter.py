@@ -19,6 +19,7 @@ the link's time for this rank's bytes is that many times theirs alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def sent_bytes(op: str, nbytes: int, n: int) -> float:
@@ -122,6 +123,22 @@ class ByteMeter:
                 out.by_group[key] = OpCount(c.calls - b.calls, c.bytes - b.bytes, c.messages - b.messages,
                                             c.payload_bytes - b.payload_bytes)
         return out
+
+    def absorb(self, other: ByteMeter, *, empty: bool = True) -> None:
+        """Add what ``other`` counted to this meter and (``empty``) empty ``other``: the traffic
+        of work run on a communicator of its own (a background sync's), counted here once it
+        lands."""
+        pairs: list[tuple[dict[Any, OpCount], dict[Any, OpCount]]] = [
+            (self.ops, other.ops), (self.by_group, other.by_group), (self.by_link, other.by_link)]
+        for mine, theirs in pairs:
+            for key, c in theirs.items():
+                into = mine.setdefault(key, OpCount())
+                into.calls += c.calls
+                into.bytes += c.bytes
+                into.messages += c.messages
+                into.payload_bytes += c.payload_bytes
+        if empty:
+            other.reset()
 
     def reset(self) -> None:
         self.ops.clear()

@@ -1,0 +1,80 @@
+"""A round's average run in the background, behind the next round's inner steps.
+
+The DiLoCo family's ``sync=eager|delayed`` launch a round's average (encode, every collective,
+decode) as one piece of work on a background thread (:class:`~thinwire.comm.background.Worker`)
+and land it at the end of the next round. The work runs over a communicator of its own, a
+second group over the same ranks, so that the collectives the training thread issues in the
+meantime (the trainer's metrics, buffers' averages, a user's) can never interleave with it in
+another order on another rank. Its bytes are counted on that communicator's own meter and
+added to the world's when the average lands, with the seconds it ran behind computation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from torch.futures import Future
+
+from thinwire.comm.background import Worker
+from thinwire.comm.base import Communicator
+from thinwire.comm.link import Link, meter_seconds
+from thinwire.comm.meter import ByteMeter
+
+
+class BackgroundSync:
+    """One average at a time in flight over a twin of ``comm``; :meth:`land` waits for it."""
+
+    def __init__(self, comm: Communicator, who: str) -> None:
+        if comm.hierarchy is not None:
+            raise ValueError(f"{who} runs its average over a second group of the same ranks, which worker groups "
+                             "(--group-size) do not build: run it flat, or with sync=blocking")
+        twin = comm.subgroup(list(range(comm.world_size)))  # every rank calls this, in the same order
+        assert twin is not None  # every rank is a member
+        twin.meter = ByteMeter(inter_share=comm.meter.inter_share)  # counted apart, absorbed on landing
+        self.comm, self.twin = comm, twin
+        self.worker = Worker("thinwire-outer-sync")
+        self.launched_at = 0.0
+        self.seconds = 0.0  # launch to completion, summed over the landed averages
+        self.blocked = 0.0  # the training thread waiting for an average still in flight
+        # per landed average: its traffic, its codec seconds, the seconds of computation it ran behind
+        self.windows: list[tuple[ByteMeter, float, float]] = []
+        self._future: Future[tuple[float, float]] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def launch(self, work: Callable[[], float]) -> None:
+        """Run ``work`` (one whole average; it returns its codec seconds) on the thread."""
+        if self._future is not None:
+            raise RuntimeError("an average is in flight already: land it first")
+        self.launched_at = time.perf_counter()
+
+        def run() -> tuple[float, float]:
+            codec = work()
+            return codec, time.perf_counter()
+
+        self._future = self.worker.submit(run)
+
+    def land(self) -> bool:
+        """Wait for the average in flight (its error, if it failed, is raised here) and count
+        its bytes on the world's meter; False when none was in flight."""
+        if self._future is None:
+            return False
+        t0 = time.perf_counter()
+        future, self._future = self._future, None
+        codec, done_at = future.wait()
+        self.blocked += time.perf_counter() - t0
+        self.seconds += done_at - self.launched_at
+        sent = ByteMeter(inter_share=self.twin.meter.inter_share)
+        sent.absorb(self.twin.meter)
+        self.windows.append((sent, codec, t0 - self.launched_at))
+        self.comm.meter.absorb(sent, empty=False)
+        return True
+
+    def hidden_seconds(self, link: Link) -> float:
+        """Modeled seconds of the landed averages' codec and collectives on ``link`` that the
+        computation behind which they ran hides: ``min(codec + T_link, window)`` each."""
+        n = self.comm.world_size
+        return sum(min(codec + meter_seconds(link, sent, n), window) for sent, codec, window in self.windows)
