@@ -99,12 +99,20 @@ def load_note() -> str:
 # -- alternating step-time blocks (inside the ranks) -------------------------------------------------
 def alternate_blocks(
     arms: dict[str, Callable[[int], None]], steps: int, warmup: int, blocks: int,
-    after_warmup: Callable[[], None] | None = None,
+    after_warmup: Callable[[], None] | None = None, lead: dict[str, Callable[[], None]] | None = None,
+    settle: dict[str, Callable[[], None]] | None = None,
 ) -> dict[str, list[float]]:
     """Run every arm for ``steps`` steps per block, arms in turn (A B C A B C ...), ``warmup``
     rounds untimed then ``blocks`` timed (``after_warmup()`` runs in between, e.g. to reset
     byte counters). Each block starts after a barrier; its time is the slowest rank's, so
-    every rank returns the same numbers. Returns seconds per step, per block."""
+    every rank returns the same numbers. Returns seconds per step, per block.
+
+    ``lead[arm]`` runs untimed before the arm's block and ``settle[arm]`` untimed after it:
+    for an arm whose work runs behind later steps (a round's average behind the next round),
+    the lead runs one untimed round, so that the timed block is a round with the previous
+    round's average behind it, and the settle lands what is still in flight before another
+    arm takes the link."""
+    lead, settle = lead or {}, settle or {}
     import torch
     import torch.distributed as dist
 
@@ -114,6 +122,8 @@ def alternate_blocks(
         if rnd == warmup and after_warmup is not None:
             after_warmup()
         for name, step in arms.items():
+            if name in lead:
+                lead[name]()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -121,6 +131,8 @@ def alternate_blocks(
                 counters[name] += 1
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if name in settle:
+                settle[name]()
             if rnd >= warmup:
                 out[name].append(dt.item() / steps)
     return out

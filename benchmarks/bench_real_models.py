@@ -84,6 +84,14 @@ SLOW_H = 30
 SLOW_ARMS = ("compute", f"at-diloco:period={SLOW_H}", f"at-streaming-diloco:period={SLOW_H}",
              f"at-sparseloco:period={SLOW_H}")
 SLOW_TARGET = 1.05  # the best slow-link method's mean step over whole periods / the compute-only step
+FOUR_BIT = "codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"
+# --arms overlap: each method with its round's average behind the next round, beside its own blocking form
+OVERLAP = {  # overlapped arm: (its blocking baseline, target / compute)
+    f"at-sparseloco:period={SLOW_H},sync=eager": (f"at-sparseloco:period={SLOW_H}", 1.02),
+    f"at-diloco:period={SLOW_H},{FOUR_BIT},sync=eager": (f"at-diloco:period={SLOW_H},{FOUR_BIT}", 1.05),
+}
+PEERS.update({arm: baseline for arm, (baseline, _) in OVERLAP.items()})
+OVERLAP_ARMS = ("compute", *(a for pair in OVERLAP.items() for a in (pair[1][0], pair[0])))
 GRADIENT_CODECS = ("tw-bf16", "tw-powersgd:rank=1", "tw-powersgd:rank=4", "tw-topk:ratio=0.01", "tw-fft", "tw-hylo",
                    "sr-bf16", "sr-powersgd:rank=1", "sr-topk:ratio=0.01", "sr-fft")
 MODEL_ERROR = 0.20  # thinwire cost's prediction within 20% of the measured step time
@@ -163,7 +171,8 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     batches = make_batches(model_name, rank)
-    steppers, meters, timings, reducers = {}, {}, {}, {}
+    steppers, meters, timings, reducers, lead, settle = {}, {}, {}, {}, {}, {}
+    ran = {arm: 0 for arm in arms}  # steps each arm ran, timed or not
     for arm in arms:
         torch.manual_seed(0)
         net, loss_fn = build(model_name)
@@ -190,9 +199,13 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
             a = thinwire.attach(model, opt, DASGD if arm == "dasgd" else arm[3:])
             meters[arm], timings[arm] = a.method.comm.meter, lambda a=a: a.method.timing
             after_backward, after_step = a.after_backward, a.after_step
+            if _behind(a.method):  # averages run behind later steps: whole rounds, nothing in flight between arms
+                lead[arm] = lambda arm=arm: [steppers[arm](ran[arm]) for _ in range(steps)]
+                settle[arm] = a.method.settle
 
         def step(i: int, model=model, opt=opt, loss_fn=loss_fn, quiet=arm == "compute", after_backward=after_backward,
-                 after_step=after_step) -> None:
+                 after_step=after_step, arm=arm) -> None:
+            ran[arm] += 1
             x, y = batches[i % len(batches)]
             opt.zero_grad()
             if quiet:
@@ -213,15 +226,16 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
         for arm, m in meters.items():
             t = timings[arm]()
             marks[arm] = (m.bytes_sent, t.codec_seconds + t.comm_seconds, m.messages, t.codec_seconds,
-                          dict(reducers[arm].reducer.overlap_figures) if arm in reducers else {})
+                          dict(reducers[arm].reducer.overlap_figures) if arm in reducers else {}, ran[arm])
 
-    seconds = alternate_blocks(steppers, steps, warmup, blocks, after_warmup=mark)
+    seconds = alternate_blocks(steppers, steps, warmup, blocks, after_warmup=mark, lead=lead, settle=settle)
     timed_steps = steps * blocks
     sent, busy, cost = {}, {}, {}
     for arm, m in meters.items():
         t = timings[arm]()
-        sent[arm] = (m.bytes_sent - marks[arm][0]) / timed_steps
-        busy[arm] = (t.codec_seconds + t.comm_seconds - marks[arm][1]) / timed_steps
+        per = ran[arm] - marks[arm][5]  # steps run since the mark (an arm with a lead round runs two a block)
+        sent[arm] = (m.bytes_sent - marks[arm][0]) / per
+        busy[arm] = (t.codec_seconds + t.comm_seconds - marks[arm][1]) / per
         if arm in reducers:  # what thinwire cost's model needs, per timed step
             f, f0 = reducers[arm].reducer.overlap_figures, marks[arm][4]
             elements = f["elements"] - f0["elements"]
@@ -241,6 +255,27 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
                                          "steps_per_block": steps, "params": params}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+ARM_KINDS = ("compute", "ddp", "torch-", "tw-", "sr-", "at-", "dasgd")
+
+
+def split_arms(text: str) -> list[str]:
+    """The comma-separated arms of ``--arms``; a comma inside an arm's spec (``at-diloco:period=30,
+    sync=eager``) stays in it: a new arm starts only with an arm's kind."""
+    arms: list[str] = []
+    for part in text.split(","):
+        if arms and not part.startswith(ARM_KINDS):
+            arms[-1] += "," + part
+        else:
+            arms.append(part)
+    return arms
+
+
+def _behind(method) -> bool:
+    """Whether ``method`` keeps averages in flight across steps: a round's behind the next
+    round (``sync=eager|delayed``), or streaming DiLoCo's fragments behind ``delay`` steps."""
+    return getattr(method, "background", None) is not None or getattr(method, "delay", 0) > 0
 
 
 def _hook_bytes(step, n: int, counter: int) -> float:
@@ -298,15 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default=",".join(map(str, RATES_MBIT)), help="link rates in Mbit/s, comma-separated")
     p.add_argument("--result")
     args = p.parse_args(argv)
-    if args.arms == "slow":
-        args.arms = ",".join(SLOW_ARMS)
+    if args.arms in ("slow", "overlap"):
+        args.arms = ",".join(SLOW_ARMS if args.arms == "slow" else OVERLAP_ARMS)
         given = argv if argv is not None else sys.argv[1:]
         if "--steps" not in given:
             args.steps = SLOW_H
         if "--rates" not in given:
             args.rates = "10"
     if args.rank_worker:
-        rank_main(args.model, args.steps, args.warmup, args.blocks, args.arms.split(","), args.result)
+        rank_main(args.model, args.steps, args.warmup, args.blocks, split_arms(args.arms), args.result)
         return 0
     from _shaped_link import unavailable
 
@@ -324,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"python benchmarks/bench_real_models.py {given}".strip())
     failed = False
     for model in models:
-        failed |= not measure(report, model, args.arms.split(",") if args.arms else list(ARMS[model]), args)
+        failed |= not measure(report, model, split_arms(args.arms) if args.arms else list(ARMS[model]), args)
     code = report.finish(args.json)
     return 2 if failed else code
 
@@ -392,6 +427,15 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
                        "arm's own codec seconds, bytes, messages and overlap window:\n\n"
                        + table(["arm", "predicted ms", "measured ms", "codec ms", "window ms", "early share"],
                                predictions))
+        for arm, (baseline, target) in OVERLAP.items():  # against compute, and its own blocking form
+            if arm in sec and rate == 10:
+                name = arm[3:].split(":")[0] + ("_4bit" if "bits=4" in arm else "")
+                report.figures.append(Figure(
+                    f"overlapped_{name}_vs_compute_10mbit{suffix}", paired_ratio(sec[arm], sec["compute"]), "<=",
+                    target, "x", f"{1e3 * median(sec[arm]):.0f} ms/step over whole rounds of {args.steps} steps, "
+                    f"compute {1e3 * floor:.0f} ms/step"
+                    + (f", blocking {1e3 * median(sec[baseline]):.0f} ms/step "
+                       f"({paired_ratio(sec[arm], sec[baseline]):.3f}x of it)" if baseline in sec else "")))
         slow = [a for a in sec if a.startswith("at-")]
         if rate == 10 and slow:
             best = min(slow, key=lambda a: paired_ratio(sec[a], sec["compute"]))

@@ -577,16 +577,9 @@ class DiLoCo(PeriodicAveraging):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs; an average in flight is landed first (its mean is
         stored, and merged at the same step after resuming)."""
-        if self.background is not None and self.background.land():  # a round's average in flight
-            self.fragments[0].landed = True
+        self.settle()
         fragments = []
         for f in self.fragments:
-            if f.pending is not None:
-                t0 = time.perf_counter()
-                f.pending.settle()
-                self.blocked_seconds += time.perf_counter() - t0
-                f.pending.wait()
-                f.pending, f.landed = None, True
             fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "merged_at": f.merged_at, "landed": f.landed,
                               "delta": None if f.delta is None or not f.landed else f.delta.detach().clone(),
                               "agg": None if f.agg is None else f.agg.state_dict()})
@@ -595,6 +588,20 @@ class DiLoCo(PeriodicAveraging):
                 "outer": self.outer.state_dict(), "fragments": fragments,
                 "outer_sync": getattr(self.config, "sync", "blocking"),
                 "own": None if self._own is None else self._own.detach().clone()}
+
+    def settle(self) -> None:
+        """Wait for every average still in flight and keep its mean, to be applied when it is
+        due, as planned (a checkpoint does this; so does a benchmark that times whole rounds,
+        between them). The results are those of a run that never settled."""
+        if self.background is not None and self.background.land():  # a round's average in flight
+            self.fragments[0].landed = True
+        for f in self.fragments:
+            if f.pending is not None:
+                t0 = time.perf_counter()
+                f.pending.settle()
+                self.blocked_seconds += time.perf_counter() - t0
+                f.pending.wait()
+                f.pending, f.landed = None, True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "fragments" not in state:  # saved before fragments: one, never in flight
