@@ -48,9 +48,21 @@ def convert(value: Any, typ: Any, what: str) -> Any:
             raise ValueError(f"{what} must be one of {'|'.join(map(str, choices))}, got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        kinds = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(kinds) < len(typing.get_args(typ)) and (
+                value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
             return None
-        return convert(value, next(a for a in typing.get_args(typ) if a is not type(None)), what)
+        if len(kinds) == 1:
+            return convert(value, kinds[0], what)
+        for kind in kinds:  # the first that takes it (an integer, or the word auto)
+            try:
+                return convert(value, kind, what)
+            except ValueError:
+                pass
+        names = ["an integer" if k is int else "a number" if k is float else
+                 " or ".join(map(str, typing.get_args(k))) if typing.get_origin(k) is typing.Literal else str(k)
+                 for k in kinds]
+        raise ValueError(f"{what} must be {' or '.join(names)}, got {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -474,3 +474,24 @@ def test_the_load_check_every_timing_command_shares():
         "warning: load average 3.5 on 2 cores at the start of thinwire compare: other work holds the cores, so the "
         "measured compute and codec times (and every time built on them) vary from run to run")
     assert load_warning("thinwire compare", load=1.0, ncores=2) is None
+
+
+def test_a_probe_drops_the_diloco_familys_end_of_run_sync_unless_a_rounds_average_runs_behind_the_next():
+    from thinwire.lab.cost import _steady
+
+    assert "final_sync=false" in _steady("diloco:period=10")
+    assert "final_sync=false" in _steady("sparseloco:period=10")
+    assert "final_sync=true" in _steady("diloco:period=10,sync=eager")  # it refuses final_sync=false
+    assert "final_sync=true" in _steady("sparseloco:period=10,sync=delayed")
+
+
+def test_an_average_behind_a_whole_round_costs_the_step_only_what_outlasts_its_window():
+    """sync=eager's figures (every element early, the window the round's compute): a step is
+    compute + max(0, G − window), the larger of compute and communication when they are equal."""
+    link = Link.parse("10mbit,1ms")
+    c = StepCost("diloco", compute_s=0.5, codec_s=0.0, bytes=1e5, messages=0.0, window_s=0.5, early_share=1.0)
+    g = 1e5 / link.bandwidth_Bps  # 0.08 s: hidden whole
+    assert c.seconds(link) == pytest.approx(0.5, abs=1e-12)
+    slow = dataclasses.replace(c, bytes=1e6)  # 0.8 s a step: 0.3 s of it outlasts the window
+    assert slow.seconds(link) == pytest.approx(1e6 / link.bandwidth_Bps, abs=1e-12)
+    assert g < 0.5

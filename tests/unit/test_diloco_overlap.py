@@ -120,9 +120,12 @@ def test_the_overlapped_run_sends_what_the_blocking_run_sends(knobs, extra):
 def test_the_report_counts_the_hidden_average_and_the_extra_buffers():
     def fn(comm):
         _, method = tiny.train(comm, lambda m, o, c: DiLoCo(m, o, c, period=2, sync="eager"), 6, BASE, finish=True)
-        return method.report(), method.state.numel()
+        return method.report(), method.state.numel(), method.summary_fields()["overlap"]
 
-    report, numel = LocalWorld(2).run(fn)[0]
+    report, numel, overlap = LocalWorld(2).run(fn)[0]
+    # the cost model's terms: three averages landed, every element behind the computation that followed
+    assert overlap["steps"] == 3 and overlap["early_share"] == 1.0 and overlap["reduces"] == 0
+    assert overlap["window_seconds"] > 0
     assert report["sync"] == "eager"
     assert report["outer_steps"] == 4  # three rounds, each stepped at its end, and the last landed in finish()
     assert report["average_seconds"] > 0 and 0.0 <= report["hidden_fraction"] <= 1.0

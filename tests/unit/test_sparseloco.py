@@ -333,3 +333,14 @@ def test_the_trainer_runs_it_and_meters_the_layout():
     assert report["syncs_before_finish"] == 2 and report["outer_steps"] == 3  # steps 3, 6, then finish()
     assert summaries[0].bytes_sent_per_worker == 3 * report["payload_bytes_per_sync"]
     assert summaries[0].warnings == []
+
+
+@pytest.mark.parametrize("shapes", [[(1, 64)], [(64,)], [(4, 64)], [(3, 100), (7,)]])  # views of the input among them
+def test_encoding_leaves_the_pseudo_gradient_as_it_was(shapes):
+    """The block magnitudes are taken in place only on a copy: where the cut into blocks is a
+    view of the input (one row of blocks a whole tensor wide), the input is left alone."""
+    codec = ChunkedTopK(ChunkedTopKConfig(chunk=64, k=8), shapes)
+    x = torch.randn(codec.numel, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    codec.encode(x)
+    assert torch.equal(x, before)

@@ -83,7 +83,7 @@ def test_one_fragment_no_delay_and_alpha_zero_is_diloco_exactly(bn):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("delay, alpha", [(1, 0.5), (2, 0.0), (0, 0.25), (3, 1.0)])
+@pytest.mark.parametrize("delay, alpha", [(1, 0.5), (2, 0.0), (0, 0.25), (3, 1.0), (4, 0.5)])  # 4: a whole round
 def test_two_fragments_staggered_delayed_and_mixed_follow_the_update_by_hand(delay, alpha):
     make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=delay, alpha=alpha,  # noqa: E731
                                            outer_lr=0.7, outer_momentum=0.9)
@@ -186,7 +186,9 @@ def test_one_step_sends_at_most_the_largest_fragment_where_diloco_sends_the_mode
 
 @pytest.mark.parametrize("spec, message", [
     ("streaming-diloco:fragments=0", "fragments must be >= 1, got 0"),
-    ("streaming-diloco:period=4,delay=4", "delay must be < period: delay=4 >= period=4"),
+    ("streaming-diloco:period=4,delay=5", r"delay must be <= period \(a whole round\): delay=5 > period=4"),
+    ("streaming-diloco:delay=soon", "delay must be an integer or auto, got 'soon'"),
+    ("streaming-diloco:delay=auto,link=fast", "link"),
     ("streaming-diloco:delay=-1", "delay must be >= 0, got -1"),
     ("streaming-diloco:alpha=1.5", r"alpha must be in \[0, 1\], got 1.5"),
     ("streaming-diloco:alpha=-0.1", r"alpha must be in \[0, 1\], got -0.1"),
@@ -207,8 +209,8 @@ def test_more_fragments_than_parameter_tensors_is_refused_before_training():
 def test_the_spec_fills_every_default():
     assert resolve_method("streaming-diloco") == (
         "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
-        "codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,final_sync=true,fragments=4,delay=1,"
-        "alpha=0.5")
+        "codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,final_sync=true,sync=blocking,"
+        "fragments=4,delay=1,alpha=0.5,link=")
 
 
 def test_more_fragments_than_steps_in_a_period_is_refused():
@@ -257,3 +259,62 @@ def test_a_run_that_never_reached_a_sync_warns_once_and_still_ends_with_one_mode
         ended = LocalWorld(2).run(lambda comm: _train(comm, make, 3, finish=True))
     assert torch.equal(ended[0][0], ended[1][0])
     assert [m.report()["syncs_before_finish"] for _, m in ended] == [0, 0] and ended[0][1].syncs == 1
+
+
+def test_delay_auto_without_a_link_to_read_is_refused():
+    def fn(comm):
+        model = copy.deepcopy(BASE)
+        with pytest.raises(ValueError, match="delay=auto needs a link to read: give link=RATE;LATENCY"):
+            StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, period=4, fragments=2,
+                            delay="auto")
+        return True
+
+    assert all(LocalWorld(2).run(fn))
+
+
+@pytest.mark.parametrize("link, delay", [("100gbit;1us", 1), ("1kbit;1ms", 4)])
+def test_delay_auto_takes_the_smallest_delay_that_hides_a_fragment_up_to_a_whole_round(link, delay):
+    """A fragment of this model is a few hundred bytes: on 100 Gbit/s one step hides it; on
+    1 kbit/s no delay can (seconds against a step of milliseconds): a whole round, with a
+    warning."""
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay="auto", link=link)  # noqa: E731
+
+    def fn(comm):
+        _, method = _train(comm, make, 9, finish=True)
+        return method.report(), method.warned
+
+    out = LocalWorld(2).run(fn)
+    for report, warned in out:
+        assert report["delay"] == delay and report["delay_auto"]["delay"] == delay
+        assert report["delay_auto"]["step_seconds"] > 0
+        assert bool(warned) == (delay == 4)
+    assert out[0][0]["delay_auto"] == out[1][0]["delay_auto"]  # the ranks took the same figures
+
+
+def test_a_resumed_delay_auto_run_keeps_the_delay_it_chose():
+    slow = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay="auto", link="1kbit;1ms")  # noqa: E731
+    fast = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay="auto", link="100gbit;1us")  # noqa: E731
+
+    def fn(comm):
+        _, method = _train(comm, slow, 5)
+        state = method.state_dict()
+        model = copy.deepcopy(BASE)
+        other = fast(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+        other.load_state_dict(state)
+        return method.delay, other.delay
+
+    assert LocalWorld(2).run(fn) == [(4, 4), (4, 4)]
+
+
+def test_a_fixed_delay_other_than_the_one_saved_with_averages_in_flight_is_refused():
+    def fn(comm):
+        _, method = _train(comm, lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2), 3)
+        state = method.state_dict()
+        model = copy.deepcopy(BASE)
+        other = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, period=4, fragments=2,
+                                delay=3)
+        with pytest.raises(ValueError, match="saved with delay=2 and averages in flight; this run has delay=3"):
+            other.load_state_dict(state)
+        return True
+
+    assert all(LocalWorld(2).run(fn))

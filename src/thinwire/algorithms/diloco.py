@@ -33,6 +33,15 @@ given as ``outer_optimizer=lambda params: torch.optim.X(params, ...)``. Memory: 
 parameters and the outer optimizer's state (SGD: one momentum buffer; Adam: two), the flat
 pseudo-gradient, and a codec's residual when it has error feedback.
 
+With ``sync=eager`` or ``sync=delayed`` a round's average runs on a background thread over a
+second group of the same ranks (:mod:`thinwire.algorithms.background_sync`), behind the next
+round's inner steps, and is applied at that round's end (Kale, Douillard and Donchev 2025,
+arXiv 2502.12996, "eager updates"): delayed steps ``θ`` with the previous round's mean ``Δ̄'``;
+eager with ``Δ̄' + (1/M)(Δ_i − Δ_i')``, this worker's fresh pseudo-gradient standing in for its
+part of the mean in flight and its part of the previous mean taken out (it was applied a
+round ago). Under eager every rank's ``θ`` holds its own preview, and ``finish()`` ends with
+an fp32 average of ``θ`` (our choice). docs/methods.md gives the details.
+
 The rounds are kept per *fragment* (a contiguous group of the parameter tensors, each with
 its own pseudo-gradient, codec and schedule): DiLoCo has one, the whole model, synced and
 applied at once; :class:`~thinwire.algorithms.streaming_diloco.StreamingDiLoCo` has several,
@@ -161,6 +170,7 @@ class DiLoCo(PeriodicAveraging):
         self._windows: list[tuple[ByteMeter, float]] = []  # per merged sync: its traffic, seconds it ran behind
         self._rest: torch.Tensor | None = None  # buffers (and inner state), averaged plainly
         self._plain: Aggregator | None = None
+        self._built_at = time.perf_counter()
         self.syncs_before_finish: int | None = None  # set by finish(): the outer steps of the run itself
         self.never_synced_warned = False
         # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
@@ -181,7 +191,7 @@ class DiLoCo(PeriodicAveraging):
         if getattr(config, "sync", "blocking") != "blocking":
             return (f"sync={config.sync} keeps a round's average in flight through the next round, over which the "
                     "quorum may change (sync=blocking runs elastic)")
-        if getattr(config, "delay", 0) > 0:
+        if getattr(config, "delay", 0) != 0:
             return (f"delay={config.delay} keeps a fragment's average in flight across steps, over which the "
                     "quorum may change (delay=0 runs elastic)")
         return cls.elastic_unsafe
@@ -552,6 +562,21 @@ class DiLoCo(PeriodicAveraging):
 
     def stats(self) -> dict[str, Any]:
         return {"outer_steps": self.syncs, "peak_bytes_per_sync": self.peak_bytes}
+
+    def overlap_report(self) -> dict[str, Any] | None:
+        """``sync=eager|delayed``: the rounds' averages in the cost model's terms (see
+        :mod:`thinwire.lab.cost`): every averaged element runs early (``early_share`` 1),
+        behind ``window_seconds`` of computation (from each launch to the round's end that
+        needed its mean), so a step costs ``compute + max(0, G − window)``; none without."""
+        if self.background is None:
+            return None
+        b = self.background
+        return {"enabled": True, "steps": len(b.windows), "window_seconds": sum(w for _, _, w in b.windows),
+                "blocked_seconds": b.blocked, "early_share": 1.0, "reduces": 0, "leads": []}
+
+    def summary_fields(self) -> dict[str, Any]:
+        report = self.overlap_report()
+        return {} if report is None else {"overlap": report}
 
     def report(self) -> dict[str, Any]:
         for f in self.fragments:  # after the last merge: every watch has seen its average complete

@@ -233,13 +233,15 @@ class ChunkedTopK(Codec):
         for i, p in enumerate(self.parts):
             if not p.count:
                 continue
-            blocks, mags = _blocks(flat[p.offset : p.offset + p.numel], p.tiling)  # (C, S) each
+            part = flat[p.offset : p.offset + p.numel]
+            mags = _magnitudes(part, p.tiling)  # (C, S), padding -1
             if p.positions is None:  # every entry of every block
-                vals, real = blocks, mags >= 0
+                pos = torch.arange(p.tiling.size, device=flat.device).expand(p.tiling.chunks, -1)
             else:
                 pos = torch.topk(mags, p.kept, dim=1, sorted=False).indices.sort(dim=1).values  # (C, k)
-                vals, real = blocks.gather(1, pos), mags.gather(1, pos) >= 0
                 positions[p.positions][p.positions_at : p.positions_at + p.count] = pos.reshape(-1)
+            index, real = _places(pos, p.tiling)  # the kept entries' places in the tensor (padding: not real)
+            vals = torch.where(real, part[index.clamp(max=p.numel - 1)], 0.0)  # padding sends 0
             span = slice(p.codes_at, p.codes_at + p.count)
             if self.levels:
                 codes[span], stats[i] = self._quantize(vals.reshape(-1), real.reshape(-1))
@@ -325,21 +327,21 @@ class ChunkedTopK(Codec):
         return payload.tensors[which][p.positions_at : p.positions_at + p.count].view(p.tiling.chunks, p.kept)
 
 
-def _blocks(x: torch.Tensor, t: dct_basis.Tiling) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (chunks, size) blocks of the flat ``x`` (of ``t.shape``'s numel) and their
-    magnitudes, padding marked -1 (never chosen before a real entry)."""
+def _magnitudes(x: torch.Tensor, t: dct_basis.Tiling) -> torch.Tensor:
+    """The magnitudes of the flat ``x`` (of ``t.shape``'s numel) cut into its (chunks, size)
+    blocks, padding marked -1 (never chosen before a real entry): one copy of ``x`` (the cut)
+    and the magnitude taken in place, or with padding the magnitude, the padded copy and the
+    cut; the values themselves are read from ``x`` at the kept places only."""
     p, q = t.grid
     m = x.view(t.rows, t.cols)
     pad_r, pad_c = p * t.b1 - t.rows, q * t.b2 - t.cols
-    mags = m.abs()
     if pad_r or pad_c:
-        m = torch.nn.functional.pad(m, (0, pad_c, 0, pad_r))
-        mags = torch.nn.functional.pad(mags, (0, pad_c, 0, pad_r), value=-1.0)
-
-    def cut(a: torch.Tensor) -> torch.Tensor:
-        return a.reshape(p, t.b1, q, t.b2).transpose(1, 2).reshape(t.chunks, t.size)
-
-    return cut(m), cut(mags)
+        m = torch.nn.functional.pad(m.abs(), (0, pad_c, 0, pad_r), value=-1.0)
+        return m.reshape(p, t.b1, q, t.b2).transpose(1, 2).reshape(t.chunks, t.size)
+    cut = m.reshape(p, t.b1, q, t.b2).transpose(1, 2).reshape(t.chunks, t.size)
+    if cut._is_view():  # blocks that are whole rows: the cut is x itself, not a copy, and x is not ours
+        return cut.abs()
+    return cut.abs_()
 
 
 def _places(pos: torch.Tensor, t: dct_basis.Tiling) -> tuple[torch.Tensor, torch.Tensor]:

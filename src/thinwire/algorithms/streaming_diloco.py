@@ -21,7 +21,8 @@ each step sends at most one fragment's average. A sync of fragment ``p`` at step
 
 * launch: the pseudo-gradient ``Δ_p,i = θ_p − θ_p,i`` (this rank's fragment at step ``t``) is
   averaged over the ranks through ``codec`` in the background, while training goes on;
-* merge, after local step ``t + τ`` (``τ`` = ``delay``, ``0 <= τ < H``): the outer optimizer
+* merge, after local step ``t + τ`` (``τ`` = ``delay``, ``0 <= τ <= H``; ``τ = H``, a whole
+  round, merges just before the fragment's next launch): the outer optimizer
   steps ``θ_p`` with the mean ``Δ_p`` as its gradient (only fragment ``p``'s outer
   parameters step), and the worker's fragment becomes
 
@@ -38,6 +39,11 @@ once (some fragment is always mid-round), so the trainer evaluates their mean, a
 decentralized methods. Float buffers (and, with ``average_momentum``, the inner optimizer's
 state) are averaged plainly, blocking, when fragment 0 merges.
 
+``delay=auto`` takes the smallest ``τ`` whose steps outlast the largest fragment's average on
+the link (``link``, or the emulated link's): ``⌈T_link / t_step⌉`` capped at ``H``, from the cost
+model's time for the fragment's payload and the mean step before the first launch, averaged
+over the ranks; it is resolved once, before the first launch, reported and checkpointed.
+
 Overlap is measured as DaSGD's is: per sync, launch to completion (a helper thread polls the
 reduction) against the time the merge blocked; ``hidden_fraction = 1 − blocked / comm``.
 
@@ -47,23 +53,32 @@ contiguous split and the defaults ``delay = 1``, ``alpha = 0.5`` are ours.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
 from thinwire.algorithms.methods import METHODS
+from thinwire.comm.link import EmulatedLink, Link
 from thinwire.knobs import knob, require
+from thinwire.payload import Aggregation
 
 
 @dataclass(frozen=True, kw_only=True)
 class StreamingDiLoCoConfig(DiLoCoConfig):
     fragments: int = knob(4, "contiguous groups of parameter tensors, balanced by size, synced in turn (P)",
                           "1..period, at most the model's parameter tensors")
-    delay: int = knob(1, "inner steps between a fragment's launch and its merge (tau)", "0 <= delay < period")
+    delay: int | Literal["auto"] = knob(
+        1, "inner steps between a fragment's launch and its merge (tau), up to a whole round; auto: the smallest "
+        "that hides a fragment's average on the link, from the cost model and the steps before the first launch",
+        "0..period, or auto")
     alpha: float = knob(0.5, "share of the worker's own fragment kept at a merge (0: take the global value)",
                         "[0, 1]")
+    link: str = knob("", "the link between workers that delay=auto reads, e.g. 10mbit;50us (default: the emulated "
+                     "link's, --emulate-link)", "a link, or empty")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,8 +86,12 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
         require(self.fragments <= self.period,
                 f"fragments must be <= period (one fragment's sync per step): fragments={self.fragments} > "
                 f"period={self.period}")
-        require(self.delay >= 0, f"delay must be >= 0, got {self.delay}")
-        require(self.delay < self.period, f"delay must be < period: delay={self.delay} >= period={self.period}")
+        if self.delay != "auto":
+            require(self.delay >= 0, f"delay must be >= 0, got {self.delay}")
+            require(self.delay <= self.period,
+                    f"delay must be <= period (a whole round): delay={self.delay} > period={self.period}")
+        if self.link:
+            Link.parse(self.link.replace(";", ","))  # refuses a link it cannot read, naming the grammar
         require(0.0 <= self.alpha <= 1.0, f"alpha must be in [0, 1], got {self.alpha}")
         require(self.sync == "blocking", f"streaming-diloco runs its fragments' averages behind the next steps "
                 f"through delay, not sync={self.sync}")
@@ -94,9 +113,70 @@ class StreamingDiLoCo(DiLoCo):
         require(config.fragments <= tensors,
                 f"fragments must be at most the model's {tensors} trainable parameter tensors, got {config.fragments}")
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 comm: Any = None, config: StreamingDiLoCoConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, comm, config, **kwargs)
+        self._delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
+        self.link: Link | None = None
+        if self.config.link:
+            self.link = Link.parse(self.config.link.replace(";", ","))
+        elif isinstance(self.comm, EmulatedLink):
+            self.link = self.comm.link
+        if self._delay is None and self.link is None:
+            raise ValueError("delay=auto needs a link to read: give link=RATE;LATENCY (e.g. link=10mbit;50us), or "
+                             "run over an emulated link (--emulate-link)")
+        self._first_step: float | None = None  # when the first local step ended (delay=auto's clock)
+        self.auto_figures: dict[str, float] | None = None  # what delay=auto read, once resolved
+
     @property
     def delay(self) -> int:
-        return int(self.config.delay)
+        assert self._delay is not None  # resolved before the first launch
+        return self._delay
+
+    def after_local_step(self, local: int) -> None:
+        """Resolve ``delay=auto`` before the first launch, then DiLoCo's schedule."""
+        if self._delay is None:
+            now = time.perf_counter()
+            if self._first_step is None:
+                self._first_step = now
+            if any(local % self.config.period == f.offset for f in self.fragments):
+                self._resolve_delay(local, now)
+        super().after_local_step(local)
+
+    def _resolve_delay(self, local: int, now: float) -> None:
+        """The smallest delay whose steps outlast the largest fragment's average on the link:
+        ``ceil(T_link / t_step)``, capped at a whole round. ``t_step`` is the mean of the
+        steps since the first local step's end (the first step alone when it is the only
+        one), averaged over the ranks (one small collective, not counted: every rank takes
+        the same delay); ``T_link`` is the cost model's time for the fragment's payload on
+        the link (the codec's seconds are not in it)."""
+        assert self.link is not None  # checked when built
+        start = self._first_step if local > 1 and self._first_step is not None else self._built_at
+        steps = local - 1 if local > 1 else 1
+        mine = torch.tensor([(now - start) / steps], dtype=torch.float64)
+        with self.comm.meter.paused():
+            self.comm.all_reduce(mine)
+        step_s = mine.item() / self.comm.world_size
+        numel = max(f.numel for f in self.fragments)
+        link_s = self._average_seconds(numel)
+        wanted = math.ceil(link_s / step_s) if step_s > 0 else self.config.period
+        self._delay = max(1, min(self.config.period, wanted))
+        self.auto_figures = {"delay": self._delay, "step_seconds": step_s, "fragment_link_seconds": link_s}
+        if wanted > self.config.period:
+            self.warn(f"streaming-diloco: delay=auto: a fragment's average takes {link_s:.2f} s on {self.link}, more "
+                      f"than a whole round ({self.config.period} steps of {step_s:.3f} s): delay={self._delay} hides "
+                      "what it can")
+
+    def _average_seconds(self, numel: int) -> float:
+        """The cost model's seconds for one fragment's average of ``numel`` values on the link."""
+        assert self.link is not None
+        n = self.comm.world_size
+        nbytes = self.fragments[0].codec.nbytes(torch.Size([numel]), torch.float32)
+        if self.fragments[0].codec.aggregation is Aggregation.SUM:
+            return self.link.all_reduce_time(nbytes, n)
+        if self.scatter:  # each rank's chunks to their owners, then the means' all_gather
+            return self.link.exchange_time(nbytes * (n - 1) // n, 1) + self.link.all_gather_time(nbytes // n, n)
+        return self.link.all_gather_time(nbytes, n)
 
     @property
     def alpha(self) -> float:
@@ -111,6 +191,27 @@ class StreamingDiLoCo(DiLoCo):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "hidden_fraction": self.hidden_fraction()}
+
+    def report(self) -> dict[str, Any]:
+        report = super().report()
+        report["delay"] = self._delay
+        if self.auto_figures is not None:
+            report["delay_auto"] = self.auto_figures
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "delay": self._delay}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed ``delay=auto`` run keeps the delay it chose; a fixed delay must match
+        one saved with averages in flight (their merge steps were set by it)."""
+        super().load_state_dict(state)
+        saved = state.get("delay")
+        if self.config.delay == "auto":
+            self._delay = saved if saved is not None else None
+        elif saved is not None and saved != self._delay and any(f.merge_at is not None for f in self.fragments):
+            raise ValueError(f"checkpoint was saved with delay={saved} and averages in flight; this run has "
+                             f"delay={self._delay}: resume with delay={saved}")
 
 
 def balanced_split(sizes: list[int], parts: int) -> list[tuple[int, int]]:

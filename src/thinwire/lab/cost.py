@@ -378,13 +378,16 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
 
 def _steady(spec: str) -> str:
     """``spec`` as a probe runs it: the DiLoCo family without its end-of-run sync
-    (``final_sync=false``), which is no step's cost."""
+    (``final_sync=false``), which is no step's cost; one whose rounds' averages run behind the
+    next round (``sync=eager|delayed``) needs its final sync and keeps it."""
     from thinwire.algorithms.methods import resolve_method
 
     try:
         resolved = resolve_method(spec)
     except ValueError:
         return spec  # the probe itself names what is wrong with it
+    if re.search(r"(^|[:,])sync=(eager|delayed)(,|$)", resolved):
+        return resolved
     return resolved.replace("final_sync=true", "final_sync=false")
 
 
