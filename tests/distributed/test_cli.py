@@ -130,7 +130,7 @@ BAD = [
     (["--method", "streaming-diloco:fragments=0"], "fragments must be >= 1, got 0"),
     (["--method", "streaming-diloco:period=100,fragments=99"], "fragments must be at most the model's"),
     (["--method", "streaming-diloco:alpha=2"], "alpha must be in [0, 1], got 2"),
-    (["--method", "streaming-diloco:period=5,delay=5"], "delay must be < period: delay=5 >= period=5"),
+    (["--method", "streaming-diloco:period=5,delay=6"], "delay must be <= period (a whole round): delay=6 > period=5"),
     (["--method", "streaming-diloco:outer_momentum=-0.5"], "outer_momentum must be in [0, 1), got -0.5"),
     (["--method", "demo", "--optimizer", "adamw"], "demo is an optimizer itself, so it replaces --optimizer adamw"),
     (["--method", "demo:chunk=48"], "chunk must be a power of two"),
@@ -170,6 +170,13 @@ BAD = [
      "--shard: demo cannot run between groups of sharded ranks"),
     (["--workers", "4", "--group-size", "2", "--shard", "--intra-dtype", "bf16"],
      "--intra-dtype applies to groups of replicas"),
+    (["--workers", "4", "--group-size", "2", "--method", "diloco:sync=eager"],
+     "diloco cannot average in two levels: sync=eager runs its average over a second process group"),
+    (["--workers", "4", "--group-size", "2", "--shard", "--method", "sparseloco:sync=delayed"],
+     "--shard: sparseloco cannot run between groups of sharded ranks: sync=delayed runs its average"),
+    (["--method", "streaming-diloco:delay=auto"], "delay=auto needs a link to read"),
+    (["--method", "streaming-diloco:delay=auto,link=fast"], "link must look like"),
+    (["--method", "diloco:sync=soon"], "sync must be one of blocking, eager, delayed"),
 ]
 
 

@@ -19,6 +19,9 @@ def test_these_run_elastic(spec):
 @pytest.mark.parametrize(("spec", "why"), [
     ("dpsgd", "graph of neighbours"), ("powergossip", "graph of neighbours"),
     ("dasgd", "in flight for delay steps"), ("streaming-diloco", "delay=1 keeps a fragment's average in flight"),
+    ("streaming-diloco:delay=auto,link=10mbit;1ms", "delay=auto keeps a fragment's average in flight"),
+    ("diloco:sync=eager", "sync=eager keeps a round's average in flight through the next round"),
+    ("sparseloco:sync=delayed", "sync=delayed keeps a round's average in flight"),
     ("demo", "holds the communicator"), ("ab", "fixed by rank"), ("torch-ddp", "fixed size"),
     ("torch-diloco", "torchft Manager of its own"), ("peer-demo", "fixed size")])
 def test_these_are_refused_by_name_with_the_reason(spec, why):

@@ -134,6 +134,12 @@ class Method(ABC):
         """Why the method with ``config`` cannot run elastic (default: :attr:`elastic_unsafe`)."""
         return cls.elastic_unsafe
 
+    @classmethod
+    def check_groups(cls, config: Any) -> str | None:
+        """Why the method with ``config`` cannot run over worker groups (``--group-size``, sharded
+        or not) though its class can; None (the default) when it can."""
+        return None
+
     @classmethod  # noqa: B027
     def check_model(cls, config: Any, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` when the method cannot run on ``model``. Default: any model."""

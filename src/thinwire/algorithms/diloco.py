@@ -196,6 +196,15 @@ class DiLoCo(PeriodicAveraging):
                     "quorum may change (delay=0 runs elastic)")
         return cls.elastic_unsafe
 
+    @classmethod
+    def check_groups(cls, config: Any) -> str | None:
+        """A round's average behind the next round runs over a second group of the same ranks,
+        which worker groups do not build."""
+        if getattr(config, "sync", "blocking") != "blocking":
+            return (f"sync={config.sync} runs its average over a second process group of the same ranks, which "
+                    "worker groups do not build yet (sync=blocking runs there)")
+        return None
+
     def elastic_join(self) -> None:
         """A worker joining a running job starts its round from the global model ``θ`` (the
         outer parameters it took), not from the present worker's weights within the round,

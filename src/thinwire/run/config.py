@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -256,6 +257,10 @@ class TrainConfig:
             require(why is None, f"--on-nonfinite skip cannot keep {method.split(':')[0]} clean: {why}; "
                     "use --on-nonfinite raise")
         check_world(method, facts.world)  # under torchrun the world is torchrun's, not --workers
+        if re.search(r"[:,]delay=auto(,|$)", method) and re.search(r"[:,]link=(,|$)", method):
+            # streaming-diloco's delay=auto reads its link knob, or the emulated link (DaSGD's reads no link)
+            require(self.emulate_link, "delay=auto needs a link to read: give the method link=RATE;LATENCY "
+                    "(e.g. link=10mbit;50us), or --emulate-link with a --link")
         return method, ()
 
     def _check_resume(self, facts: Facts, method: str, **settings: Any) -> None:
