@@ -33,7 +33,7 @@ class BackgroundSync:
         assert twin is not None  # every rank is a member
         twin.meter = ByteMeter(inter_share=comm.meter.inter_share)  # counted apart, absorbed on landing
         self.comm, self.twin = comm, twin
-        self.worker = Worker("thinwire-outer-sync")
+        self.worker: Worker | None = None  # started by the first launch, ended by close()
         self.launched_at = 0.0
         self.seconds = 0.0  # launch to completion, summed over the landed averages
         self.blocked = 0.0  # the training thread waiting for an average still in flight
@@ -55,6 +55,8 @@ class BackgroundSync:
             codec = work()
             return codec, time.perf_counter()
 
+        if self.worker is None:
+            self.worker = Worker("thinwire-outer-sync")
         self._future = self.worker.submit(run)
 
     def land(self) -> bool:
@@ -72,6 +74,13 @@ class BackgroundSync:
         self.windows.append((sent, codec, t0 - self.launched_at))
         self.comm.meter.absorb(sent, empty=False)
         return True
+
+    def close(self) -> None:
+        """Land what is in flight and end the thread (a later launch starts another)."""
+        self.land()
+        if self.worker is not None:
+            self.worker.join()
+            self.worker = None
 
     def hidden_seconds(self, link: Link) -> float:
         """Modeled seconds of the landed averages' codec and collectives on ``link`` that the

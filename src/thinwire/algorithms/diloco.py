@@ -530,6 +530,7 @@ class DiLoCo(PeriodicAveraging):
                          "; with final_sync=false every rank keeps its own model"))
         if self.background is not None:
             self._drain(self.fragments[0])
+            self.background.close()  # nothing in flight: its thread ends
             return None
         for f in self.fragments:
             if f.merge_at is not None:

@@ -1,0 +1,111 @@
+"""Quality with the wire overlapped: each slow-link method with its round's average behind the next round, against its own blocking form, at the lowbandwidth suite's settings.
+
+Every run is ``thinwire train`` on the ``text`` task at ``thinwire compare --suite
+lowbandwidth``'s settings (4 workers, 3,000 steps = 100 rounds of H = 30, batch 4, context 64,
+AdamW at lr 0.001, 150 warm-up steps then cosine to 0.1 x lr, 512 evaluation windows; a
+corpus read 0.26 times, so no batch repeats), one seed. Pairs, each method beside the same
+method without overlap:
+
+- ``diloco`` with ``sync=eager`` (and ``sync=delayed``, the paper's naive variant) against
+  ``sync=blocking``;
+- ``sparseloco`` (outer lr 4, the suite's) with ``sync=eager`` against blocking;
+- ``streaming-diloco`` (4 fragments) with ``delay=auto`` on a 10 Mbit/s link against
+  ``delay=0`` (no overlap) and the suite's ``delay=1``;
+- MuLoCo (``diloco`` with ``--optimizer muon``) against synchronous Muon (``identity`` with
+  ``--optimizer muon``): the same inner optimizer, so the gap is communication's alone.
+
+Targets (ours): overlapped DiLoCo and SparseLoCo within 1% of their blocking final loss,
+Streaming DiLoCo with ``delay=auto`` within 2% of it without overlap, MuLoCo within 2% of
+synchronous Muon. ``--from DIR`` reads the runs from an earlier call's folder instead of
+training (each run in ``DIR/NAME``); ``--only NAME,...`` trains some of them.
+"""  # noqa: E501  (line 1 is the --help description: kept whole)
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import Figure, Report, parser, table
+
+HERE = Path(__file__).resolve().parent
+SETTINGS = ("--task text --workers 4 --steps 3000 --batch-size 4 --eval-every 150 --lr 0.001 --lr-schedule cosine "
+            "--warmup-steps 150 --min-lr 0.1 --option context=64 --option eval_windows=512")
+RUNS = {  # name: (optimizer, method)
+    "diloco": ("adamw", "diloco:period=30,outer_lr=0.7"),
+    "diloco-eager": ("adamw", "diloco:period=30,outer_lr=0.7,sync=eager"),
+    "diloco-delayed": ("adamw", "diloco:period=30,outer_lr=0.7,sync=delayed"),
+    "sparseloco": ("adamw", "sparseloco:period=30,outer_lr=4"),
+    "sparseloco-eager": ("adamw", "sparseloco:period=30,outer_lr=4,sync=eager"),
+    "streaming-0": ("adamw", "streaming-diloco:period=30,fragments=4,delay=0,outer_lr=0.7"),
+    "streaming-1": ("adamw", "streaming-diloco:period=30,fragments=4,delay=1,outer_lr=0.7"),
+    "streaming-auto": ("adamw", "streaming-diloco:period=30,fragments=4,delay=auto,link=10mbit;1ms,outer_lr=0.7"),
+    "muloco": ("muon", "diloco:period=30,outer_lr=0.7"),
+    "muon-sync": ("muon", "identity"),
+}
+TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
+    ("diloco_eager_final_loss_vs_blocking", "diloco-eager", "diloco", 0.01),
+    ("sparseloco_eager_final_loss_vs_blocking", "sparseloco-eager", "sparseloco", 0.01),
+    ("streaming_delay_auto_final_loss_vs_no_overlap", "streaming-auto", "streaming-0", 0.02),
+    ("muloco_final_loss_vs_synchronous_muon", "muloco", "muon-sync", 0.02),
+)
+
+
+def command(name: str, out: Path) -> list[str]:
+    optimizer, method = RUNS[name]
+    return [sys.executable, "-m", "thinwire", "train", *shlex.split(SETTINGS), "--optimizer", optimizer,
+            "--method", method, "--out", str(out / name), "--quiet"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--from", dest="source", help="read the runs from this folder (one subfolder per run)")
+    p.add_argument("--out", default="runs/overlap-quality", help="where the runs go (default: %(default)s)")
+    p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
+    args = p.parse_args(argv)
+    folder = Path(args.source or args.out)
+    given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    report = Report("Quality with the wire overlapped (text, lowbandwidth settings)",
+                    f"python benchmarks/bench_overlap_quality.py {given}".strip())
+    names = args.only.split(",") if args.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        p.error(f"--only: unknown run {unknown[0]!r}; the runs are {', '.join(RUNS)}")
+    if args.source is None:
+        for name in names:
+            t0 = time.perf_counter()
+            print(f"[{name}] thinwire train ... --method {RUNS[name][1]} --optimizer {RUNS[name][0]}", flush=True)
+            done = subprocess.run(command(name, folder), cwd=HERE.parent)
+            if done.returncode != 0:
+                report.add(f"{name}: thinwire train failed ({done.returncode})")
+                return report.finish(args.json) or 1
+            print(f"[{name}] {time.perf_counter() - t0:.0f} s", flush=True)
+    summaries = {n: json.loads((folder / n / "summary.json").read_text()) for n in RUNS
+                 if (folder / n / "summary.json").exists()}
+    rows = []
+    for name, s in summaries.items():
+        r = s["method_report"]
+        extra = []
+        if r.get("delay_auto"):
+            a = r["delay_auto"]
+            extra.append(f"delay {a['delay']} (step {1e3 * a['step_seconds']:.0f} ms, fragment "
+                         f"{a['fragment_link_seconds']:.2f} s on the link)")
+        if r.get("hidden_fraction") is not None:
+            extra.append(f"hidden {r['hidden_fraction']:.2f}")
+        rows.append([name, RUNS[name][0], s["method"], f"{s['final_loss']:.4f}",
+                     f"{s['bytes_sent_per_worker'] / 1e6:.2f}", f"{s['wall_seconds']:.0f}", "; ".join(extra) or "-"])
+    report.add(f"Settings: `thinwire train {SETTINGS}` with each run's `--optimizer` and `--method`.\n\n"
+               + table(["run", "optimizer", "method", "final test loss", "MB sent / worker", "wall s", "notes"], rows))
+    for figure, run, base, bound in TARGETS:
+        if run in summaries and base in summaries:
+            a, b = summaries[run]["final_loss"], summaries[base]["final_loss"]
+            report.figures.append(Figure(figure, 100 * (a / b - 1), "<=", 100 * bound, "%",
+                                         f"{run} {a:.4f} vs {base} {b:.4f}"))
+    return report.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
