@@ -23,7 +23,7 @@
    * 4-bit pseudo-gradients: within 1% of fp32 DiLoCo; >= 7x fewer bytes;
    * Streaming DiLoCo: within 1% of DiLoCo; peak per step <= 0.3x; >= 90% hidden;
    * SparseLoCo: final loss <= 1.01x DiLoCo fp32's; >= 50x fewer bytes than DiLoCo fp32;
-   * MuLoCo (DiLoCo, Muon inside): final loss <= DiLoCo's with AdamW inside;
+   * MuLoCo (DiLoCo, Muon inside): within 2% of synchronous Muon; <= DiLoCo's with AdamW inside;
    * DeMo: within 5% of synchronous AdamW;
    * time to the target loss (synchronous AdamW's final + 3%) at 10 Mbit/s: the best
      slow-link method >= 10x shorter than synchronous AdamW.

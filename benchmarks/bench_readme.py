@@ -58,8 +58,8 @@ SUITE_ROWS = {
                                                      "fp32 ones",
     ("sparseloco", "at least 50x fewer bytes"): "SparseLoCo: bytes against DiLoCo",
     ("sparseloco", "final loss at most 1.01x"): "SparseLoCo: final loss against DiLoCo",
-    ("muloco", "final loss against synchronous AdamW at its own best lr"): "MuLoCo (Muon inside DiLoCo): final "
-                                                                           "loss against tuned synchronous AdamW",
+    ("muloco", "final loss within 2% of synchronous Muon"): "MuLoCo (Muon inside DiLoCo): final loss against "
+                                                             "synchronous Muon",
 }
 Row = tuple[str, str, str]  # figure, measured, from
 

@@ -40,7 +40,7 @@ def test_two_gloo_ranks_match_the_in_process_result_and_learn(spec):
 @pytest.mark.timeout(180)
 def test_a_round_average_behind_the_next_round_matches_the_in_process_result_over_gloo():
     """sync=eager: the average runs on a background thread over a second gloo group; the ranks
-    end with one model, the in-process one bit for bit. On this small task a round's average
+    end with one model, the in-process one bit for bit. On this small task a round's mean
     applied one round late learns more slowly than the blocking one (last 8 losses below 0.8
     of the first 8 here, 0.6 above)."""
     spec = "diloco:period=5,sync=eager,codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"
@@ -51,7 +51,7 @@ def test_a_round_average_behind_the_next_round_matches_the_in_process_result_ove
         assert sum(losses[-8:]) / 8 < 0.8 * sum(losses[:8]) / 8
     assert torch.equal(gloo[0][0], gloo[1][0])  # one model on every rank after finish()
     report = gloo[0][3]
-    assert report["sync"] == "eager" and report["outer_steps"] == 9 and report["average_seconds"] > 0
+    assert report["sync"] == "eager" and report["outer_steps"] == 8 and report["average_seconds"] > 0
 
 
 @pytest.mark.timeout(180)

@@ -75,11 +75,6 @@ def test_the_trainer_resumes_mid_period_bit_for_bit(sync, tmp_path):
         residual = a["method"]["fragments"][0]["agg"]["feedback"]["model"]
         assert torch.equal(residual, b["method"]["fragments"][0]["agg"]["feedback"]["model"])
     report = straight.method_report
-    payloads = 4 * report["payload_bytes_per_sync"]  # steps 3, 6, 9, then finish()'s on step 10
-    if sync == "blocking":
-        assert report["outer_steps"] == 4
-        assert straight.bytes_sent_per_worker == payloads
-    else:  # stepped at 3, 6, 9; finish() lands step 9's mean, syncs step 10, averages θ in fp32 (2 ranks: once)
-        numel = sum(t.numel() for t in a["model"].values() if t.is_floating_point())
-        assert report["outer_steps"] == 5
-        assert straight.bytes_sent_per_worker == payloads + 4 * numel
+    # steps 3, 6, 9, then finish()'s on step 10; eager lands each mean a round late, the last in finish()
+    assert report["outer_steps"] == 4
+    assert straight.bytes_sent_per_worker == 4 * report["payload_bytes_per_sync"]

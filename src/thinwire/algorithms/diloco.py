@@ -35,12 +35,11 @@ pseudo-gradient, and a codec's residual when it has error feedback.
 
 With ``sync=eager`` or ``sync=delayed`` a round's average runs on a background thread over a
 second group of the same ranks (:mod:`thinwire.algorithms.background_sync`), behind the next
-round's inner steps, and is applied at that round's end (Kale, Douillard and Donchev 2025,
-arXiv 2502.12996, "eager updates"): delayed steps ``θ`` with the previous round's mean ``Δ̄'``;
-eager with ``Δ̄' + (1/M)(Δ_i − Δ_i')``, this worker's fresh pseudo-gradient standing in for its
-part of the mean in flight and its part of the previous mean taken out (it was applied a
-round ago). Under eager every rank's ``θ`` holds its own preview, and ``finish()`` ends with
-an fp32 average of ``θ`` (our choice). docs/methods.md gives the details.
+round's inner steps, and steps ``θ`` at that round's end (after Kale, Douillard and Donchev
+2025, arXiv 2502.12996): delayed continues every rank from ``θ``; eager from the step ``θ``
+would take with the rank's own pseudo-gradient in place of the mean still in flight, ``θ``
+and the outer state left as they were (our form of the paper's eager updates: ``θ`` stays
+the same on every rank). docs/methods.md gives the details.
 
 The rounds are kept per *fragment* (a contiguous group of the parameter tensors, each with
 its own pseudo-gradient, codec and schedule): DiLoCo has one, the whole model, synced and
@@ -50,6 +49,7 @@ on a staggered schedule, each applied some steps after its launch.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,12 +176,10 @@ class DiLoCo(PeriodicAveraging):
         # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
         sync = getattr(self.config, "sync", "blocking")
         self.background = BackgroundSync(self.comm, f"{self.name} sync={sync}") if sync != "blocking" else None
-        # eager: this worker's own fresh pseudo-gradient stands in for its part of the mean (weight 1/M)
-        self.eager_weight = 1.0 / self.comm.world_size if sync == "eager" else 0.0
+        # eager: a worker continues from θ stepped with its own pseudo-gradient in place of the mean in flight
+        self.eager = sync == "eager"
         self._fresh: torch.Tensor | None = None  # this round's pseudo-gradient
-        self._own: torch.Tensor | None = None  # eager: the one in flight, whose 1/M part was applied already
-        if sync == "eager":
-            self.decentralized = True  # type: ignore[misc]  # the ranks' θ differ by their own previews
+        self._start: torch.Tensor | None = None  # eager: where this rank's round started (None: at θ)
 
     @classmethod
     def check_elastic(cls, config: Any) -> str | None:
@@ -386,30 +384,26 @@ class DiLoCo(PeriodicAveraging):
 
     # -- sync=eager|delayed: a round's average behind the next round ----------------------
     def _round(self, f: Fragment, local: int) -> None:
-        """End a round with its average in the background. With ``Δ_i`` this round's
-        pseudo-gradient, ``Δ̄'`` the previous round's mean (landing now) and ``Δ_i'`` this
-        rank's part in it, the outer optimizer steps ``θ`` with ``Δ̄' + w (Δ_i − Δ_i')`` (eager,
-        ``w = 1/M``: the worker's own fresh pseudo-gradient in place of its part of the mean
-        still in flight) or ``Δ̄'`` (delayed, ``w = 0``); every rank continues from its ``θ``,
+        """End a round with its average in the background. ``Δ_i`` is this round's
+        pseudo-gradient, measured from where the round started (under eager the preview it
+        continued from, under delayed ``θ``). The previous round's mean, landing now, steps
+        ``θ`` (the same on every rank); then every rank continues from ``θ`` stepped with its own
+        ``Δ_i`` in place of the mean in flight (eager, :meth:`_preview`) or from ``θ`` (delayed),
         and ``Δ_i`` is averaged behind the next round's inner steps."""
         assert self.background is not None  # sync=eager|delayed
         t0 = time.perf_counter()
-        fresh = self._fresh = self._pseudo(f, self._fresh)
+        fresh = self._fresh = self._from_start(f, self._fresh)
         delta = f.delta = _flat(f.delta, f.numel, fresh)
         t1 = time.perf_counter()
         landed = self._take_landed(f)  # waiting for it counts as blocked, not as codec work
         t2 = time.perf_counter()
-        w = self.eager_weight
-        if landed or w:
-            if not landed:
-                delta.zero_()
-            if w:
-                delta.add_(fresh, alpha=w)
-                if self._own is not None and landed:
-                    delta.sub_(self._own, alpha=w)  # its own part, applied a round ago
+        if landed:
             self._step_outer(f, delta)
             self.syncs += 1
-        self._continue(f, 0.0)
+        if self.eager:
+            self._preview(f, fresh)
+        else:
+            self._continue(f, 0.0)
         t3 = time.perf_counter()
         if f.index == 0:
             self._average_rest()
@@ -429,10 +423,35 @@ class DiLoCo(PeriodicAveraging):
             return agg.timing.codec_seconds - before
 
         self.background.launch(work)
-        if w:  # this round's pseudo-gradient is now the one in flight
-            self._own, self._fresh = fresh, self._own
         f.merged_at = local
         self._timing.codec_seconds += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+
+    def _preview(self, f: Fragment, own: torch.Tensor) -> None:
+        """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as
+        its gradient (this rank's pseudo-gradient in place of the mean still in flight), and
+        leave ``θ`` and the outer optimizer's state as they were."""
+        thetas = self.outer_params[f.lo : f.hi]
+        kept = [t.detach().clone() for t in thetas]
+        state = copy.deepcopy(self.outer.state_dict())
+        self._step_outer(f, own)
+        self._continue(f, 0.0)
+        start = self._start = _flat(self._start, f.numel, own)
+        torch.cat([t.detach().reshape(-1) for t in thetas], out=start)  # where the next round starts
+        with torch.no_grad():
+            for theta, saved in zip(thetas, kept):
+                theta.copy_(saved)
+        self.outer.load_state_dict(state)
+
+    def _from_start(self, f: Fragment, out: torch.Tensor | None) -> torch.Tensor:
+        """This rank's progress since its round started, as a pseudo-gradient: ``θ − θ_i``
+        (delayed: the round started at ``θ``), or ``start − θ_i`` with ``start`` the preview
+        it continued from (eager; kept in ``self._start``)."""
+        if self._start is None:
+            return self._pseudo(f, out)
+        params = self.state.local_params()[f.lo : f.hi]
+        out = _flat(out, f.numel, params[0])
+        torch.sub(self._start, torch.cat([p.reshape(-1) for p in params]), out=out)
+        return out
 
     def _take_landed(self, f: Fragment) -> bool:
         """Land the average in flight into ``f.delta``; whether a mean is there to apply (just
@@ -443,23 +462,20 @@ class DiLoCo(PeriodicAveraging):
         return landed
 
     def _drain(self, f: Fragment) -> None:
-        """Land the average in flight and apply what of it is not applied yet, sync the steps
-        since the round's start (blocking, through the same codec) and continue every rank
-        from ``θ``; under eager, whose ranks' ``θ`` differ by their previews, from the fp32
-        mean of the ranks' ``θ`` (one uncompressed average: our choice, the paper does not say
-        how a run ends)."""
+        """Land the average in flight and step ``θ`` with it, sync the steps since the round's
+        start (blocking, through the same codec), step ``θ`` again, and continue every rank from
+        ``θ``: one model on every rank, every round's progress applied once."""
         local = self.step - self.config.warmup
         partial = local > 0 and f.merged_at != local
-        fresh = self._fresh = self._pseudo(f, self._fresh) if partial else self._fresh
+        fresh = None
+        if partial:
+            fresh = self._fresh = self._from_start(f, self._fresh)
         delta = f.delta = _flat(f.delta, f.numel, self.outer_params[f.lo])
         if self._take_landed(f):
-            if self.eager_weight and self._own is not None:
-                delta.sub_(self._own, alpha=self.eager_weight)
             self._step_outer(f, delta)
             self.syncs += 1
-        self._own = None
-        if partial:
-            assert fresh is not None  # computed above
+        self._start = None
+        if fresh is not None:
             delta.copy_(fresh)
             self._before_encode(f)
             if f.agg is None:
@@ -471,14 +487,6 @@ class DiLoCo(PeriodicAveraging):
             self.comm.meter.absorb(self.background.twin.meter)
             self._step_outer(f, delta)
             self.syncs += 1
-        if self.eager_weight:
-            flat = torch.cat([t.detach().reshape(-1) for t in self.outer_params])
-            self.averager(flat).start({"model": flat}).wait()
-            off = 0
-            with torch.no_grad():
-                for theta in self.outer_params:
-                    theta.copy_(flat[off : off + theta.numel()].view(theta.shape))
-                    off += theta.numel()
         self._continue(f, 0.0)
         if f.index == 0:
             self._average_rest()
@@ -605,8 +613,9 @@ class DiLoCo(PeriodicAveraging):
     @property
     def _copies(self) -> int:
         """Flat model-sized buffers beyond θ and the pseudo-gradient: a background sync keeps
-        this round's pseudo-gradient apart from the mean in flight, eager also the one it sent."""
-        return 0 if self.background is None else 2 if self.eager_weight else 1
+        this round's pseudo-gradient apart from the mean in flight, eager also where the round
+        started."""
+        return 0 if self.background is None else 2 if self.eager else 1
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -622,7 +631,7 @@ class DiLoCo(PeriodicAveraging):
                 "outer_params": [t.detach().clone() for t in self.outer_params],
                 "outer": self.outer.state_dict(), "fragments": fragments,
                 "outer_sync": getattr(self.config, "sync", "blocking"),
-                "own": None if self._own is None else self._own.detach().clone()}
+                "start": None if self._start is None else self._start.detach().clone()}
 
     def settle(self) -> None:
         """Wait for every average still in flight and keep its mean, to be applied when it is
@@ -668,8 +677,8 @@ class DiLoCo(PeriodicAveraging):
             if saved["agg"] is not None:
                 f.agg = f.agg or self.averager(f.delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
                 f.agg.load_state_dict(saved["agg"])
-        own = state.get("own") if self.eager_weight else None
-        self._own = None if own is None else own.to(self.outer_params[0].device).clone()
+        start = state.get("start") if self.eager else None
+        self._start = None if start is None else start.to(self.outer_params[0].device).clone()
 
 
 def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
