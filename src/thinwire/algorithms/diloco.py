@@ -37,9 +37,9 @@ With ``sync=eager`` or ``sync=delayed`` a round's average runs on a background t
 second group of the same ranks (:mod:`thinwire.algorithms.background_sync`), behind the next
 round's inner steps, and steps ``θ`` at that round's end (after Kale, Douillard and Donchev
 2025, arXiv 2502.12996): delayed continues every rank from ``θ``; eager from the step ``θ``
-would take with an estimate of the mean still in flight (the rank's own pseudo-gradient at
-``1/M``, the last mean at ``(M − 1)/M`` for the others'), ``θ`` and the outer state left as
-they were, so ``θ`` stays the same on every rank. docs/methods.md gives the details.
+would take with the rank's own pseudo-gradient in place of the mean still in flight, ``θ``
+and the outer state left as they were, so ``θ`` stays the same on every rank (our form of
+the paper's eager updates). docs/methods.md gives the details.
 
 The rounds are kept per *fragment* (a contiguous group of the parameter tensors, each with
 its own pseudo-gradient, codec and schedule): DiLoCo has one, the whole model, synced and
@@ -176,7 +176,7 @@ class DiLoCo(PeriodicAveraging):
         # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
         sync = getattr(self.config, "sync", "blocking")
         self.background = BackgroundSync(self.comm, f"{self.name} sync={sync}") if sync != "blocking" else None
-        # eager: a worker continues from θ stepped with an estimate of the mean in flight
+        # eager: a worker continues from θ stepped with its own pseudo-gradient in place of the mean in flight
         self.eager = sync == "eager"
         self._fresh: torch.Tensor | None = None  # this round's pseudo-gradient
         self._start: torch.Tensor | None = None  # eager: where this rank's round started (None: at θ)
@@ -387,10 +387,9 @@ class DiLoCo(PeriodicAveraging):
         """End a round with its average in the background. ``Δ_i`` is this round's
         pseudo-gradient, measured from where the round started (under eager the preview it
         continued from, under delayed ``θ``). The previous round's mean, landing now, steps
-        ``θ`` (the same on every rank); then every rank continues from ``θ`` stepped with an
-        estimate of the mean in flight, ``Δ_i / M + (M − 1)/M · Δ̄'`` (eager, :meth:`_preview`;
-        ``Δ_i`` alone after the first round), or from ``θ`` (delayed), and ``Δ_i`` is averaged
-        behind the next round's inner steps."""
+        ``θ`` (the same on every rank); then every rank continues from ``θ`` stepped with its own
+        ``Δ_i`` in place of the mean in flight (eager, :meth:`_preview`) or from ``θ`` (delayed),
+        and ``Δ_i`` is averaged behind the next round's inner steps."""
         assert self.background is not None  # sync=eager|delayed
         t0 = time.perf_counter()
         fresh = self._fresh = self._from_start(f, self._fresh)
@@ -401,13 +400,8 @@ class DiLoCo(PeriodicAveraging):
         if landed:
             self._step_outer(f, delta)
             self.syncs += 1
-        if self.eager:  # the estimate of the mean in flight: this rank's share, the others' as they were last
-            n = self.comm.world_size
-            if landed:
-                delta.mul_((n - 1) / n).add_(fresh, alpha=1 / n)
-            else:
-                delta.copy_(fresh)
-            self._preview(f, delta)
+        if self.eager:  # this rank's pseudo-gradient in place of the mean in flight
+            self._preview(f, fresh)
         else:
             self._continue(f, 0.0)
         t3 = time.perf_counter()
@@ -434,8 +428,8 @@ class DiLoCo(PeriodicAveraging):
 
     def _preview(self, f: Fragment, own: torch.Tensor) -> None:
         """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as
-        its gradient (this rank's estimate of the mean still in flight), and leave ``θ`` and
-        the outer optimizer's state as they were."""
+        its gradient (this rank's pseudo-gradient in place of the mean still in flight), and
+        leave ``θ`` and the outer optimizer's state as they were."""
         thetas = self.outer_params[f.lo : f.hi]
         kept = [t.detach().clone() for t in thetas]
         state = copy.deepcopy(self.outer.state_dict())
