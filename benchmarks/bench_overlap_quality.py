@@ -6,7 +6,8 @@ AdamW at lr 0.001, 150 warm-up steps then cosine to 0.1 x lr, 512 evaluation win
 corpus read 0.26 times, so no batch repeats), one seed. Pairs, each method beside the same
 method without overlap:
 
-- ``diloco`` with ``sync=eager`` (and ``sync=delayed``, the paper's naive variant) against
+- ``diloco`` with ``sync=eager`` (and ``sync=delayed``, the paper's naive variant; and eager at
+  outer lr 0.4 and 0.2, smaller steps for a round-old mean) against
   ``sync=blocking``;
 - ``sparseloco`` (outer lr 4, the suite's) with ``sync=eager`` against blocking;
 - ``streaming-diloco`` (4 fragments) with ``delay=auto`` on a 10 Mbit/s link against
@@ -38,6 +39,8 @@ RUNS = {  # name: (optimizer, method)
     "diloco": ("adamw", "diloco:period=30,outer_lr=0.7"),
     "diloco-eager": ("adamw", "diloco:period=30,outer_lr=0.7,sync=eager"),
     "diloco-delayed": ("adamw", "diloco:period=30,outer_lr=0.7,sync=delayed"),
+    "diloco-eager-lr0.4": ("adamw", "diloco:period=30,outer_lr=0.4,sync=eager"),  # smaller outer steps
+    "diloco-eager-lr0.2": ("adamw", "diloco:period=30,outer_lr=0.2,sync=eager"),
     "sparseloco": ("adamw", "sparseloco:period=30,outer_lr=4"),
     "sparseloco-eager": ("adamw", "sparseloco:period=30,outer_lr=4,sync=eager"),
     "streaming-0": ("adamw", "streaming-diloco:period=30,fragments=4,delay=0,outer_lr=0.7"),

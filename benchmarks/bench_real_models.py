@@ -23,7 +23,11 @@ timed blocks (on the GPT, both PowerSGD hook arms use one DDP bucket: see ``PSGD
 - ``at-SPEC``: ``thinwire.attach(model, opt, SPEC)`` on the plain model: any method, e.g. the
   slow-link family. ``--arms slow`` runs the compute floor and DiLoCo, streaming DiLoCo and
   SparseLoCo at H = 30 (``--steps 30``: each block is one whole period, so the mean step
-  counts its sync), by default at 10 Mbit/s.
+  counts its sync), by default at 10 Mbit/s. ``--arms overlap`` runs, beside the floor, each
+  slow-link method with its averages behind later steps (SparseLoCo and 4-bit DiLoCo with
+  ``sync=eager``, 4-bit Streaming DiLoCo with ``delay=auto``) and its own form without
+  overlap; such an arm is timed over whole rounds with one average behind each (an untimed
+  round first), and what is still in flight is landed, untimed, before another arm runs.
 
 Per arm: median step time, its ratio to ``compute`` and to the PyTorch peer (medians of
 per-block ratios), MB each rank sends per step (thinwire's meter for thinwire's arms; for
@@ -84,18 +88,20 @@ SLOW_H = 30
 SLOW_ARMS = ("compute", f"at-diloco:period={SLOW_H}", f"at-streaming-diloco:period={SLOW_H}",
              f"at-sparseloco:period={SLOW_H}")
 SLOW_TARGET = 1.05  # the best slow-link method's mean step over whole periods / the compute-only step
+LATENCY = "50us"  # the veth's own latency, roughly: tbf shapes the rate only
 FOUR_BIT = "codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"
 # --arms overlap: each method with its round's average behind the next round, beside its own blocking form
 OVERLAP = {  # overlapped arm: (its blocking baseline, target / compute)
     f"at-sparseloco:period={SLOW_H},sync=eager": (f"at-sparseloco:period={SLOW_H}", 1.02),
     f"at-diloco:period={SLOW_H},{FOUR_BIT},sync=eager": (f"at-diloco:period={SLOW_H},{FOUR_BIT}", 1.05),
+    f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT},delay=auto,link=10mbit;{LATENCY}":
+        (f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT},delay=0", 1.10),
 }
 PEERS.update({arm: baseline for arm, (baseline, _) in OVERLAP.items()})
 OVERLAP_ARMS = ("compute", *(a for pair in OVERLAP.items() for a in (pair[1][0], pair[0])))
 GRADIENT_CODECS = ("tw-bf16", "tw-powersgd:rank=1", "tw-powersgd:rank=4", "tw-topk:ratio=0.01", "tw-fft", "tw-hylo",
                    "sr-bf16", "sr-powersgd:rank=1", "sr-topk:ratio=0.01", "sr-fft")
 MODEL_ERROR = 0.20  # thinwire cost's prediction within 20% of the measured step time
-LATENCY = "50us"  # the veth's own latency, roughly: tbf shapes the rate only
 DASGD = "dasgd:warmup=2,period=4,delay=2"
 # PyTorch's powerSGD_hook chains its rounds with Future.then, whose callbacks gloo runs on its
 # own threads: with several buckets, one bucket's Q all_reduce and the next one's P all_reduce
@@ -275,7 +281,9 @@ def split_arms(text: str) -> list[str]:
 def _behind(method) -> bool:
     """Whether ``method`` keeps averages in flight across steps: a round's behind the next
     round (``sync=eager|delayed``), or streaming DiLoCo's fragments behind ``delay`` steps."""
-    return getattr(method, "background", None) is not None or getattr(method, "delay", 0) > 0
+    if not hasattr(method, "settle"):  # the DiLoCo family's; DaSGD's delay is timed as before
+        return False
+    return method.background is not None or getattr(method.config, "delay", 0) != 0
 
 
 def _hook_bytes(step, n: int, counter: int) -> float:
