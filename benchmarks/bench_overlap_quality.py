@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
     args = p.parse_args(argv)
     folder = Path(args.source or args.out)
-    given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    given_args = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in given_args:  # where run_all collects the report: not part of the command
+        i = given_args.index("--json")
+        del given_args[i : i + 2]
+    given = " ".join(given_args)
     report = Report("Quality with the wire overlapped (text, lowbandwidth settings)",
                     f"python benchmarks/bench_overlap_quality.py {given}".strip())
     names = args.only.split(",") if args.only else list(RUNS)
