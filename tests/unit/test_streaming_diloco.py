@@ -318,3 +318,12 @@ def test_a_fixed_delay_other_than_the_one_saved_with_averages_in_flight_is_refus
         return True
 
     assert all(LocalWorld(2).run(fn))
+
+
+def test_delay_auto_resumed_before_its_first_launch_still_times_a_step():
+    """Resumed after step 1, the first launch comes at the next step: the clock of the new
+    object has seen no whole step, so it times the one since it was built (not zero, which
+    would ask for a whole round)."""
+    fast = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay="auto", link="100gbit;1us")  # noqa: E731
+    out = LocalWorld(2).run(lambda comm: _train(comm, fast, 6, cut=1)[1].report()["delay_auto"])
+    assert all(r["delay"] == 1 and r["step_seconds"] > 0 for r in out)

@@ -125,7 +125,7 @@ class StreamingDiLoCo(DiLoCo):
         if self._delay is None and self.link is None:
             raise ValueError("delay=auto needs a link to read: give link=RATE;LATENCY (e.g. link=10mbit;50us), or "
                              "run over an emulated link (--emulate-link)")
-        self._first_step: float | None = None  # when the first local step ended (delay=auto's clock)
+        self._first_step: tuple[float, int] | None = None  # delay=auto's clock: (when, local step) of the first seen
         self.auto_figures: dict[str, float] | None = None  # what delay=auto read, once resolved
 
     @property
@@ -138,7 +138,7 @@ class StreamingDiLoCo(DiLoCo):
         if self._delay is None:
             now = time.perf_counter()
             if self._first_step is None:
-                self._first_step = now
+                self._first_step = (now, local)
             if any(local % self.config.period == f.offset for f in self.fragments):
                 self._resolve_delay(local, now)
         super().after_local_step(local)
@@ -146,14 +146,15 @@ class StreamingDiLoCo(DiLoCo):
     def _resolve_delay(self, local: int, now: float) -> None:
         """The smallest delay whose steps outlast the largest fragment's average on the link:
         ``ceil(T_link / t_step)``, capped at a whole round. ``t_step`` is the mean of the
-        steps since the first local step's end (the first step alone when it is the only
-        one), averaged over the ranks (one small collective, not counted: every rank takes
-        the same delay); ``T_link`` is the cost model's time for the fragment's payload on
-        the link (the codec's seconds are not in it)."""
+        steps since the first local step this object saw end (with none between, the time
+        since it was built, as one step), averaged over the ranks (one small collective, not
+        counted: every rank takes the same delay); ``T_link`` is the cost model's time for the
+        fragment's payload on the link (the codec's seconds are not in it)."""
         assert self.link is not None  # checked when built
-        start = self._first_step if local > 1 and self._first_step is not None else self._built_at
-        steps = local - 1 if local > 1 else 1
-        mine = torch.tensor([(now - start) / steps], dtype=torch.float64)
+        start, seen = self._first_step if self._first_step is not None else (self._built_at, local)
+        steps = local - seen
+        start, steps = (start, steps) if steps >= 1 else (self._built_at, 1)
+        mine = torch.tensor([(now - start) / steps], dtype=torch.float64, device=self.outer_params[0].device)
         with self.comm.meter.paused():
             self.comm.all_reduce(mine)
         step_s = mine.item() / self.comm.world_size
