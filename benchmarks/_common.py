@@ -86,6 +86,18 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def given_command(argv: Sequence[str] | None) -> str:
+    """The arguments a benchmark was given, as a user would type them: ``--json PATH`` (where
+    run_all collects the report) left out."""
+    import sys
+
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in args:
+        i = args.index("--json")
+        del args[i : i + 2]
+    return " ".join(args)
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import Figure, Report, parser, table
+from _common import Figure, Report, given_command, parser, table
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = ("--task text --workers 4 --steps 3000 --batch-size 4 --eval-every 150 --lr 0.001 --lr-schedule cosine "
@@ -70,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
     args = p.parse_args(argv)
     folder = Path(args.source or args.out)
-    given_args = list(argv if argv is not None else sys.argv[1:])
-    if "--json" in given_args:  # where run_all collects the report: not part of the command
-        i = given_args.index("--json")
-        del given_args[i : i + 2]
-    given = " ".join(given_args)
+    given = given_command(argv)
     report = Report("Quality with the wire overlapped (text, lowbandwidth settings)",
                     f"python benchmarks/bench_overlap_quality.py {given}".strip())
     names = args.only.split(",") if args.only else list(RUNS)

@@ -59,7 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import Figure, Report, alternate_blocks, load_note, median, paired_ratio, parser, table
+from _common import Figure, Report, alternate_blocks, given_command, load_note, median, paired_ratio, parser, table
 
 HERE = Path(__file__).resolve().parent
 RATES_MBIT = (1000, 100)
@@ -358,11 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_real_models: skipped: {why}")
         return 0
     models = ["resnet18", "gpt-small"] if args.model == "all" else [args.model]
-    given_args = list(argv if argv is not None else sys.argv[1:])
-    if "--json" in given_args:  # where run_all collects the report: not part of the command
-        i = given_args.index("--json")
-        del given_args[i : i + 2]
-    given = " ".join(given_args)
+    given = given_command(argv)
     report = Report("Real models over a shaped link: thinwire against DDP and PyTorch's hooks",
                     f"python benchmarks/bench_real_models.py {given}".strip())
     failed = False

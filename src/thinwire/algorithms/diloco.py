@@ -408,14 +408,7 @@ class DiLoCo(PeriodicAveraging):
         if f.index == 0:
             self._average_rest()
         t4 = time.perf_counter()
-        # the launch: the codec's state is idle now (nothing in flight)
-        delta.copy_(fresh)
-        self._before_encode(f)
-        if f.agg is None:
-            f.agg = self.averager(delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
-        f.agg.step = f.syncs
-        f.syncs += 1
-        agg = f.agg
+        agg = self._ready(f, fresh)  # the codec's state is idle now (nothing in flight)
 
         def work() -> float:
             before = agg.timing.codec_seconds
@@ -425,6 +418,18 @@ class DiLoCo(PeriodicAveraging):
         self.background.launch(work)
         f.merged_at = local
         self._timing.codec_seconds += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+
+    def _ready(self, f: Fragment, pseudo: torch.Tensor) -> Aggregator | ScatterMean:
+        """Put ``pseudo`` in ``f.delta`` to be averaged over the background's group, with the
+        codec's state made ready (``_before_encode``) and its step set: the aggregator to start."""
+        assert f.delta is not None  # allocated by the caller
+        f.delta.copy_(pseudo)
+        self._before_encode(f)
+        if f.agg is None:
+            f.agg = self.averager(f.delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
+        f.agg.step = f.syncs
+        f.syncs += 1
+        return f.agg
 
     def _preview(self, f: Fragment, own: torch.Tensor) -> None:
         """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as
@@ -476,13 +481,7 @@ class DiLoCo(PeriodicAveraging):
             self.syncs += 1
         self._start = None
         if fresh is not None:
-            delta.copy_(fresh)
-            self._before_encode(f)
-            if f.agg is None:
-                f.agg = self.averager(delta, f.codec, scatter=self.scatter, comm=self._sync_comm)
-            f.agg.step = f.syncs
-            f.syncs += 1
-            f.agg.start({"model": delta}).wait()  # nothing is in flight: this thread may use the twin
+            self._ready(f, fresh).start({"model": delta}).wait()  # nothing in flight: this thread may use the twin
             assert self.background is not None
             self.comm.meter.absorb(self.background.twin.meter)
             self._step_outer(f, delta)
