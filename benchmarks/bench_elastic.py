@@ -21,7 +21,8 @@ LAST_EVALS evaluations) against the reference's, whether every
 worker that finished holds the same model bit for bit, bytes sent by all processes. Then the
 steady-state cost: the same method without ``--elastic`` (thinwire's own launcher, gloo over
 loopback) against the reference job, step time of the training steps alone, alternated
-COST_PAIRS times.
+COST_PAIRS times (``--cost-only``: that alone). Targets: at most 1.03x for ``topk``, 1.05x for
+the others.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ METHODS = {"mnist1d": ("powersgd", "diloco:period=20", "topk:ratio=0.01"), "text
 TARGET_LOSS_PCT = 2.0
 TARGET_ABSENT_S = 5.0
 TARGET_REJOIN_S = 10.0
-TARGET_COST = 1.05
+TARGET_COST = {"topk": 1.03}  # elastic step time / plain, per method name; the others 1.05
+TARGET_COST_DEFAULT = 1.05
 
 
 @dataclass
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", help="comma-separated method specs (default: each task's)")
     p.add_argument("--timeout", type=float, default=4.0, help="--elastic-timeout and the heartbeat timeout (s)")
     p.add_argument("--no-cost", action="store_true", help="skip the steady-state cost comparison")
+    p.add_argument("--cost-only", action="store_true", help="only the steady-state cost comparison (no faults)")
     args = p.parse_args(argv)
     command = "python benchmarks/bench_elastic.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if not a.endswith(".json") and a != "--json")
@@ -268,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
             for method in methods:
                 name = method.split(":")[0]
                 res = {}
-                for scenario in ("reference", "reference, seed 1", "kill-restart", "stop", "two-killed"):
+                scenarios = () if args.cost_only else ("reference", "reference, seed 1", "kill-restart", "stop",
+                                                       "two-killed")
+                for scenario in scenarios:
                     r = res[scenario] = run_job(task, method, scenario, root, args.timeout, args.quick)
                     print(f"[{task} {method} {scenario}] {json.dumps(r)}", flush=True)
-                ref = res["reference"]["loss"]
-                seed_gap = 100 * abs(res["reference, seed 1"]["loss"] - ref) / ref
+                ref = res["reference"]["loss"] if res else None
+                seed_gap = 100 * abs(res["reference, seed 1"]["loss"] - ref) / ref if res else float("nan")
                 for scenario, r in res.items():
                     gap = 100 * (r["loss"] - ref) / ref if r["loss"] is not None and ref else float("nan")
                     rows.append([task, name, scenario, r["faults"], f"{r['finished']}/{r['processes']}",
@@ -305,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                         cost_rows.append([task, name, f"{1e3 * plain:.2f}", f"{1e3 * elastic:.2f}",
                                           f"{elastic / plain:.3f}"])
                     report.figures.append(Figure(f"elastic step time / plain step time [{task} {name}]",
-                                                 statistics.median(ratios), "<=", TARGET_COST, "x",
+                                                 statistics.median(ratios), "<=",
+                                                 TARGET_COST.get(name, TARGET_COST_DEFAULT), "x",
                                                  f"median of {len(ratios)} pairs"))
-    report.add(table(["task", "method", "scenario", "faults", "finished/processes", "bit-identical", "discarded",
+    if rows:
+        report.add(table(["task", "method", "scenario", "faults", "finished/processes", "bit-identical", "discarded",
                       "fault -> quorum without it (s)", "restart -> in the quorum (s)", "SIGCONT -> up to date (s)",
-                      "final test loss", "vs reference", "MB sent (all)", "job seconds"], rows))
+                          "final test loss", "vs reference", "MB sent (all)", "job seconds"], rows))
     if cost_rows:
         report.add(table(["task", "method", "plain ms/step", "elastic ms/step", "ratio"], cost_rows))
     report.seconds = time.perf_counter() - t0

@@ -49,6 +49,18 @@ RUNS = {  # name: (optimizer, method)
     "muloco": ("muon", "diloco:period=30,outer_lr=0.7"),
     "muon-sync": ("muon", "identity"),
 }
+# --tune: the outer step for a round-old mean, chosen on the validation windows (eval_split=valid,
+# the held-out windows after the test's), never on the test's; blocking at the paper's setting beside it
+TUNE = {
+    "blocking-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9"),
+    "eager-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9,sync=eager"),
+    "eager-lr0.5-m0.9": ("adamw", "diloco:period=30,outer_lr=0.5,outer_momentum=0.9,sync=eager"),
+    "eager-lr0.3-m0.9": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.9,sync=eager"),
+    "eager-lr0.8-m0.8": ("adamw", "diloco:period=30,outer_lr=0.8,outer_momentum=0.8,sync=eager"),
+    "eager-lr0.6-m0.8": ("adamw", "diloco:period=30,outer_lr=0.6,outer_momentum=0.8,sync=eager"),
+    "eager-lr1.0-m0.7": ("adamw", "diloco:period=30,outer_lr=1.0,outer_momentum=0.7,sync=eager"),
+    "eager-lr0.7-m0.7": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.7,sync=eager"),
+}
 TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
     ("diloco_eager_final_loss_vs_blocking", "diloco-eager", "diloco", 0.01),
     ("sparseloco_eager_final_loss_vs_blocking", "sparseloco-eager", "sparseloco", 0.01),
@@ -57,10 +69,33 @@ TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
 )
 
 
-def command(name: str, out: Path) -> list[str]:
-    optimizer, method = RUNS[name]
-    return [sys.executable, "-m", "thinwire", "train", *shlex.split(SETTINGS), "--optimizer", optimizer,
+def command(name: str, out: Path, runs: dict[str, tuple[str, str]] = RUNS, extra: tuple[str, ...] = ()) -> list[str]:
+    optimizer, method = runs[name]
+    return [sys.executable, "-m", "thinwire", "train", *shlex.split(SETTINGS), *extra, "--optimizer", optimizer,
             "--method", method, "--out", str(out / name), "--quiet"]
+
+
+def tune(folder: Path, source: bool, report: Report, json_path: str | None) -> int:
+    """Train (or, with ``source``, read) the :data:`TUNE` grid on the validation windows and
+    report its final losses, best first."""
+    for name in TUNE:
+        if source or (folder / name / "summary.json").exists():
+            continue
+        t0 = time.perf_counter()
+        print(f"[{name}] thinwire train ... --method {TUNE[name][1]} (validation windows)", flush=True)
+        done = subprocess.run(command(name, folder, TUNE, ("--option", "eval_split=valid")), cwd=HERE.parent)
+        if done.returncode != 0:
+            report.add(f"{name}: thinwire train failed ({done.returncode})")
+            return report.finish(json_path) or 1
+        print(f"[{name}] {time.perf_counter() - t0:.0f} s", flush=True)
+    found = {n: json.loads((folder / n / "summary.json").read_text()) for n in TUNE
+             if (folder / n / "summary.json").exists()}
+    best_first = sorted(found.items(), key=lambda i: i[1]["final_loss"])
+    rows = [[n, TUNE[n][1], f"{s['final_loss']:.4f}"] for n, s in best_first]
+    report.add(f"Settings: `thinwire train {SETTINGS} --option eval_split=valid` with each run's `--method` "
+               "(validation windows: the held-out windows after the test's).\n\n"
+               + table(["run", "method", "final validation loss"], rows))
+    return report.finish(json_path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="source", help="read the runs from this folder (one subfolder per run)")
     p.add_argument("--out", default="runs/overlap-quality", help="where the runs go (default: %(default)s)")
     p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
+    p.add_argument("--tune", action="store_true",
+                   help="train the outer-step grid for sync=eager on the validation windows instead (default "
+                        "folder: runs/overlap-quality-tune; runs already there are kept)")
     args = p.parse_args(argv)
-    folder = Path(args.source or args.out)
+    folder = Path(args.source or (args.out if not args.tune or "--out" in (argv or sys.argv)
+                                  else "runs/overlap-quality-tune"))
     given = given_command(argv)
-    report = Report("Quality with the wire overlapped (text, lowbandwidth settings)",
+    report = Report("Quality with the wire overlapped (text, lowbandwidth settings)"
+                    + (": the outer step for sync=eager, on the validation windows" if args.tune else ""),
                     f"python benchmarks/bench_overlap_quality.py {given}".strip())
+    if args.tune:
+        return tune(folder, args.source is not None, report, args.json)
     names = args.only.split(",") if args.only else list(RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:

@@ -53,7 +53,8 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     before its vote), ``leave_after`` (close after committing that step), ``min_workers``,
     ``wait_s``, ``check_join`` (on a heal, report whether the model is the method's global one),
     ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step),
-    ``mark`` (a file created once this worker has committed a step: it is training)."""
+    ``mark`` (a file created once this worker has committed a step: it is training), ``late``
+    (``(step, seconds)``: sleep that long before beginning that step, 1-based)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
@@ -74,6 +75,8 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     out: dict[str, Any] = {"replica": replica, "joins": []}
     try:
         while w.step < steps:
+            if plan.get("late") and plan["late"][0] == w.step + 1:
+                time.sleep(plan["late"][1])
             done = w.begin()
             if w.tally.changes and w.tally.changes[-1].healed and plan.get("check_join") and not out["joins"]:
                 theta = getattr(w.method, "outer_params", None)
@@ -99,7 +102,7 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
                optimizer=digest(opt.state_dict()["state"]),
                shared=digest(shared_state(w.method)), changes=[c.record() for c in w.tally.changes],
                discarded=w.tally.discarded, committed=w.tally.committed, heals=w.tally.heals,
-               present=w.tally.present)
+               present=w.tally.present, votes=int(w.manager.current_step()))
     w.close()
     q.put(out)
 
@@ -123,10 +126,10 @@ class Job:
     """A Lighthouse here and workers started as local ranks are (thinwire.run.spawn.rank_context);
     :meth:`results` by replica."""
 
-    def __init__(self, min_workers: int = 2) -> None:
+    def __init__(self, min_workers: int = 2, join_timeout_s: float = HEARTBEAT_S) -> None:
         from thinwire.elastic import serve
 
-        self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=HEARTBEAT_S)
+        self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=join_timeout_s)
         from thinwire.run.spawn import rank_context
 
         self.ctx = rank_context()

@@ -128,7 +128,8 @@ def _elastic_options(p: argparse.ArgumentParser) -> None:
 def _lighthouse_parser(sub: Any) -> None:
     h = sub.add_parser("lighthouse", help="run torchft's Lighthouse for an elastic job over several machines, until "
                        "stopped (Ctrl-C)",
-                       description="Run torchft's Lighthouse: it forms the quorum of an elastic job at every step. "
+                       description="Run torchft's Lighthouse: it forms the quorum of an elastic job at every step that "
+                       "communicates. "
                        "Workers join with `thinwire train --elastic --lighthouse HOST:PORT --replica K`. Any process "
                        "that reaches it can join the job: see docs/security.md.")
     h.add_argument("--min-workers", type=int, required=True, metavar="N", help="form no quorum of fewer workers")
@@ -138,6 +139,10 @@ def _lighthouse_parser(sub: Any) -> None:
     h.add_argument("--heartbeat-timeout", type=float, default=4.0, metavar="S",
                    help="a worker silent this long is left out of the next quorum (default: 4; give the workers' "
                    "--elastic-timeout the same)")
+    h.add_argument("--join-timeout", type=float, default=60.0, metavar="S",
+                   help="how long a quorum that could form waits for a worker that is alive (its heartbeat heard) "
+                   "but has not asked yet: a DiLoCo-family worker asks only at its averages, so the workers may be "
+                   "up to a round apart (default: 60; give the workers' --elastic-wait the same)")
 
 
 def _methods_parser(sub: Any) -> None:
@@ -292,7 +297,8 @@ def _lighthouse(args: argparse.Namespace) -> int:
     from thinwire.elastic.lighthouse import serve
 
     try:
-        lighthouse = serve(args.min_workers, args.bind, heartbeat_timeout_s=args.heartbeat_timeout)
+        lighthouse = serve(args.min_workers, args.bind, heartbeat_timeout_s=args.heartbeat_timeout,
+                           join_timeout_s=args.join_timeout)
     except ValueError as e:
         raise BadInput(str(e)) from None
     stop = threading.Event()

@@ -74,6 +74,28 @@ def test_diloco_a_joiner_starts_from_the_global_model_and_every_worker_ends_on_i
     assert res[0]["shared"] == res[1]["shared"] == res[2]["shared"]
 
 
+def test_diloco_asks_for_a_quorum_only_at_its_averages_and_waits_for_a_live_worker_a_round_behind():
+    # period 8, 24 steps: the workers vote at their first step and at the three averages only,
+    # training alone in between. Worker 2 reaches the second average 5 s after the others (five
+    # heartbeat timeouts, and more than the 4 s a quorum used to wait for a straggler). Alive,
+    # it is waited for, not dropped: no step discarded, three workers at every step, one model.
+    # (With a 1 s join timeout the other two average without it at step 16 and it is left behind.)
+    job = Job(join_timeout_s=30.0)
+    try:
+        for r in range(3):
+            job.start(r, "diloco:period=8", 24, start_workers=3, **({"late": (16, 5.0)} if r == 2 else {}))
+        res = job.results(3)
+    finally:
+        job.close()
+    for r in res.values():
+        assert r["step"] == 24 and r["committed"] == 24
+        assert r["votes"] == 4  # torchft's counter: steps 1, 8, 16 and 24 voted, the others trained alone
+        assert r["discarded"] == 0 and r["present"] == [[1, 24, 3]]
+        assert [c["step"] for c in r["changes"]] == [0]  # the first quorum; nobody left or joined after it
+    assert res[0]["model"] == res[1]["model"] == res[2]["model"]
+    assert res[0]["shared"] == res[1]["shared"] == res[2]["shared"]
+
+
 def test_a_worker_of_another_method_is_refused_by_name_and_the_job_goes_on():
     job = Job()
     try:

@@ -62,3 +62,38 @@ def test_a_lighthouse_that_does_not_answer_is_named_within_the_timeout(capsys):
 def test_the_lighthouse_command_refuses_a_bad_address_and_minimum(capsys):
     refused(capsys, ["lighthouse", "--min-workers", "0"], "--min-workers must be >= 1")
     refused(capsys, ["lighthouse", "--min-workers", "2", "--bind", "localhost"], "an address must be HOST:PORT")
+
+
+@pytest.mark.parametrize("spec", ["diloco:period=3,warmup=2", "localsgd:period=4", "sparseloco:period=3,chunk=4,k=2",
+                                  "streaming-diloco:period=6,fragments=3,delay=0", "topk:ratio=0.5,min_numel=0"])
+def test_a_step_said_to_send_nothing_sends_nothing_and_one_said_to_send_does(spec):
+    # an elastic worker asks for no quorum, votes on nothing and keeps no undo copy on a step
+    # whose method says it sends nothing: the meter, step by step, must agree
+    import copy
+
+    import torch
+
+    import tiny
+    from thinwire.algorithms.build import build_method
+    from thinwire.comm.local import LocalWorld
+
+    base = tiny.net(5, 8, 3)
+
+    def fn(comm):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        method = build_method(resolve_method(spec), model, opt, comm, overlap=False)
+        said, sent = [], []
+        for step in range(14):
+            said.append(method.communicates_next())
+            before = comm.meter.messages
+            tiny.backward(model, opt, comm.rank, step)
+            method.after_backward()
+            opt.step()
+            method.after_step()
+            sent.append(comm.meter.messages > before)
+        return said, sent
+
+    for said, sent in LocalWorld(2).run(fn):
+        assert said == sent
+        assert not all(said) or spec.startswith("topk")  # the periodic ones train alone between averages

@@ -177,6 +177,12 @@ class Method(ABC):
         self.warned.append(message)
         warnings.warn(message, stacklevel=3)
 
+    def communicates_next(self) -> bool:
+        """Whether the next step (``after_backward`` through ``after_step``) issues a collective.
+        An elastic worker asks for a quorum, votes and keeps a copy to undo the step only on
+        steps that do; on the others it trains alone. Default: every step does."""
+        return True
+
     def elastic_join(self) -> None:  # noqa: B027
         """Called on a worker that joined a running elastic job, right after it took a present
         worker's state (model, optimizer, this method's state): where the model it should
@@ -326,6 +332,18 @@ class PeriodicAveraging(Method, Reports):
     @abstractmethod
     def after_local_step(self, local: int) -> None:
         """The schedule after local step ``local`` (1, 2, ... after the warm-up)."""
+
+    def communicates_next(self) -> bool:
+        """A warm-up step averages gradients; a local step communicates where
+        :meth:`averages_after` says its schedule averages (and, with nodes, every local step
+        averages inside the node)."""
+        local = self.step + 1 - self.config.warmup
+        return local <= 0 or self.node is not None or self.averages_after(local)
+
+    def averages_after(self, local: int) -> bool:
+        """Whether the schedule issues a collective after local step ``local``. Default: yes
+        (a subclass that knows its schedule says when)."""
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "sync": self.warmup.state_dict()}

@@ -254,6 +254,11 @@ class DiLoCo(PeriodicAveraging):
         if self.step == self.config.warmup and self.config.warmup > 0:
             self._restart()  # the rounds start from the model the warm-up trained
 
+    def averages_after(self, local: int) -> bool:
+        """A fragment merges or launches after local step ``local`` (a background round's
+        launch included: it hands its average to the twin group)."""
+        return any(f.merge_at == local or local % self.config.period == f.offset for f in self.fragments)
+
     def after_local_step(self, local: int) -> None:
         """Merge the fragments that are due, then launch those whose turn it is (a fragment
         with no delay is merged at its launch). Every rank runs the same schedule, so the

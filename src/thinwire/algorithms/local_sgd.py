@@ -61,6 +61,9 @@ class LocalSGD(PeriodicAveraging):
         self._averager: Aggregator | None = None
         self.averages = 0
 
+    def averages_after(self, local: int) -> bool:
+        return local % self.config.period == 0
+
     def after_local_step(self, local: int) -> None:
         """At every ``period``-th local step, average the models."""
         if local % self.config.period == 0:

@@ -1,10 +1,13 @@
 """The Lighthouse: torchft's quorum server, started by thinwire.
 
-Every elastic worker's torchft ``Manager`` asks the Lighthouse for a quorum at each step and
-sends it a heartbeat every 100 ms. The Lighthouse decides who is in: a quorum forms as soon
-as every worker it has heard from recently asked (or every member of the last quorum did,
-the fast path); a worker whose heartbeat stopped for ``heartbeat_timeout_s`` is no longer
-waited for. :func:`serve` starts one inside the calling process (``thinwire train --elastic``
+Every elastic worker's torchft ``Manager`` asks the Lighthouse for a quorum at each step
+that communicates and sends it a heartbeat every 100 ms. The Lighthouse decides who is in: a
+quorum forms as soon as every worker it has heard from recently asked (or every member of
+the last quorum did, the fast path); a worker whose heartbeat stopped for
+``heartbeat_timeout_s`` is no longer waited for, and one still heard from but not asking is
+waited for up to ``join_timeout_s`` (60 s by default: a DiLoCo-family worker asks only at its
+averages, so live workers may be up to a round apart, and a slow one must not be taken for a
+dead one). :func:`serve` starts one inside the calling process (``thinwire train --elastic``
 on one machine does so), ``thinwire lighthouse`` runs one on its own for workers on several
 machines.
 
@@ -23,7 +26,7 @@ from thinwire.knobs import require
 
 LOCAL = "127.0.0.1"
 HEARTBEAT_TIMEOUT_S = 4.0  # a worker silent this long is left out of the next quorum
-JOIN_TIMEOUT_S = 4.0  # how long a forming quorum waits for more workers once it could form without them
+JOIN_TIMEOUT_S = 60.0  # how long a forming quorum waits for a live worker that has not asked yet
 TICK_MS = 10  # how often the Lighthouse looks at who asked; a quorum forms at most this late
 
 
@@ -43,6 +46,7 @@ def serve(min_workers: int, bind: str = f"{LOCAL}:0", *, heartbeat_timeout_s: fl
           join_timeout_s: float = JOIN_TIMEOUT_S) -> Lighthouse:
     """Start a Lighthouse in this process on ``bind`` (``host:port``; port 0: any free one)
     that forms no quorum of fewer than ``min_workers`` workers."""
+    require(join_timeout_s > 0, f"the join timeout must be > 0 seconds, got {join_timeout_s}")
     require(min_workers >= 1, f"--min-workers must be >= 1, got {min_workers}")
     require(heartbeat_timeout_s > 0, f"the heartbeat timeout must be > 0 seconds, got {heartbeat_timeout_s}")
     host, port = split_address(bind)

@@ -1,9 +1,13 @@
 """One elastic worker: a torchft replica group of one rank, running a thinwire method.
 
-torchft decides everything about membership: the Lighthouse forms a quorum at each step, the
-``Manager`` reconfigures its gloo group over it, votes on committing the step, and brings a
-worker that joins (or fell behind) up to date by fetching a present worker's state before
-its step starts. thinwire supplies that state and keeps each method's maths right:
+torchft decides everything about membership: the Lighthouse forms a quorum at each step that
+communicates, the ``Manager`` reconfigures its gloo group over it, votes on committing the
+step, and brings a worker that joins (or fell behind) up to date by fetching a present
+worker's state before its step starts. A step on which the method sends nothing (the
+DiLoCo family's inner steps, :meth:`~thinwire.algorithms.base.Method.communicates_next`)
+asks for no quorum, casts no vote and keeps no copy to undo: the worker trains alone, and
+the workers meet again at the next average (a joiner waits there for them). thinwire
+supplies the state and keeps each method's maths right:
 
 * **the state sent to a joining worker**: the model, the optimizer, the method's own state
   (error-feedback residuals, PowerSGD's Q, DiLoCo's outer optimizer and global model, ...)
@@ -195,6 +199,8 @@ class ElasticWorker:
         self._admitted = False  # took part in a committed step, or took a present worker's state
         self._closed = False
         self._first_step: int | None = None
+        self._steps = 0  # steps the job has committed (torchft's counter counts only the steps that vote)
+        self._local = False  # the step begun trains alone: no quorum, no vote, nothing to undo
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self.pg = _gloo_group(timeout)
@@ -218,8 +224,10 @@ class ElasticWorker:
     # -- the step ------------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """Steps committed by the job so far (torchft's step counter)."""
-        return int(self.manager.current_step())
+        """Steps committed by the job so far: also the data position. torchft's own counter
+        counts the steps that voted, which are fewer where the method trains alone between
+        its averages (the DiLoCo family's inner steps)."""
+        return self._steps
 
     @property
     def workers(self) -> int:
@@ -236,6 +244,12 @@ class ElasticWorker:
         self._healed = False
         if self._first_step is None:
             self._first_step = self.step  # 0, or a resumed worker's checkpoint
+        # a step that sends nothing, on a method set up over a quorum, trains alone: the
+        # workers meet at the next step that communicates (a joiner waits there for them)
+        self._local = (self.quorum_id is not None and self.method is not None and not self.comm.broken
+                       and not self.method.communicates_next())
+        if self._local:
+            return self.step
         self._quorum()
         # a job that starts (or is resumed whole) waits for start_workers, or for wait_s: every
         # member of such a quorum has committed nothing yet and stands at the step it began
@@ -304,6 +318,14 @@ class ElasticWorker:
         (the gradients are zeroed either way)."""
         step_fn = step if step is not None else self.optimizer.step
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if self._local:  # nothing to average, vote on or undo
+            self._local = False
+            self.method.after_backward(loss)
+            step_fn()
+            self.method.after_step()
+            self._committed()
+            self.optimizer.zero_grad(set_to_none=False)
+            return True
         if self.quorum_id is None:  # the quorum's set-up failed at begin(): nothing to average, vote no
             if not self.comm.broken:
                 self.manager.report_error(RuntimeError("the method was not set up over this quorum"))
@@ -321,8 +343,7 @@ class ElasticWorker:
             ok = self._guarded(lambda: (self.method.after_backward(loss), step_fn(), self.method.after_step()))
             ok = ok and bool(self.manager.should_commit())
         if ok:
-            self.tally.committed += 1
-            self.tally.count(self.step, self.comm.world_size)
+            self._committed()
             self._admitted = True
         else:
             self._restore(snapshot)
@@ -331,6 +352,11 @@ class ElasticWorker:
             self._taken = snapshot["method"]
         self.optimizer.zero_grad(set_to_none=False)
         return ok
+
+    def _committed(self) -> None:
+        self._steps += 1
+        self.tally.committed += 1
+        self.tally.count(self.step, self.comm.world_size)
 
     def _guarded(self, run: Callable[[], object]) -> bool:
         """Run the method's part of the step. What it raises after a collective failed (a
@@ -354,6 +380,7 @@ class ElasticWorker:
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.manager.load_state_dict(state["manager"])
+        self._steps = int(state.get("step", self.manager.current_step()))
         self._taken = state["method"]
 
     # -- undo ----------------------------------------------------------------------------------
@@ -373,12 +400,13 @@ class ElasticWorker:
     # -- state sent to a joining worker ----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         method = self._taken if self._taken is not None or self.method is None else self.method.state_dict()
-        return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
+        return {"fingerprint": self.fingerprint, "steps": self._steps, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "method": method,
                 "extra": self.extra_state[0]() if self.extra_state is not None else None}
 
     def _load(self, state: dict[str, Any]) -> None:
         self._check(state["fingerprint"])
+        self._steps = int(state["steps"])
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self._taken = state["method"]

@@ -289,7 +289,10 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
     from thinwire.elastic.lighthouse import serve
     from thinwire.run.spawn import rank_context
 
-    lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout)
+    # a quorum waits for a live worker as long as a worker waits for a quorum (DiLoCo-family workers
+    # ask only at their averages, up to a round apart)
+    lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout,
+                       join_timeout_s=cfg.elastic_wait)
     ctx = rank_context()
     q = ctx.Queue()
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
