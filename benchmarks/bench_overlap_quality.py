@@ -57,9 +57,9 @@ TUNE = {
     "eager-lr0.5-m0.9": ("adamw", "diloco:period=30,outer_lr=0.5,outer_momentum=0.9,sync=eager"),
     "eager-lr0.3-m0.9": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.9,sync=eager"),
     "eager-lr0.8-m0.8": ("adamw", "diloco:period=30,outer_lr=0.8,outer_momentum=0.8,sync=eager"),
-    "eager-lr0.6-m0.8": ("adamw", "diloco:period=30,outer_lr=0.6,outer_momentum=0.8,sync=eager"),
-    "eager-lr1.0-m0.7": ("adamw", "diloco:period=30,outer_lr=1.0,outer_momentum=0.7,sync=eager"),
-    "eager-lr0.7-m0.7": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.7,sync=eager"),
+    "eager-lr0.4-m0.9": ("adamw", "diloco:period=30,outer_lr=0.4,outer_momentum=0.9,sync=eager"),
+    "eager-lr0.3-m0.95": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.95,sync=eager"),
+    "eager-lr0.2-m0.95": ("adamw", "diloco:period=30,outer_lr=0.2,outer_momentum=0.95,sync=eager"),
 }
 TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
     ("diloco_eager_final_loss_vs_blocking", "diloco-eager", "diloco", 0.01),

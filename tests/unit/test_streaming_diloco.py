@@ -152,6 +152,31 @@ def test_resume_mid_period_and_with_a_fragment_in_flight_continues_exactly(cut, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scatter", [False, True])
+def test_averages_run_whole_on_the_background_thread_as_they_would_inline(scatter):
+    # with a delay each fragment's average (encode, collectives, decode; with scatter=true both
+    # phases) runs on a background thread over a twin group: the same models, bytes and records
+    # as the same averages run inline over the world's group
+    def run(offload):
+        def fn(comm):
+            def make(m, o, c):
+                method = StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=3, scatter=scatter,
+                                         codec="rangefloat:bits=4;exp_bits=2")
+                if not offload:
+                    method.offload = None
+                return method
+
+            state, method = _train(comm, make, 10, finish=True)
+            return state, comm.meter.bytes_sent, len(method._windows), method.offload is not None
+        return LocalWorld(3).run(fn)
+
+    behind, inline = run(True), run(False)
+    for (a, sent_a, windows_a, used), (b, sent_b, windows_b, _) in zip(behind, inline):
+        assert used and torch.equal(a, b)
+        # launches after steps 2, 6, 10 (fragment 1) and 4, 8 (fragment 0): five averages behind steps
+        assert sent_a == sent_b > 0 and windows_a == windows_b == 5
+
+
 def test_a_state_saved_with_a_fragment_in_flight_holds_its_landed_mean():
     make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2)  # noqa: E731
     states = LocalWorld(2).run(lambda comm: _train(comm, make, 3)[1].state_dict())  # fragment 1 launched at 2

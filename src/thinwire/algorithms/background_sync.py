@@ -22,8 +22,35 @@ from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import ByteMeter
 
 
+class InFlight:
+    """One average queued with :meth:`BackgroundSync.start`, several of which may be in flight
+    (streaming DiLoCo's fragments): the handle a fragment's merge settles and waits on."""
+
+    def __init__(self, owner: BackgroundSync, future: Future[ByteMeter], started_at: float) -> None:
+        self._owner, self._future, self.started_at = owner, future, started_at
+        self.sent: ByteMeter | None = None  # its traffic, once landed
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def settle(self) -> None:
+        """Wait for the work (its error, if it failed, is raised here)."""
+        self.sent = self._future.wait()
+
+    def wait(self) -> None:
+        """Settle, then count its bytes on the world's meter; a second call does nothing."""
+        if self.done:
+            return
+        self.settle()
+        assert self.sent is not None
+        self._owner.comm.meter.absorb(self.sent, empty=False)
+        self.done = True
+
+
 class BackgroundSync:
-    """One average at a time in flight over a twin of ``comm``; :meth:`land` waits for it."""
+    """Averages run on a background thread over a twin of ``comm``: one at a time with
+    :meth:`launch` and :meth:`land` (a round's), or queued with :meth:`start` (fragments)."""
 
     def __init__(self, comm: Communicator, who: str) -> None:
         if comm.hierarchy is not None:
@@ -74,6 +101,20 @@ class BackgroundSync:
         self.windows.append((sent, codec, t0 - self.launched_at))
         self.comm.meter.absorb(sent, empty=False)
         return True
+
+    def start(self, work: Callable[[], object]) -> InFlight:
+        """Queue ``work`` (one whole average) behind what is queued already; its traffic is
+        counted on a meter of its own, added to the world's when its handle is waited on."""
+        twin = self.twin
+
+        def run() -> ByteMeter:
+            meter = twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)  # this work's alone
+            work()
+            return meter
+
+        if self.worker is None:
+            self.worker = Worker("thinwire-outer-sync")
+        return InFlight(self, self.worker.submit(run), time.perf_counter())
 
     def close(self) -> None:
         """Land what is in flight and end the thread (a later launch starts another)."""

@@ -178,6 +178,9 @@ class DiLoCo(PeriodicAveraging):
         self.background = BackgroundSync(self.comm, f"{self.name} sync={sync}") if sync != "blocking" else None
         # eager: a worker continues from θ stepped with its own pseudo-gradient in place of the mean in flight
         self.eager = sync == "eager"
+        # averages merged some steps after their launch (streaming DiLoCo's delay), when set: run
+        # whole (encode, collectives, decode) on a background thread over a twin group
+        self.offload: BackgroundSync | None = None
         self._fresh: torch.Tensor | None = None  # this round's pseudo-gradient
         self._start: torch.Tensor | None = None  # eager: where this rank's round started (None: at θ)
 
@@ -301,14 +304,26 @@ class DiLoCo(PeriodicAveraging):
         t1 = time.perf_counter()
         at_once = local is None or self.delay == 0
         before = self.comm.meter.counts()
-        f.pending = f.agg.start({"model": delta})
+        twin_here = self.offload is not None and at_once  # over the twin's group, on this thread (none in flight)
+        if twin_here:
+            assert self.offload is not None
+            self.offload.twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)
+        if not at_once and self.offload is not None:  # the whole average on the background thread
+            agg = f.agg
+            f.pending = self.offload.start(lambda: agg.start({"model": delta}).wait())
+        else:
+            f.pending = f.agg.start({"model": delta})
         if not at_once:  # an average behind the next steps: its seconds, and the steps it runs behind
             f.watch.start(f.pending, f.pending.started_at)
-            f.launched = (self.comm.meter.since(before, "inter"), time.perf_counter())  # not the node's stage
+            sent = None if self.offload is not None else self.comm.meter.since(before, "inter")  # not the node's
+            f.launched = (sent, time.perf_counter())
         f.landed = False
         self._timing.codec_seconds += t1 - t0
         if local is None or at_once:
             self._merge(f, alpha)
+            if twin_here:
+                assert self.offload is not None
+                self.comm.meter.absorb(self.offload.twin.meter)
         else:
             f.merge_at = local + self.delay
 
@@ -317,16 +332,19 @@ class DiLoCo(PeriodicAveraging):
         set the fragment's parameters to ``α · θ_i + (1 − α) · θ`` (``alpha``: in place of
         :attr:`alpha`; finish()'s final sync sets every rank to ``θ``)."""
         t0 = time.perf_counter()
-        watched = f.launched is not None  # an average run behind later steps (not one merged at its launch)
-        if f.launched is not None:  # what the sync sent, and the seconds of work it ran behind
-            self._windows.append((f.launched[0], t0 - f.launched[1]))
-            f.launched = None
+        launched, f.launched = f.launched, None  # an average run behind later steps, not merged at its launch
         if f.pending is not None:
             f.pending.settle()
-            if watched:
+            if launched is not None:
                 self.blocked_seconds += time.perf_counter() - t0
             f.pending.wait()  # the mean pseudo-gradient, in f.delta
+            if launched is not None:  # what the sync sent, and the seconds of work it ran behind
+                sent = launched[0] if launched[0] is not None else getattr(f.pending, "sent", None)
+                if sent is not None:
+                    self._windows.append((sent, t0 - launched[1]))
             f.pending = None
+        elif launched is not None and launched[0] is not None:  # landed before a checkpoint
+            self._windows.append((launched[0], t0 - launched[1]))
         elif not f.landed:
             raise RuntimeError(f"fragment {f.index} has no average to merge")
         t1 = time.perf_counter()
@@ -347,7 +365,8 @@ class DiLoCo(PeriodicAveraging):
     def _sync_comm(self) -> Communicator | None:
         """The communicator the fragments' averages run over: the background's own, or the
         world's (None)."""
-        return self.background.twin if self.background is not None else None
+        behind = self.background if self.background is not None else self.offload
+        return behind.twin if behind is not None else None
 
     def _pseudo(self, f: Fragment, out: torch.Tensor | None) -> torch.Tensor:
         """This rank's pseudo-gradient ``θ − θ_i`` of fragment ``f``, flat, in ``out`` (fp32,
@@ -547,6 +566,8 @@ class DiLoCo(PeriodicAveraging):
         for f in self.fragments:
             if f.merge_at is not None:
                 self._merge(f)
+        if self.offload is not None:
+            self.offload.close()  # nothing in flight: its thread ends (the final sync runs here, over its group)
         if not self.config.final_sync or local <= 0:
             return None
         for f in self.fragments:  # the same on every rank: the schedule's state is
@@ -649,6 +670,9 @@ class DiLoCo(PeriodicAveraging):
                 f.pending.settle()
                 self.blocked_seconds += time.perf_counter() - t0
                 f.pending.wait()
+                sent = getattr(f.pending, "sent", None)  # an offloaded average's traffic, known once it ran
+                if f.launched is not None and f.launched[0] is None and sent is not None:
+                    f.launched = (sent, f.launched[1])
                 f.pending, f.landed = None, True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

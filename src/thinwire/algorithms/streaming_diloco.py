@@ -44,6 +44,13 @@ the link (``link``, or the emulated link's): ``⌈T_link / t_step⌉`` capped at
 model's time for the fragment's payload and the mean step before the first launch, averaged
 over the ranks; it is resolved once, before the first launch, reported and checkpointed.
 
+With a delay (and no worker groups) a fragment's whole average, encode, every collective and
+decode (with ``scatter=true`` both phases and the re-encode between them), runs on a
+background thread over a second group of the same ranks
+(:mod:`thinwire.algorithms.background_sync`), the fragments in the order they launched, so
+none of it waits on the training thread; its bytes count when it merges. Over worker groups
+the collectives are issued at the launch and the rest runs at the merge.
+
 Overlap is measured as DaSGD's is: per sync, launch to completion (a helper thread polls the
 reduction) against the time the merge blocked; ``hidden_fraction = 1 − blocked / comm``.
 
@@ -60,6 +67,7 @@ from typing import Any, Literal
 
 import torch
 
+from thinwire.algorithms.background_sync import BackgroundSync
 from thinwire.algorithms.diloco import DiLoCo, DiLoCoConfig
 from thinwire.algorithms.methods import METHODS
 from thinwire.comm.link import EmulatedLink, Link
@@ -117,6 +125,8 @@ class StreamingDiLoCo(DiLoCo):
                  comm: Any = None, config: StreamingDiLoCoConfig | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer, comm, config, **kwargs)
         self._delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
+        if self._delay != 0 and self.comm.hierarchy is None:  # the averages behind the steps, whole, on a thread
+            self.offload = BackgroundSync(self.comm, f"{self.name} delay={self.config.delay}")
         self.link: Link | None = None
         if self.config.link:
             self.link = Link.parse(self.config.link.replace(";", ","))
