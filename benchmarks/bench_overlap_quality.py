@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("delay_auto"):
             a = r["delay_auto"]
             extra.append(f"delay {a['delay']} (step {1e3 * a['step_seconds']:.0f} ms, fragment "
-                         f"{a['fragment_link_seconds']:.2f} s on the link)")
+                         f"{a['fragment_link_seconds']:.2f} s on the link"
+                         + (f", {a['fragment_codec_seconds']:.2f} s of codec" if "fragment_codec_seconds" in a else "")
+                         + ")")
         if r.get("hidden_fraction") is not None:
             extra.append(f"hidden {r['hidden_fraction']:.2f}")
         rows.append([name, RUNS[name][0], s["method"], f"{s['final_loss']:.4f}",

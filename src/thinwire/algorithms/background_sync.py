@@ -26,9 +26,10 @@ class InFlight:
     """One average queued with :meth:`BackgroundSync.start`, several of which may be in flight
     (streaming DiLoCo's fragments): the handle a fragment's merge settles and waits on."""
 
-    def __init__(self, owner: BackgroundSync, future: Future[ByteMeter], started_at: float) -> None:
+    def __init__(self, owner: BackgroundSync, future: Future[tuple[ByteMeter, float]], started_at: float) -> None:
         self._owner, self._future, self.started_at = owner, future, started_at
         self.sent: ByteMeter | None = None  # its traffic, once landed
+        self.finished_at: float | None = None  # when the work ended (perf_counter), once landed
         self.done = False
 
     def is_completed(self) -> bool:
@@ -36,7 +37,7 @@ class InFlight:
 
     def settle(self) -> None:
         """Wait for the work (its error, if it failed, is raised here)."""
-        self.sent = self._future.wait()
+        self.sent, self.finished_at = self._future.wait()
 
     def wait(self) -> None:
         """Settle, then count its bytes on the world's meter; a second call does nothing."""
@@ -107,10 +108,10 @@ class BackgroundSync:
         counted on a meter of its own, added to the world's when its handle is waited on."""
         twin = self.twin
 
-        def run() -> ByteMeter:
+        def run() -> tuple[ByteMeter, float]:
             meter = twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)  # this work's alone
             work()
-            return meter
+            return meter, time.perf_counter()
 
         if self.worker is None:
             self.worker = Worker("thinwire-outer-sync")

@@ -137,7 +137,8 @@ class Fragment:
     landed: bool = False  # the mean is in ``delta`` (a resumed run's average that was in flight)
     merge_at: int | None = None  # the local step of the pending merge
     merged_at: int | None = 0  # the local step of its last merge (None: unknown, a checkpoint from before it was kept)
-    launched: tuple[ByteMeter, float] | None = None  # what the launch sent, and when
+    launched: tuple[ByteMeter | None, float] | None = None  # what the launch sent (None: known when it lands), and when
+    took: float | None = None  # an offloaded average's seconds from launch to completion, once landed
     watch: Watch = field(default_factory=Watch)
 
 
@@ -338,6 +339,7 @@ class DiLoCo(PeriodicAveraging):
             if launched is not None:
                 self.blocked_seconds += time.perf_counter() - t0
             f.pending.wait()  # the mean pseudo-gradient, in f.delta
+            f.took = _took(f.pending)
             if launched is not None:  # what the sync sent, and the seconds of work it ran behind
                 sent = launched[0] if launched[0] is not None else getattr(f.pending, "sent", None)
                 if sent is not None:
@@ -360,6 +362,14 @@ class DiLoCo(PeriodicAveraging):
         f.merged_at = self.step - self.config.warmup
         self.syncs += 1
         self._timing.codec_seconds += t2 - t1
+        took, f.took = f.took, None
+        if took is not None:
+            self._average_took(took)
+
+    def _average_took(self, seconds: float) -> None:
+        """Called on every rank at a merge of an average run whole on the background thread,
+        with its seconds from launch to completion on this rank (streaming DiLoCo's
+        ``delay=auto`` reads them). Default: nothing."""
 
     @property
     def _sync_comm(self) -> Communicator | None:
@@ -650,6 +660,7 @@ class DiLoCo(PeriodicAveraging):
         fragments = []
         for f in self.fragments:
             fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "merged_at": f.merged_at, "landed": f.landed,
+                              "took": f.took,
                               "delta": None if f.delta is None or not f.landed else f.delta.detach().clone(),
                               "agg": None if f.agg is None else f.agg.state_dict()})
         return {**super().state_dict(), "syncs": self.syncs, "peak_bytes": self.peak_bytes,
@@ -673,6 +684,7 @@ class DiLoCo(PeriodicAveraging):
                 sent = getattr(f.pending, "sent", None)  # an offloaded average's traffic, known once it ran
                 if f.launched is not None and f.launched[0] is None and sent is not None:
                     f.launched = (sent, f.launched[1])
+                f.took = _took(f.pending)
                 f.pending, f.landed = None, True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -697,6 +709,7 @@ class DiLoCo(PeriodicAveraging):
         for f, saved in zip(self.fragments, state["fragments"]):
             f.syncs, f.merge_at, f.landed = int(saved["syncs"]), saved["merge_at"], bool(saved["landed"])
             f.merged_at = saved.get("merged_at")  # None (an older checkpoint): finish() syncs it to be safe
+            f.took = saved.get("took")
             f.pending, f.launched = None, None
             like = self.state.params[f.lo]
             f.delta = _flat(f.delta, f.numel, like)
@@ -707,6 +720,12 @@ class DiLoCo(PeriodicAveraging):
                 f.agg.load_state_dict(saved["agg"])
         start = state.get("start") if self.eager else None
         self._start = None if start is None else start.to(self.outer_params[0].device).clone()
+
+
+def _took(pending: Any) -> float | None:
+    """An offloaded average's seconds from launch to completion (None for one run inline)."""
+    finished = getattr(pending, "finished_at", None)
+    return None if finished is None else finished - pending.started_at
 
 
 def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,11 @@ decentralized methods. Float buffers (and, with ``average_momentum``, the inner 
 state) are averaged plainly, blocking, when fragment 0 merges.
 
 ``delay=auto`` takes the smallest ``τ`` whose steps outlast the largest fragment's average on
-the link (``link``, or the emulated link's): ``⌈T_link / t_step⌉`` capped at ``H``, from the cost
-model's time for the fragment's payload and the mean step before the first launch, averaged
-over the ranks; it is resolved once, before the first launch, reported and checkpointed.
+the link (``link``, or the emulated link's): ``⌈(T_link + T_codec) / t_step⌉`` capped at ``H``,
+from the cost model's time for the fragment's payload, the seconds its codec takes here and the
+mean step before the first launch, averaged over the ranks; it is resolved before the first
+launch, grown (never shrunk, up to ``H``) when an average run on the background thread took
+longer than its steps, and reported and checkpointed.
 
 With a delay (and no worker groups) a fragment's whole average, encode, every collective and
 decode (with ``scatter=true`` both phases and the re-encode between them), runs on a
@@ -154,29 +156,65 @@ class StreamingDiLoCo(DiLoCo):
         super().after_local_step(local)
 
     def _resolve_delay(self, local: int, now: float) -> None:
-        """The smallest delay whose steps outlast the largest fragment's average on the link:
-        ``ceil(T_link / t_step)``, capped at a whole round. ``t_step`` is the mean of the
-        steps since the first local step this object saw end (with none between, the time
-        since it was built, as one step), averaged over the ranks (one small collective, not
-        counted: every rank takes the same delay); ``T_link`` is the cost model's time for the
-        fragment's payload on the link (the codec's seconds are not in it)."""
+        """The smallest delay whose steps outlast the largest fragment's average:
+        ``ceil((T_link + T_codec) / t_step)``, capped at a whole round. ``t_step`` is the mean of
+        the steps since the first local step this object saw end (with none between, the time
+        since it was built, as one step); ``T_codec`` the seconds one encode and decode of that
+        fragment take here (twice with ``scatter=true``: the mean's chunk is decoded, encoded
+        again and the gathered means decoded); both averaged over the ranks (one small
+        collective, not counted: every rank takes the same delay). ``T_link`` is the cost
+        model's time for the fragment's payload on the link."""
         assert self.link is not None  # checked when built
         start, seen = self._first_step if self._first_step is not None else (self._built_at, local)
         steps = local - seen
         start, steps = (start, steps) if steps >= 1 else (self._built_at, 1)
-        mine = torch.tensor([(now - start) / steps], dtype=torch.float64, device=self.outer_params[0].device)
+        largest = max(self.fragments, key=lambda f: f.numel)
+        mine = torch.tensor([(now - start) / steps, self._codec_seconds(largest)], dtype=torch.float64,
+                            device=self.outer_params[0].device)
         with self.comm.meter.paused():
             self.comm.all_reduce(mine)
-        step_s = mine.item() / self.comm.world_size
-        numel = max(f.numel for f in self.fragments)
-        link_s = self._average_seconds(numel)
-        wanted = math.ceil(link_s / step_s) if step_s > 0 else self.config.period
+        step_s, codec_s = (v / self.comm.world_size for v in mine.tolist())
+        link_s = self._average_seconds(largest.numel)
+        wanted = math.ceil((link_s + codec_s) / step_s) if step_s > 0 else self.config.period
         self._delay = max(1, min(self.config.period, wanted))
-        self.auto_figures = {"delay": self._delay, "step_seconds": step_s, "fragment_link_seconds": link_s}
+        self.auto_figures = {"delay": self._delay, "step_seconds": step_s, "fragment_link_seconds": link_s,
+                             "fragment_codec_seconds": codec_s}
         if wanted > self.config.period:
-            self.warn(f"streaming-diloco: delay=auto: a fragment's average takes {link_s:.2f} s on {self.link}, more "
-                      f"than a whole round ({self.config.period} steps of {step_s:.3f} s): delay={self._delay} hides "
-                      "what it can")
+            self.warn(f"streaming-diloco: delay=auto: a fragment's average takes {link_s:.2f} s on {self.link} and "
+                      f"{codec_s:.2f} s of codec work, more than a whole round ({self.config.period} steps of "
+                      f"{step_s:.3f} s): delay={self._delay} hides what it can")
+
+    def _average_took(self, seconds: float) -> None:
+        """``delay=auto`` over the background thread: an average that took longer than the
+        delay's steps grows the delay to ``ceil(took / t_step)`` (capped at a whole round; it
+        never shrinks), ``took`` averaged over the ranks (one small collective, not counted),
+        so that a link or a codec slower than the estimate is hidden from then on. The
+        averages already in flight keep the merge steps they were launched with."""
+        if self.config.delay != "auto" or self.auto_figures is None or self._delay is None:
+            return
+        took = torch.tensor([seconds], dtype=torch.float64, device=self.outer_params[0].device)
+        with self.comm.meter.paused():
+            self.comm.all_reduce(took)
+        mean = took.item() / self.comm.world_size
+        step_s = self.auto_figures["step_seconds"]
+        needed = min(self.config.period, math.ceil(mean / step_s)) if step_s > 0 else self.config.period
+        if needed > self._delay:
+            self.auto_figures.setdefault("first_delay", self._delay)
+            self._delay = needed
+            self.auto_figures.update(delay=needed, average_seconds=mean)
+
+    def _codec_seconds(self, f: Any) -> float:
+        """Seconds of one encode and decode of fragment ``f``'s values through a fresh copy of
+        its codec (its state untouched), twice with ``scatter=true``."""
+        from thinwire.codecs.specs import build_codec
+
+        codec = build_codec(self.config.codec.replace(";", ","))
+        with torch.no_grad():
+            x = torch.cat([t.detach().reshape(-1).float() for t in self.outer_params[f.lo : f.hi]])
+            t0 = time.perf_counter()
+            codec.decode(codec.encode(x))
+            seconds = time.perf_counter() - t0
+        return seconds * (2 if self.scatter else 1)
 
     def _average_seconds(self, numel: int) -> float:
         """The cost model's seconds for one fragment's average of ``numel`` values on the link."""
@@ -211,7 +249,8 @@ class StreamingDiLoCo(DiLoCo):
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "delay": self._delay}
+        figures = None if self.auto_figures is None else dict(self.auto_figures)
+        return {**super().state_dict(), "delay": self._delay, "delay_auto": figures}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed ``delay=auto`` run keeps the delay it chose; a fixed delay must match
@@ -220,6 +259,8 @@ class StreamingDiLoCo(DiLoCo):
         saved = state.get("delay")
         if self.config.delay == "auto":
             self._delay = saved if saved is not None else None
+            figures = state.get("delay_auto")
+            self.auto_figures = None if figures is None else dict(figures)
         elif saved is not None and saved != self._delay and any(f.merge_at is not None for f in self.fragments):
             raise ValueError(f"checkpoint was saved with delay={saved} and averages in flight; this run has "
                              f"delay={self._delay}: resume with delay={saved}")
