@@ -331,7 +331,7 @@ def test_delay_auto_grows_when_an_average_took_longer_than_its_steps(monkeypatch
         return state, method.report()
 
     out = LocalWorld(2).run(fn)
-    for state, report in out:
+    for _, report in out:
         figures = report["delay_auto"]
         assert report["delay"] == figures["delay"] == 4 and figures["first_delay"] == 1
         assert figures["average_seconds"] == 1.0
