@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from thinwire.aggregate import Aggregator, Reduction, Watch
-from thinwire.algorithms.background_sync import BackgroundSync
+from thinwire.algorithms.background_sync import BackgroundSync, InFlight
 from thinwire.algorithms.base import PeriodicAveraging
 from thinwire.algorithms.methods import METHODS
 from thinwire.codecs.base import Codec
@@ -133,7 +133,7 @@ class Fragment:
     syncs: int = 0  # outer steps applied to this fragment
     delta: torch.Tensor | None = None  # the flat pseudo-gradient; its mean once landed
     agg: Aggregator | ScatterMean | None = None
-    pending: Reduction | ScatterReduction | None = None  # the average in flight
+    pending: Reduction | ScatterReduction | InFlight | None = None  # the average in flight
     landed: bool = False  # the mean is in ``delta`` (a resumed run's average that was in flight)
     merge_at: int | None = None  # the local step of the pending merge
     merged_at: int | None = 0  # the local step of its last merge (None: unknown, a checkpoint from before it was kept)
@@ -309,13 +309,15 @@ class DiLoCo(PeriodicAveraging):
         if twin_here:
             assert self.offload is not None
             self.offload.twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)
+        pending: Reduction | ScatterReduction | InFlight
         if not at_once and self.offload is not None:  # the whole average on the background thread
             agg = f.agg
-            f.pending = self.offload.start(lambda: agg.start({"model": delta}).wait())
+            pending = self.offload.start(lambda: agg.start({"model": delta}).wait())
         else:
-            f.pending = f.agg.start({"model": delta})
+            pending = f.agg.start({"model": delta})
+        f.pending = pending
         if not at_once:  # an average behind the next steps: its seconds, and the steps it runs behind
-            f.watch.start(f.pending, f.pending.started_at)
+            f.watch.start(pending, pending.started_at)
             sent = None if self.offload is not None else self.comm.meter.since(before, "inter")  # not the node's
             f.launched = (sent, time.perf_counter())
         f.landed = False
