@@ -495,3 +495,17 @@ def test_an_average_behind_a_whole_round_costs_the_step_only_what_outlasts_its_w
     slow = dataclasses.replace(c, bytes=1e6)  # 0.8 s a step: 0.3 s of it outlasts the window
     assert slow.seconds(link) == pytest.approx(1e6 / link.bandwidth_Bps, abs=1e-12)
     assert g < 0.5
+
+
+def test_the_span_ends_before_the_runs_end_of_run_traffic_where_the_record_gives_it():
+    # the last record is written after finish(); the averages it lands or syncs there belong to
+    # no step of the span, so its counters before finish() end the span
+    from thinwire.lab.cost import from_rows
+
+    first = {"step": 6, "compute_seconds": 1.0, "codec_seconds": 0.0, "comm_seconds": 0.0, "bytes_sent": 600.0,
+             "messages": 6}
+    last = dict(first, step=12, compute_seconds=2.2, bytes_sent=1500.0, messages=15)
+    assert from_rows("m", first, last).bytes == pytest.approx(150.0)
+    last.update(bytes_sent_before_finish=1200.0, messages_before_finish=12)
+    cost = from_rows("m", first, last)
+    assert cost.bytes == pytest.approx(100.0) and cost.messages == pytest.approx(1.0)

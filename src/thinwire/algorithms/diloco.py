@@ -182,6 +182,7 @@ class DiLoCo(PeriodicAveraging):
         # averages merged some steps after their launch (streaming DiLoCo's delay), when set: run
         # whole (encode, collectives, decode) on a background thread over a twin group
         self.offload: BackgroundSync | None = None
+        self.reads_took = False  # whether _average_took reads each offloaded average's seconds (kept in the state)
         self._fresh: torch.Tensor | None = None  # this round's pseudo-gradient
         self._start: torch.Tensor | None = None  # eager: where this rank's round started (None: at θ)
 
@@ -341,7 +342,7 @@ class DiLoCo(PeriodicAveraging):
             if launched is not None:
                 self.blocked_seconds += time.perf_counter() - t0
             f.pending.wait()  # the mean pseudo-gradient, in f.delta
-            f.took = _took(f.pending)
+            f.took = _took(f.pending) if self.reads_took else None
             if launched is not None:  # what the sync sent, and the seconds of work it ran behind
                 sent = launched[0] if launched[0] is not None else getattr(f.pending, "sent", None)
                 if sent is not None:
@@ -686,7 +687,7 @@ class DiLoCo(PeriodicAveraging):
                 sent = getattr(f.pending, "sent", None)  # an offloaded average's traffic, known once it ran
                 if f.launched is not None and f.launched[0] is None and sent is not None:
                     f.launched = (sent, f.launched[1])
-                f.took = _took(f.pending)
+                f.took = _took(f.pending) if self.reads_took else None
                 f.pending, f.landed = None, True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -129,6 +129,7 @@ class StreamingDiLoCo(DiLoCo):
         self._delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
         if self._delay != 0 and self.comm.hierarchy is None:  # the averages behind the steps, whole, on a thread
             self.offload = BackgroundSync(self.comm, f"{self.name} delay={self.config.delay}")
+            self.reads_took = self.config.delay == "auto"  # a fixed delay's state holds no timing
         self.link: Link | None = None
         if self.config.link:
             self.link = Link.parse(self.config.link.replace(";", ","))

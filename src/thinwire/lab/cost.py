@@ -349,8 +349,14 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
     if steps <= 0:
         raise ValueError(f"records at steps {first['step']} and {last['step']} span no steps")
 
+    def end(key: str) -> float:
+        """``last``'s counter, before the run's end-of-run work where the record gives it (the
+        averages a method lands or syncs in finish() belong to no step of the span)."""
+        before = last.get(f"{key}_before_finish")
+        return float(before if before is not None else last.get(key) or 0.0)
+
     def delta(key: str) -> float:
-        return (last.get(key) or 0.0) - (first.get(key) or 0.0)
+        return end(key) - (first.get(key) or 0.0)
 
     n_first = first["step"] - (first.get("skipped_steps") or 0)
     n_last = last["step"] - (last.get("skipped_steps") or 0)
@@ -358,8 +364,8 @@ def from_rows(method: str, first: dict[str, Any], last: dict[str, Any], intra: L
     share = clamp_share((s_last * n_last - s_first * n_first) / (n_last - n_first)) if n_last > n_first else 0.0
     nic = int(last.get("inter_share") or 1)  # a node's ranks share its link between nodes
     intra_bytes, intra_messages = delta("intra_bytes") / steps, delta("intra_messages") / steps
-    inter_bytes = nic * ((last["bytes_sent"] - first["bytes_sent"]) / steps - intra_bytes)
-    messages = (last["messages"] - first["messages"]) / steps
+    inter_bytes = nic * (delta("bytes_sent") / steps - intra_bytes)
+    messages = delta("messages") / steps
     if intra is not None:  # the collectives inside a node on their own link
         intra_s = intra_messages * intra.latency_s + intra_bytes / intra.bandwidth_Bps
         messages -= intra_messages

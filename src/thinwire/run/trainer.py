@@ -110,6 +110,8 @@ class _Run:
     step_seconds: float = 0.0
     stop_signal: int = 0
     stopped_at: int | None = None
+    # the traffic counters before the method's end-of-run work (the last record's ``*_before_finish``)
+    before_finish: dict[str, float] | None = None
     stop_agreed: Callable[[], None] | None = None  # told when the ranks agreed to stop after this step
     # this rank's training losses since the last metrics row (finite ones): their sum and count
     loss_sum: float = 0.0
@@ -163,6 +165,11 @@ def train_rank(
             # continues exactly as the straight run would; the metrics see the finished model
             if due:
                 _checkpoint(run, step, _window_after(run, loss, step))
+            meter = run.comm.meter
+            run.before_finish = {"bytes_sent_before_finish": meter.bytes_sent,
+                                 "messages_before_finish": meter.messages,
+                                 "intra_bytes_before_finish": meter.bound_bytes("intra"),
+                                 "intra_messages_before_finish": meter.bound_messages("intra")}
             t6 = time.perf_counter()
             run.method.finish()
             run.clock.train_wall += time.perf_counter() - t6
@@ -340,6 +347,8 @@ def _record(run: _Run, loss: torch.Tensor, step: int, last: bool) -> None:
                                   run.fp32_per_step, run.t_start, window=(run.loss_sum, run.loss_steps))
         run.loss_sum, run.loss_steps = 0.0, 0
         run.last_eval["lr"] = run.optimizer.param_groups[0]["lr"]  # the rate of this step (a schedule moves it)
+        if last and run.before_finish is not None:  # the steps' own traffic, without finish()'s (thinwire cost)
+            run.last_eval.update(run.before_finish)
         if run.writer:
             run.writer.write(run.last_eval)
         if run.report is not None and run.comm.rank == 0:
