@@ -120,6 +120,13 @@ def test_the_summary_tables_fit_80_columns_and_say_which_loss():
                        "384x128", "kernels", "1.0", "KB", "4.0x"])
 
 
+def test_figures_of_the_validation_windows_are_named_so():
+    text = _render(*summary_tables(_summary(config={"label": POLICY, "task_options": {"eval_split": "valid"}})))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines()
+            if line.count("│") == 3}
+    assert rows["final validation loss"] == "1.4567" and "final test" not in text
+
+
 def test_resolved_specs_break_between_knobs():
     assert spaced("topk:ef=true,ratio=0.01") == "topk:ef=true, ratio=0.01"
     assert spaced("policy[a:x=1; b:y=2,z=3]") == "policy[a:x=1; b:y=2, z=3]"

@@ -375,7 +375,8 @@ class ElasticWorker:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Start from a saved state (a checkpoint of this worker's: ``model``, ``optimizer``,
-        ``method``, and ``manager``, torchft's step counter), before the first :meth:`begin`.
+        ``method``, ``step``, the job's step, and ``manager``, torchft's counter of voted
+        steps; a state without ``step`` takes torchft's), before the first :meth:`begin`.
         Where the job is further on, the first quorum brings this worker up to it."""
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -40,7 +40,10 @@ def summary_tables(s: Summary) -> list[Any]:
     for key in ("final_accuracy", "final_bpc", "final_loss"):
         value = getattr(s, key)
         if value is not None:
-            table.add_row(FIGURE_NAMES[key], f"{value:.4f}")
+            name = FIGURE_NAMES[key]
+            if (s.config.get("task_options") or {}).get("eval_split") == "valid":  # the text task's validation windows
+                name = name.replace("test", "validation")
+            table.add_row(name, f"{value:.4f}")
     table.add_row("bytes sent per worker", size_text(s.bytes_sent_per_worker))
     by_link = s.bytes_by_link_per_worker
     if s.ranks_per_node > 1:
