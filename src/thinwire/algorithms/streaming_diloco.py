@@ -83,7 +83,8 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
                           "1..period, at most the model's parameter tensors")
     delay: int | Literal["auto"] = knob(
         1, "inner steps between a fragment's launch and its merge (tau), up to a whole round; auto: the smallest "
-        "that hides a fragment's average on the link, from the cost model and the steps before the first launch",
+        "that hides a fragment's average, from the cost model's link time, the codec's seconds and the steps before "
+        "the first launch, grown when an average takes longer",
         "0..period, or auto")
     alpha: float = knob(0.5, "share of the worker's own fragment kept at a merge (0: take the global value)",
                         "[0, 1]")
