@@ -91,3 +91,48 @@ def test_a_run_stopped_by_sigint_resumes_with_its_checkpoint_interval(tmp_path, 
     s = _summary(out)
     assert s["config"]["checkpoint_every"] == 40 and s["checkpoints_written"] >= 1
     assert s["resumed_from"] == stopped and _latest(out) == stopped + 5  # the last step's checkpoint
+
+
+def _model(out: Path) -> dict:
+    import torch
+
+    step = _latest(out)
+    return torch.load(out / "checkpoints" / f"step-{step:08d}" / "rank-0.pt", weights_only=True)["model"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["wsd", "cosine"])
+def test_a_scheduled_run_extends_only_where_its_rates_so_far_are_the_longer_runs(tmp_path, capsys, schedule):
+    """wsd extends from its stable phase and cosine from its warm-up, into exactly the unbroken
+    longer run; from anywhere else a larger --steps is refused by name, not taken with a jump
+    of the learning rate (20 steps, a warm-up of 10; wsd's decay begins at step 18)."""
+    extends_from = 10  # the checkpoints kept: steps 10 and 20
+    run = [*TASK, "--workers", "1", "--batch-size", "16", "--eval-every", "100", "--lr-schedule", schedule,
+           "--warmup-steps", "10", "--min-lr", "0.1"]
+    short, longer, resumed = tmp_path / "short", tmp_path / "longer", tmp_path / "resumed"
+    assert main(["train", "--quiet", *run, "--steps", "20", "--checkpoint-every", str(extends_from),
+                 "--out", str(short)]) == 0
+    assert main(["train", "--quiet", *run, "--steps", "40", "--checkpoint-every", "40", "--out", str(longer)]) == 0
+    capsys.readouterr()
+
+    # the checkpoint at the end: the rates trained so far differ from a 40-step run's, so --steps 40 is refused
+    before = _files(short)
+    assert main(["train", "--resume", str(short), "--steps", "40"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"--steps 40 would change the {schedule} schedule of a run of 20 steps resumed at step 20" in err, err
+    assert "resume with --steps 20" in err, err
+    assert _files(short) == before  # nothing written
+
+    # from inside the stretch both lengths share: the longer run, bit for bit
+    first = short / "checkpoints" / f"step-{extends_from:08d}"
+    assert main(["train", "--quiet", "--resume", str(first), "--steps", "40", "--checkpoint-every", "40",
+                 "--out", str(resumed)]) == 0, capsys.readouterr().err
+    a, b = _model(resumed), _model(longer)
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)

@@ -51,6 +51,28 @@ def test_bad_schedule_settings_name_the_rule(args, message):
         schedule.check(*args)
 
 
+def test_a_new_length_is_taken_only_where_the_rates_so_far_are_the_new_runs():
+    # T = 110, W = 10; wsd's decay is the last 20 of the 100 steps after the warm-up: from step 90
+    span = lambda kind, step, new: schedule.refuse_new_span(kind, 10, 0.1, 0.5, step, 110, new)  # noqa: E731
+    assert span("constant", 100, 1000) is None and span("constant", 100, 105) is None
+    assert span("cosine", 10, 1000) is None  # steps 0..9 are the warm-up, the same in any length
+    # steps 0..90: warm-up, then the stable rate (the decay's first step, 90, is still at 19/19 of it)
+    assert span("wsd", 91, 1000) is None
+    assert span("wsd", 91, 200) is None and span("wsd", 100, 110) is None  # the same length
+    # step 91 of a 110-step wsd run has decayed to 0.5 · (0.1 + 0.9 · 18/19); a 1000-step run's has not
+    why = span("wsd", 92, 1000)
+    assert why == ("--steps 1000 would change the wsd schedule of a run of 110 steps resumed at step 92: its last "
+                   "rate was 0.476, the next would be 0.5 (wsd extends only from its stable phase, and the decay over "
+                   "the last 20% of 110 steps had begun); resume with --steps 110, or start a run of the length "
+                   "wanted"), why
+    assert span("cosine", 11, 120) is None  # step 10, the first after the warm-up, is at the base rate in both
+    f_last, f_next = schedule.factor(11, 110, "cosine", 10, 0.1), schedule.factor(12, 120, "cosine", 10, 0.1)
+    why = span("cosine", 12, 120)  # step 11 is not
+    assert why is not None and f"its last rate was {0.5 * f_last:.3g}, the next would be {0.5 * f_next:.3g} " \
+        "(a cosine's span is the run's length" in why, why
+    assert span("cosine", 12, 105) is not None  # a shorter run is refused alike
+
+
 def test_apply_keeps_each_groups_own_base_rate():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.02}])

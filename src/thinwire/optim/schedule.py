@@ -13,7 +13,16 @@ first step) of a run of ``T`` steps, the factor is:
   and its linear shape are ours; the schedule's papers use 10-20% and several shapes).
 
 The factor is a pure function of the step, so a resumed run sets exactly the rate the
-unbroken run would have: nothing but the step needs saving. :func:`apply` writes it into
+unbroken run would have: nothing but the step needs saving.
+
+**A resume with another ``--steps``** (a run extended, or cut short) changes ``T``, and with
+it the rates of a cosine or wsd schedule. It is taken only when the rates of every step
+already trained are the ones a run of the new length sets (:func:`refuse_new_span`): the
+resumed run is then that run, unbroken. So a constant schedule always extends; wsd extends
+while the checkpoint lies in its stable phase (its decay starts later in a longer run, and
+that is the point of wsd); cosine only from inside its warm-up. Any other change of
+``--steps`` would move the rate at the resume point (a cosine near its end would jump
+back up towards the base rate) and is refused by name. :func:`apply` writes it into
 every parameter group as ``base × factor``, the group's base kept as ``initial_lr`` (the
 name PyTorch's schedulers use), so groups with their own rates (Muon's and AdamW's) keep
 their ratio.
@@ -56,6 +65,25 @@ def factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0, m
     if left > decay:
         return 1.0
     return min_lr + (1 - min_lr) * (left - 1) / max(1.0, decay - 1) if decay > 1 else min_lr
+
+
+def refuse_new_span(schedule: str, warmup: int, min_lr: float, lr: float, step: int, steps: int,
+                    new_steps: int) -> str | None:
+    """Why a run of ``steps`` steps, resumed at ``step`` (steps done) with ``--steps
+    new_steps``, cannot keep its schedule: None when the rates of the ``step`` steps trained
+    are, every one, those a run of ``new_steps`` sets (then the resumed run is that run,
+    unbroken); else one line with the rates at the resume point (``lr`` is the base rate)."""
+    if new_steps == steps or all(factor(s, steps, schedule, warmup, min_lr) == factor(s, new_steps, schedule, warmup,
+                                                                                      min_lr) for s in range(step)):
+        return None
+    last = lr * factor(step - 1, steps, schedule, warmup, min_lr)
+    then = lr * factor(step, new_steps, schedule, warmup, min_lr)
+    why = ("a cosine's span is the run's length, so it extends only from inside its warm-up" if schedule == "cosine"
+           else f"wsd extends only from its stable phase, and the decay over the last {WSD_DECAY_SHARE:.0%} of "
+                f"{steps} steps had begun")
+    return (f"--steps {new_steps} would change the {schedule} schedule of a run of {steps} steps resumed at step "
+            f"{step}: its last rate was {last:.3g}, the next would be {then:.3g} ({why}); resume with --steps {steps}, "
+            "or start a run of the length wanted")
 
 
 def apply(optimizer: torch.optim.Optimizer, value: float) -> None:

@@ -430,10 +430,21 @@ def _layout(size: int, shard: bool) -> str:
 
 
 def check_steps(meta: dict[str, Any], steps: int) -> None:
-    """Refuse a checkpoint already at or past ``steps``, the total."""
+    """Refuse a checkpoint already at or past ``steps``, the total, and a new total that
+    would change the rates of the run's learning-rate schedule
+    (:func:`thinwire.optim.schedule.refuse_new_span`)."""
     if meta["step"] >= steps:
         raise CheckpointError(f"the checkpoint is at step {meta['step']} and --steps is {steps} (the total): "
                               "nothing left to train; raise --steps")
+    saved = meta.get("config", {})
+    if isinstance(saved.get("steps"), int) and isinstance(saved.get("lr"), (int, float)):
+        from thinwire.optim import schedule
+
+        why = schedule.refuse_new_span(saved.get("lr_schedule", "constant"), int(saved.get("warmup_steps", 0)),
+                                       float(saved.get("min_lr", 0.0)), float(saved["lr"]), int(meta["step"]),
+                                       saved["steps"], steps)
+        if why is not None:
+            raise CheckpointError(why)
 
 
 def finished(run: Path | None, step: int, steps: int) -> bool:
