@@ -221,3 +221,68 @@ def test_two_terminals_a_lighthouse_command_and_workers_that_join_it(tmp_path):
         lighthouse.send_signal(signal.SIGINT)
         out, err = lighthouse.communicate(timeout=30)
     assert lighthouse.returncode == 0 and "Lighthouse stopped" in out, err
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines (from /proc)."""
+    import os
+
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found[int(entry)] = cmdline
+    return found
+
+
+@pytest.mark.parametrize("kind", ["resource_tracker", "worker"])
+def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_worker(tmp_path, kind):
+    """A local elastic job's processes: the launcher (with the Lighthouse), a worker per replica
+    and multiprocessing's resource tracker (no fork server: docs/fault_tolerance.md). SIGKILL of
+    any but the launcher, mid-run, loses at most that one worker; the job exits 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "job"
+    cmd = [sys.executable, "-m", "thinwire", "train", "--elastic", "--workers", "3", "--min-workers", "2",
+           "--method", "powersgd:rank=2", "--task", "synthetic", "--steps", "200", "--eval-every", "25",
+           "--batch-size", "16", "--elastic-timeout", "3", "--out", str(out),
+           *[a for kv in ("dim=24", "hidden=32", "classes=4", "samples=512", "test_samples=128")
+             for a in ("--option", kv)]]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stderr is not None
+        for line in job.stderr:  # the job's progress: kill once the workers train together
+            if line.startswith("[worker") and "step 25:" in line:
+                break
+        else:
+            raise AssertionError(f"the job ended before step 25 (exit {job.wait()})")
+        kids = _children(job.pid)
+        workers = sorted(p for p, c in kids.items() if "spawn_main" in c)
+        assert len(workers) == 3 and not any("forkserver" in c for c in kids.values()), kids
+        victim = next(p for p, c in kids.items() if "resource_tracker" in c) if kind == "resource_tracker" \
+            else workers[0]
+        os.kill(victim, signal.SIGKILL)
+        err = job.stderr.read()
+        assert job.wait(timeout=120) == 0, err
+    finally:
+        if job.poll() is None:
+            job.kill()
+    exits = {r: w["exit"] for r, w in json.loads((out / "summary.json").read_text())["workers"].items()}
+    finished = {r for r, code in exits.items() if code == 0}
+    assert len(finished) == (2 if kind == "worker" else 3), exits
+    if kind == "worker":
+        assert sorted(code for code in exits.values()) == [-signal.SIGKILL, 0, 0], exits
+    ends = {json.loads((out / f"worker-{r}" / "summary.json").read_text())["model_sha256"] for r in finished}
+    assert len(ends) == 1  # the survivors end on one model

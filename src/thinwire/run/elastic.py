@@ -286,43 +286,61 @@ def _own_resume(path: str, replica: int) -> str:
 
 
 def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
+    """A Lighthouse in this process and ``cfg.workers`` worker processes, each the launcher's own
+    child (``spawn``: no fork server, whose death would take every worker's exit status with it,
+    and no lock shared between workers: each reports over a pipe of its own, so a worker killed
+    mid-report blocks nobody). The one other process of the job is multiprocessing's resource
+    tracker, which none of them needs (it tracks shared semaphores and memory; the job has none)."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
     from thinwire.elastic.lighthouse import serve
-    from thinwire.run.spawn import rank_context
 
     # a quorum waits for a live worker as long as a worker waits for a quorum (DiLoCo-family workers
     # ask only at their averages, up to a round apart)
     lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout,
                        join_timeout_s=cfg.elastic_wait)
-    ctx = rank_context()
-    q = ctx.Queue()
+    ctx = mp.get_context("spawn")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     if cfg.out:
         for r in range(cfg.workers):
             outdir.mkdir(cfg.out, f"worker-{r}")
-    procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, q, threads, dict(os.environ)),
-                         daemon=False)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.workers)]
+    procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, pipes[r][1], threads,
+                                                     dict(os.environ)), daemon=False)
              for r in range(cfg.workers)]
+    readers = {pipes[r][0]: r for r in range(cfg.workers)}
     printer = _Printer(show_progress)
     summaries: dict[int, WorkerSummary] = {}
     errors: dict[int, str] = {}
+
+    def take(conn: Any) -> None:
+        """Every message waiting on a worker's pipe; the pipe is dropped at its end."""
+        try:
+            while conn.poll():
+                kind, fields = conn.recv()
+                if kind == "done":
+                    summaries[fields["replica"]] = fields["summary"]
+                elif kind == "error":
+                    errors[fields["replica"]] = fields["error"]
+                else:
+                    printer.report(kind, **fields)
+        except (EOFError, OSError):
+            readers.pop(conn, None)
+
     try:
-        for p in procs:
+        for p, (_, send) in zip(procs, pipes):
             p.start()
+            send.close()  # the worker holds the only writing end: its pipe ends when it does
         live = set(range(cfg.workers))
         while live:
-            try:
-                kind, fields = q.get(timeout=0.5)
-            except Exception:  # noqa: BLE001  (queue.Empty: look at the processes)
-                kind, fields = "", {}
-            if kind == "done":
-                summaries[fields["replica"]] = fields["summary"]
-            elif kind == "error":
-                errors[fields["replica"]] = fields["error"]
-            elif kind:
-                printer.report(kind, **fields)
+            for ready in wait([*readers, *(procs[r].sentinel for r in live)], timeout=0.5):
+                if ready in readers:
+                    take(ready)
             for r in sorted(live):
-                if not procs[r].is_alive() and (r in summaries or r in errors or procs[r].exitcode not in (0, None)):
+                if not procs[r].is_alive():
                     procs[r].join()
+                    take(pipes[r][0])  # what it said before it ended
                     live.discard(r)
                     if procs[r].exitcode != 0:
                         why = errors.get(r) or f"exit {procs[r].exitcode}"
@@ -332,6 +350,8 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
             if p.is_alive():
                 p.terminate()
             p.join(timeout=5)
+        for receive, _ in pipes:
+            receive.close()
         lighthouse.shutdown()
     printer.close()
     summary = JobSummary(lighthouse.address, {r: WorkerExit(procs[r].exitcode, errors.get(r), summaries.get(r))
@@ -342,7 +362,8 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
     return summary
 
 
-def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, threads: int, env: dict[str, str]) -> None:
+def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, conn: Any, threads: int,
+                 env: dict[str, str]) -> None:
     from thinwire.run.launch import loopback_interface
     from thinwire.run.spawn import begin_rank
 
@@ -353,7 +374,7 @@ def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, thread
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
     def report(kind: str, **fields: Any) -> None:
-        q.put((kind, fields))
+        conn.send((kind, fields))
 
     try:
         out = worker_out(cfg.out, replica)
@@ -361,14 +382,14 @@ def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, q: Any, thread
             summary = run_worker(cfg, replica=replica, lighthouse=lighthouse, out=out, report=report,
                                  resume=worker_out(cfg.resume, replica) if cfg.resume else None,
                                  resume_optional=True)
-        q.put(("done", {"replica": replica, "summary": summary}))
+        conn.send(("done", {"replica": replica, "summary": summary}))
         if summary.status != "ok":
             sys.exit(EXIT_QUORUM_LOST)
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001  (one line to the launcher; the others go on)
         first = str(e).splitlines()[0] if str(e) else ""
-        q.put(("error", {"replica": replica, "error": f"{type(e).__name__}: {first}"}))
+        conn.send(("error", {"replica": replica, "error": f"{type(e).__name__}: {first}"}))
         sys.exit(1)
 
 
