@@ -54,7 +54,10 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     ``wait_s``, ``check_join`` (on a heal, report whether the model is the method's global one),
     ``join_after`` (seconds to wait before joining), ``pace`` (seconds to sleep in each step),
     ``mark`` (a file created once this worker has committed a step: it is training), ``late``
-    (``(step, seconds)``: sleep that long before beginning that step, 1-based)."""
+    (``(step, seconds)``: sleep that long before beginning that step, 1-based), ``secret`` (the
+    job secret it holds), ``hostile`` (seconds: a client that holds a wrong secret, accepts every
+    proof, ignores its refusal, claims a step far ahead of the job's at every quorum, so that
+    the others take their state from it, and leaves after that long)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
@@ -68,11 +71,17 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     try:
         w = ElasticWorker(net, opt, spec, lighthouse=address, replica=replica,
                           min_workers=plan.get("min_workers", 2), timeout_s=TIMEOUT_S,
-                          wait_s=plan.get("wait_s", 30.0), start_workers=plan.get("start_workers", 2))
+                          wait_s=plan.get("wait_s", 30.0), start_workers=plan.get("start_workers", 2),
+                          secret=plan.get("secret"))
     except Exception as e:  # noqa: BLE001
         q.put({"replica": replica, "error": f"{type(e).__name__}: {e}"})
         return
     out: dict[str, Any] = {"replica": replica, "joins": []}
+    if plan.get("hostile"):
+        hostile(w, plan["hostile"], out)
+        w.close()
+        q.put(out)
+        return
     try:
         while w.step < steps:
             if plan.get("late") and plan["late"][0] == w.step + 1:
@@ -102,9 +111,33 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
                optimizer=digest(opt.state_dict()["state"]),
                shared=digest(shared_state(w.method)), changes=[c.record() for c in w.tally.changes],
                discarded=w.tally.discarded, committed=w.tally.committed, heals=w.tally.heals,
-               present=w.tally.present, votes=int(w.manager.current_step()))
+               present=w.tally.present, votes=int(w.manager.current_step()), refusals=w.tally.refusals)
     w.close()
     q.put(out)
+
+
+def hostile(w: Any, seconds: float, out: dict[str, Any]) -> None:
+    """A client that ignores refusal: every proof of the secret checks out to it, it claims a
+    step far ahead at every quorum (so the job's workers would take its state) and trains on
+    noise, until ``seconds`` have passed."""
+    import thinwire.elastic.secret as secret_module
+
+    secret_module.matches = lambda *args, **kwargs: True  # type: ignore[assignment]
+    end, quorums = time.time() + seconds, 0
+    while time.time() < end:
+        w.manager._step = 10_000 + quorums  # torchft's counter: the quorum's highest step is the source
+        try:
+            w.begin()
+        except Exception:  # noqa: BLE001  (refused or not: it asks again)
+            pass
+        quorums += 1
+        for p in w.model.parameters():
+            p.grad = torch.randn_like(p) * 100
+        try:
+            w.commit(torch.tensor(0.0))
+        except Exception:  # noqa: BLE001
+            pass
+    out.update(quorums=quorums, hostile=True)
 
 
 def residuals(method: Any) -> int:

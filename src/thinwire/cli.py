@@ -123,6 +123,14 @@ def _elastic_options(p: argparse.ArgumentParser) -> None:
                    "a silent worker is dropped after this long (default: 4)")
     e.add_argument("--elastic-wait", type=float, metavar="S",
                    help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
+    e.add_argument("--worker-host", metavar="HOST",
+                   help="with --lighthouse: the address this worker's store listens on, alone, and the other workers "
+                   "reach it at (default: this machine's address on the way to the Lighthouse)")
+    e.add_argument("--job-secret-file", metavar="PATH",
+                   help="the job's secret (at least 16 bytes; chmod 600): only workers that prove they hold it take "
+                   "part, and the state a joiner takes is checked with it before it is loaded (default: "
+                   "$THINWIRE_JOB_SECRET, else none: any process that reaches the job's ports can take part; "
+                   "docs/security.md)")
 
 
 def _lighthouse_parser(sub: Any) -> None:
@@ -319,7 +327,7 @@ TRAIN_FIELDS = ("task", "method", "policy", "workers", "steps", "batch_size", "l
                 "checkpoint_every", "resume", "on_nonfinite", "imports", "max_workers", "ranks_per_node",
                 "intra_link", "intra_dtype", "shard", "tensorboard", "lr_schedule", "warmup_steps", "min_lr",
                 "muon_lr", "elastic", "min_workers", "lighthouse", "replica", "elastic_timeout",
-                "elastic_wait")  # train's options, by field
+                "elastic_wait", "job_secret_file", "worker_host")  # train's options, by field
 
 
 def _methods(imports: list[str], markdown: bool = False, names: Sequence[str] = ()) -> int:

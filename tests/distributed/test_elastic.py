@@ -243,6 +243,33 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
+def _listeners(pid: int) -> list[str]:
+    """The addresses process ``pid`` listens on over TCP (from /proc: its sockets' inodes
+    against the machine's listening sockets)."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append(str(ipaddress.ip_address(words if width == 16 else words[:4])))
+    return found
+
+
 @pytest.mark.parametrize("kind", ["resource_tracker", "worker"])
 def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_worker(tmp_path, kind):
     """A local elastic job's processes: the launcher (with the Lighthouse), a worker per replica
@@ -271,6 +298,9 @@ def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_
         kids = _children(job.pid)
         workers = sorted(p for p, c in kids.items() if "spawn_main" in c)
         assert len(workers) == 3 and not any("forkserver" in c for c in kids.values()), kids
+        for pid in workers:  # its store, gloo and torchft's manager server: this machine alone
+            where = _listeners(pid)
+            assert len(where) >= 3 and set(where) == {"127.0.0.1"}, where
         victim = next(p for p, c in kids.items() if "resource_tracker" in c) if kind == "resource_tracker" \
             else workers[0]
         os.kill(victim, signal.SIGKILL)

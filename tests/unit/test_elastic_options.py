@@ -49,6 +49,79 @@ def test_elastic_options_without_elastic_are_refused(capsys):
     refused(capsys, ["train", "--lighthouse", "127.0.0.1:29510", "--steps", "5"], "--lighthouse needs --elastic")
 
 
+def _secret_file(tmp_path, content: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / "job.secret"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return str(path)
+
+
+GOOD = b"0123456789abcdef0123456789abcdef\n"
+
+
+def test_a_job_secret_that_cannot_be_used_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("THINWIRE_JOB_SECRET", raising=False)
+    elastic = ["train", "--elastic", "--workers", "2", "--steps", "5", "--job-secret-file"]
+    refused(capsys, [*elastic, str(tmp_path / "missing")], f"--job-secret-file {tmp_path / 'missing'}: no such file")
+    refused(capsys, [*elastic, _secret_file(tmp_path, b"")], "the file is empty")
+    refused(capsys, [*elastic, _secret_file(tmp_path, b"  \n")], "the file is empty")
+    refused(capsys, [*elastic, _secret_file(tmp_path, b"short\n")],
+            "it holds 5 byte(s); a job secret needs at least 16")
+    path = _secret_file(tmp_path, GOOD, 0o644)
+    refused(capsys, [*elastic, path], f"every user of this machine can read it; make it yours alone (chmod 600 {path})")
+    refused(capsys, [*elastic, str(tmp_path)], "not a file")
+    path = _secret_file(tmp_path, GOOD)
+    refused(capsys, ["train", "--job-secret-file", path, "--steps", "5"], "--job-secret-file needs --elastic")
+    monkeypatch.setenv("THINWIRE_JOB_SECRET", "0123456789abcdef")
+    refused(capsys, [*elastic, path],
+            "--job-secret-file and THINWIRE_JOB_SECRET are both set: give the job secret once")
+    monkeypatch.setenv("THINWIRE_JOB_SECRET", "too short")
+    refused(capsys, elastic[:-1], "THINWIRE_JOB_SECRET holds 9 byte(s); a job secret needs at least 16")
+
+
+def test_a_secret_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
+    from thinwire.elastic import secret
+
+    path = _secret_file(tmp_path, GOOD)
+    assert secret.read(path, env={}) == GOOD.rstrip() and secret.read(None, env={}) is None
+    assert secret.read(None, env={"THINWIRE_JOB_SECRET": " 0123456789abcdef\n"}) == b"0123456789abcdef"
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("builtins.open", denied)  # root reads any file: the refusal as another user meets it
+    with pytest.raises(secret.SecretError, match=r"^--job-secret-file .*: cannot be read \(Permission denied\)$"):
+        secret.read(path, env={})
+
+
+def test_a_worker_without_a_secret_warns_once_it_reaches_beyond_this_machine():
+    from thinwire.run.elastic import secret_warning
+
+    for local in ("127.0.0.1:29510", "localhost:29510", "[::1]:29510", "http://127.0.0.2:1"):
+        assert secret_warning(local, None) is None
+    assert secret_warning("10.0.0.7:29510", GOOD) is None
+    line = secret_warning("10.0.0.7:29510", None)
+    assert line is not None and len(line.splitlines()) == 1 and line.startswith("thinwire: warning: this elastic job "
+                                                                                   "has no job secret")
+    assert "--job-secret-file PATH" in line and "THINWIRE_JOB_SECRET" in line
+
+
+def test_proofs_bind_every_part_and_its_boundaries():
+    from thinwire.elastic import secret
+
+    key = GOOD.rstrip()
+    t = secret.tag(key, "p", b"ab", b"c")
+    assert secret.matches(key, t, "p", b"ab", b"c")
+    assert not secret.matches(key, t, "p", b"a", b"bc")  # the same bytes cut elsewhere
+    assert not secret.matches(key, t, "q", b"ab", b"c") and not secret.matches(key[::-1], t, "p", b"ab", b"c")
+    import hashlib
+    import hmac
+
+    # HMAC-SHA-256 of the purpose, then each part after its 8-byte length
+    assert t == hmac.new(key, b"p" + (2).to_bytes(8, "big") + b"ab" + (1).to_bytes(8, "big") + b"c",
+                         hashlib.sha256).digest()
+
+
 def test_a_lighthouse_that_does_not_answer_is_named_within_the_timeout(capsys):
     import time
 

@@ -79,13 +79,14 @@ def url(text: str) -> str:
     return f"http://{_bracket(host)}:{port}"
 
 
-def check_reachable(text: str, timeout_s: float) -> None:
-    """Raise ``ValueError`` naming the address when nothing accepts a connection on it within
-    ``timeout_s`` seconds (before a worker builds anything)."""
+def check_reachable(text: str, timeout_s: float) -> str:
+    """This machine's address on the way to the Lighthouse at ``text`` (the one the other
+    workers can reach this one at); raises ``ValueError`` naming the address when nothing
+    accepts a connection on it within ``timeout_s`` seconds (before a worker builds anything)."""
     host, port = split_address(text)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            return str(sock.getsockname()[0])
     except OSError as e:
         raise ValueError(f"no Lighthouse answers at {text} (within {timeout_s:g} s: {e.strerror or e}); start one "
                          "with `thinwire lighthouse` or leave --lighthouse out for a local run") from None

@@ -22,7 +22,14 @@ supplies the state and keeps each method's maths right:
   before the vote), so it leaves no residual changed, and the same step is tried again at the
   next quorum with the same batch;
 * **admission**: a worker joins only a job of the same method, model and thinwire version
-  (:class:`Refused` on the newcomer, by name; the others discard that one step).
+  (:class:`Refused` on the newcomer, by name; the others discard that one step), and, in a
+  job with a secret (:mod:`thinwire.elastic.secret`), only one that proves at each new
+  quorum that it holds it: every member shows a fresh nonce, then an HMAC over the quorum
+  and every member's nonce. A member whose proof fails, or who shows none, is named, and
+  the others vote against the step before any other collective of it runs;
+* **the state a joiner takes** travels over the quorum's own group, sealed with the secret
+  and checked before it is unpickled (:mod:`thinwire.elastic.transport`): no worker runs a
+  state server.
 
 The loop::
 
@@ -39,6 +46,7 @@ The loop::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -47,7 +55,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -100,6 +108,7 @@ class Tally:
     discarded: int = 0  # steps this worker ran and threw away (a collective failed, or too few workers)
     heals: int = 0
     present: list[list[int]] = field(default_factory=list)  # [first step, last step, workers]: runs of equal size
+    refusals: list[dict[str, Any]] = field(default_factory=list)  # members not admitted: step, worker, why, time
 
     def count(self, step: int, workers: int) -> None:
         if self.present and self.present[-1][2] == workers and self.present[-1][1] == step - 1:
@@ -108,21 +117,40 @@ class Tally:
             self.present.append([step, step, workers])
 
 
-def _weights_only(base: type) -> type:
-    """torchft's HTTP state transport, loading what it receives with ``weights_only=True``:
-    tensors and plain containers only, so a peer cannot run code in the worker that takes its
-    state (torchft's own loads with ``weights_only=False``)."""
-    import urllib.request
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """torchft's manager server, while a ``Manager`` is built, listening on ``host`` alone:
+    torchft 0.2 binds it to every interface (``[::]``) with no setting to change that."""
+    import torchft.manager as torchft_manager
 
-    from torchft.checkpointing._serialization import _streaming_load
+    real = torchft_manager.ManagerServer
 
-    class WeightsOnlyHTTP(base):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
+    def on_host(*args: Any, **kwargs: Any) -> Any:
+        port = str(kwargs.get("bind", "0")).rsplit(":", 1)[-1]
+        kwargs["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return real(*args, **kwargs)
 
-    return WeightsOnlyHTTP
+    torchft_manager.ManagerServer = on_host
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = real
+
+
+def _listening(host: str) -> Any:
+    """A TCP socket listening on ``host`` alone, on a free port (for the worker's store)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"an elastic worker cannot listen on {host}: {e.strerror or e}") from None
+    return sock
 
 
 def _gloo_group(timeout: timedelta) -> Any:
@@ -151,17 +179,18 @@ class ElasticWorker:
     a commit vote or a state transfer that takes longer fails (a stopped worker is dropped
     this long after it stopped answering). ``wait_s``: how long :meth:`begin` waits for a
     quorum before it raises :class:`QuorumLost`. ``extra_state``: a pair ``(get, set)`` of
-    the loop's own state to send to a joining worker. ``host``: the name the other workers
-    reach this one by (its store and its state server; loopback by default).
+    the loop's own state to send to a joining worker. ``host``: the address the other workers
+    reach this one at, and the only one its store listens on (loopback by default).
     ``start_workers``: a job that starts, or is resumed whole from its checkpoints, waits up
     to ``wait_s`` for this many workers before its first step (default: ``min_workers``), so
-    that it does not start with the first few to arrive.
+    that it does not start with the first few to arrive. ``secret``: the job's secret
+    (:func:`thinwire.elastic.secret.read`), or None for a job without one.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str, *, lighthouse: str,
                  replica: int, min_workers: int, timeout_s: float = TIMEOUT_S, wait_s: float = WAIT_S,
                  bucket_mb: float = 25.0, extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
-                 host: str = "127.0.0.1", start_workers: int | None = None) -> None:
+                 host: str = "127.0.0.1", start_workers: int | None = None, secret: bytes | None = None) -> None:
         from thinwire.algorithms.methods import elastic_refusal, parse_spec, resolve_method
         from thinwire.version import __version__
 
@@ -175,12 +204,13 @@ class ElasticWorker:
             raise ValueError(f"min_workers must be >= 1, got {min_workers}")
         os.environ.setdefault("RUST_LOG", "warn")
         import torch.distributed as dist
-        from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
 
+        from thinwire.elastic.transport import SignedTransport, quiet_torchft
         from thinwire.peers.torchft_diloco import _quiet_flight_recorder
 
         _quiet_flight_recorder()
+        quiet_torchft()
         # torchft reads a received state from a read-only buffer (the tensors are copied into place)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.model, self.optimizer, self.spec, self.replica = model, optimizer, spec, replica
@@ -188,6 +218,7 @@ class ElasticWorker:
         described = json.dumps(entries(model.named_parameters()), separators=(",", ":"))
         self.fingerprint = {"method": spec, "thinwire": __version__,
                             "model": hashlib.sha256(described.encode()).hexdigest()[:16]}
+        self.secret = secret
         self.tally = Tally()
         self.method: Any = None
         self.quorum_id: int | None = None
@@ -201,20 +232,24 @@ class ElasticWorker:
         self._first_step: int | None = None
         self._steps = 0  # steps the job has committed (torchft's counter counts only the steps that vote)
         self._local = False  # the step begun trains alone: no quorum, no vote, nothing to undo
+        self._named: set[tuple[int | None, str]] = set()  # refusals on record since the last committed step
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._listen = _listening(host)  # the store listens on host alone (c10d's own would take every interface)
+        self.store = dist.TCPStore(host, self._listen.getsockname()[1], is_master=True, wait_for_workers=False,
+                                   timeout=timeout, master_listen_fd=self._listen.fileno())
         self.pg = _gloo_group(timeout)
-        self.transport = _weights_only(HTTPTransport)(timeout=timeout, num_chunks=0)
-        self.transport._server.RequestHandlerClass.log_message = _silent  # one line per transfer on stderr otherwise
+        self.transport = SignedTransport(self.pg, secret, lambda: self.pg.quorum_id, self._worker_at)
         try:
-            self.manager = Manager(
-                pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_workers,
-                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=wait_s),
-                connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=self.store.port,
-                lighthouse_addr=url(lighthouse), replica_id=f"thinwire_{replica}", hostname=host, init_sync=True,
-                max_retries=None, checkpoint_transport=self.transport)
+            with _manager_server_on(host):
+                self.manager = Manager(
+                    pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_workers,
+                    use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=wait_s),
+                    connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=self.store.port,
+                    lighthouse_addr=url(lighthouse), replica_id=f"thinwire_{replica}", hostname=host, init_sync=True,
+                    max_retries=None, checkpoint_transport=self.transport)
         except BaseException:
             self.transport.shutdown(wait=False)
+            self._listen.close()
             raise
         self.comm = QuorumComm(self.manager, self.pg)
         self.wait_s = wait_s
@@ -277,9 +312,20 @@ class ElasticWorker:
     def _new_quorum(self, seconds: float) -> None:
         from thinwire.algorithms.build import build_method
         from thinwire.algorithms.methods import is_gradient_codec
+        from thinwire.elastic.transport import StateRefused
 
         rank, size = self.manager.participating_rank(), self.manager.num_participants()
         self.comm.reconfigure(0 if rank is None else int(rank), max(1, int(size)))
+        error = getattr(self.manager.errored(), "original_exception", None)
+        if isinstance(error, StateRefused):  # a state, or a joiner asking for one, failed its authentication
+            if error.mine and not self._admitted:  # a newcomer whose proof of the secret the job refused
+                from thinwire.elastic.secret import HOW
+
+                raise Refused(f"worker {self.replica} is refused: " + (
+                    f"{error}" if self.secret is not None else f"the job's workers hold a job secret and this one "
+                                                                f"has none; {HOW}"))
+            for r in error.ranks:
+                self._refused(self.pg.members[r] if 0 <= r < len(self.pg.members) else None, str(error))
         healed = self._healed
         present = self._admit()
         state = self._taken if self._taken is not None else (self.method.state_dict() if self.method else None)
@@ -354,6 +400,7 @@ class ElasticWorker:
         return ok
 
     def _committed(self) -> None:
+        self._named.clear()
         self._steps += 1
         self.tally.committed += 1
         self.tally.count(self.step, self.comm.world_size)
@@ -426,19 +473,36 @@ class ElasticWorker:
                 raise Refused(f"worker {self.replica} is refused: its {what} {mine.get(key)!r} differs from the "
                               f"running job's {theirs.get(key)!r}")
 
+    def _worker_at(self, rank: int) -> str:
+        """The worker at ``rank`` of the current quorum, named for a message."""
+        members = self.pg.members
+        return f"worker {members[rank]}" if 0 <= rank < len(members) else f"the worker at rank {rank} of the quorum"
+
     def _admit(self) -> dict[int, str] | None:
-        """Every worker of the new quorum shows its fingerprint; one that differs from the job's
-        (the admitted workers', else the most common) is refused, the others discard the step.
-        Returns the quorum's workers and their incarnations (None: the exchange failed)."""
+        """Every worker of the new quorum shows its fingerprint and a fresh nonce; in a job
+        with a secret each then proves it holds it (:meth:`_prove`). One whose fingerprint
+        differs from the job's (the admitted workers', else the most common) is refused, the
+        others discard the step. Returns the quorum's workers and their incarnations (None:
+        the exchange failed, or a member failed admission)."""
         if self.comm.world_size == 1:
             return {self.replica: self.incarnation}
+        from thinwire.elastic import secret
+
         mine = json.dumps({**self.fingerprint, "admitted": self._admitted, "replica": self.replica,
-                           "incarnation": self.incarnation}).encode()
+                           "incarnation": self.incarnation, "nonce": secret.nonce().hex(),
+                           "secret": self.secret is not None}).encode()
         with self.comm.meter.paused():
             every = gather_bytes(self.comm, mine, TEXT_BYTES)
         if self.comm.broken:
             return None
-        shown = [json.loads(row.decode()) for row in every]
+        try:
+            shown = [json.loads(row.decode()) for row in every]
+            replicas = [int(s["replica"]) for s in shown]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):  # not a worker of thinwire's
+            self.manager.report_error(RuntimeError("a member of the quorum showed no readable admission"))
+            return None
+        if any(bool(s.get("secret")) for s in shown) and not self._prove(every, shown, replicas):
+            return None
         keys = [json.dumps({k: s[k] for k in ("method", "thinwire", "model")}, sort_keys=True) for s in shown]
         admitted = [k for k, s in zip(keys, shown, strict=True) if s["admitted"]]
         reference = admitted[0] if admitted else max(keys, key=lambda k: (keys.count(k), -keys.index(k)))
@@ -447,6 +511,59 @@ class ElasticWorker:
         elif any(k != reference for k in keys):
             self.manager.report_error(RuntimeError("a worker the job does not admit is in the quorum"))
         return {int(s["replica"]): str(s["incarnation"]) for s in shown}
+
+    def _prove(self, every: list[bytes], shown: list[dict[str, Any]], replicas: list[int]) -> bool:
+        """Every member's HMAC, under the job secret, of the quorum id, its own place and the
+        whole first exchange (every member's fresh nonce): whether every member proved it
+        holds this worker's secret. A member without one, or whose proof fails, is named in
+        :attr:`Tally.refusals` and the step voted down; this worker is :class:`Refused` when
+        it has no secret in a job whose workers show one, or when no admitted member's proof
+        checks out under its own."""
+        from thinwire.elastic import secret
+
+        transcript = b"".join(len(row).to_bytes(4, "big") + row for row in every)
+        qid = str(self.pg.quorum_id).encode()
+
+        def proof(key: bytes, rank: int) -> bytes:
+            return secret.tag(key, "thinwire-admit", qid, rank.to_bytes(4, "big"), transcript)
+
+        mine = proof(self.secret, self.comm.rank).hex().encode() if self.secret is not None else b""
+        with self.comm.meter.paused():
+            proofs = gather_bytes(self.comm, mine, 2 * secret.DIGEST_BYTES)
+        if self.comm.broken:
+            return False
+        if self.secret is None:
+            raise Refused(f"worker {self.replica} is refused: the job's workers hold a job secret and this one has "
+                          f"none; {secret.HOW}")
+        failed = []
+        for rank, (shown_by, given) in enumerate(zip(shown, proofs, strict=True)):
+            if rank == self.comm.rank:
+                continue
+            try:
+                ok = secret.matches(self.secret, bytes.fromhex(given.decode()), "thinwire-admit", qid,
+                                    rank.to_bytes(4, "big"), transcript)
+            except (ValueError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                failed.append((rank, "it holds no job secret" if not shown_by.get("secret")
+                               else "its proof of the job's secret fails"))
+        if not failed:
+            return True
+        if len(failed) == self.comm.world_size - 1 and not self._admitted:
+            raise Refused(f"worker {self.replica} is refused: its job secret is not the running job's (no other "
+                          "worker's proof checks out under it)")
+        for rank, why in failed:
+            self._refused(replicas[rank], why)
+        names = ", ".join(f"worker {replicas[r]} ({why})" for r, why in failed)
+        self.manager.report_error(RuntimeError(f"not admitted: {names}"))
+        return False
+
+    def _refused(self, worker: int | None, why: str) -> None:
+        """Name a member not admitted, or a peer whose state was refused, in
+        :attr:`Tally.refusals`: once for each reason until a step commits again."""
+        if (worker, why) not in self._named:
+            self._named.add((worker, why))
+            self.tally.refusals.append({"step": self.step, "worker": worker, "why": why, "time": round(time.time(), 3)})
 
     # -- the end ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -458,7 +575,4 @@ class ElasticWorker:
         # torchft's state server stops within its 0.5 s poll: off the caller's clock
         threading.Thread(target=self.transport.shutdown, name="thinwire-elastic-close", daemon=True).start()
         self.pg.shutdown()
-
-
-def _silent(*args: Any) -> None:
-    """No log line for a state transfer (torchft's server writes one per request)."""
+        self._listen.close()

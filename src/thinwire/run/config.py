@@ -80,6 +80,8 @@ class TrainConfig:
     replica: int | None = None  # this worker's number with --lighthouse (default: $RANK, else 0)
     elastic_timeout: float = 4.0  # seconds: a collective, commit vote or state transfer longer than this fails
     elastic_wait: float = 60.0  # seconds a worker waits for a quorum of min_workers before it gives up
+    job_secret_file: str | None = None  # the job's secret (thinwire.elastic.secret; else $THINWIRE_JOB_SECRET)
+    worker_host: str | None = None  # with --lighthouse: the address this worker listens on and is reached at
 
     def resolve(self) -> TrainConfig:
         """Validate every field and fill defaults; raises ValueError naming the rule broken, or
@@ -168,7 +170,8 @@ class TrainConfig:
         """The elastic options, checked; the minimum of workers (None when not elastic)."""
         if not self.elastic:
             for given, flag in ((self.min_workers, "--min-workers"), (self.lighthouse, "--lighthouse"),
-                                (self.replica, "--replica")):
+                                (self.replica, "--replica"), (self.job_secret_file, "--job-secret-file"),
+                                (self.worker_host, "--worker-host")):
                 require(given is None, f"{flag} needs --elastic")
             return None
         from thinwire.algorithms.methods import elastic_refusal
@@ -182,6 +185,8 @@ class TrainConfig:
                 "the Lighthouse with `thinwire lighthouse`)")
         require(self.replica is None or self.lighthouse is not None,
                 "--replica needs --lighthouse (a local job numbers its workers itself)")
+        require(self.worker_host is None or self.lighthouse is not None,
+                "--worker-host needs --lighthouse (a local job's workers listen on 127.0.0.1)")
         require(self.replica is None or 0 <= self.replica < self.workers,
                 f"--replica must be in 0..{self.workers - 1} (--workers {self.workers}), got {self.replica}")
         require(math.isfinite(self.elastic_timeout) and self.elastic_timeout > 0,
@@ -329,7 +334,7 @@ class Facts:
 def plan(cfg: TrainConfig) -> Facts:
     """Read what :meth:`TrainConfig.validate` needs: import the ``--import`` modules, look
     up the task, read the environment (torchrun's world, the collective timeout, the
-    machine's room for local ranks), the ``--policy`` file, a ``--resume`` checkpoint's
+    machine's room for local ranks), the ``--policy`` file, an elastic job's secret, a ``--resume`` checkpoint's
     metadata and what ``--out`` holds. Raises ValueError naming what cannot be read."""
     from thinwire.comm.torch_dist import collective_timeout
     from thinwire.tasks import get as get_task
@@ -349,6 +354,10 @@ def plan(cfg: TrainConfig) -> Facts:
         from thinwire.policy import Policy
 
         facts = dataclasses.replace(facts, policy=Policy.from_toml(cfg.policy))
+    if cfg.elastic:  # a secret that cannot be used is refused before any worker starts
+        from thinwire.elastic import secret
+
+        secret.read(cfg.job_secret_file)
     if cfg.resume is not None:
         facts = _resume_facts(cfg, facts)
     if facts.out is not None:

@@ -54,13 +54,16 @@ def worker_out(out: str | None, replica: int) -> str | None:
 # -- one worker ------------------------------------------------------------------------------------
 def run_worker(cfg: TrainConfig, *, replica: int, lighthouse: str, out: str | None, report: Report | None = None,
                resume: str | None = None, resume_optional: bool = False,
-               device: torch.device | str = "cpu") -> WorkerSummary:
+               device: torch.device | str = "cpu", secret: bytes | None = None,
+               host: str = "127.0.0.1") -> WorkerSummary:
     """Train as worker ``replica`` of the elastic job whose Lighthouse is at ``lighthouse``
     until the job has committed ``cfg.steps`` steps; returns this worker's summary (also
     written to ``out``). ``resume``: a checkpoint (or a worker folder) of this worker's to
     start from; the job's newest state still wins (a worker behind it takes it from a peer);
-    ``resume_optional``: a folder without a checkpoint means a fresh start."""
-    run = _WorkerRun(cfg, replica, lighthouse, out, report, device)
+    ``resume_optional``: a folder without a checkpoint means a fresh start. ``secret``: the
+    job's secret (:mod:`thinwire.elastic.secret`), or None; ``host``: the address the other
+    workers reach this one at, and the one its store listens on."""
+    run = _WorkerRun(cfg, replica, lighthouse, out, report, device, secret, host)
     try:
         if resume:
             _load(run.worker, resume, device, optional=resume_optional)
@@ -75,7 +78,7 @@ class _WorkerRun:
     writes, and the clocks its summary reports."""
 
     def __init__(self, cfg: TrainConfig, replica: int, lighthouse: str, out: str | None, report: Report | None,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, secret: bytes | None = None, host: str = "127.0.0.1") -> None:
         from thinwire.elastic.worker import ElasticWorker
         from thinwire.run.trainer import build_optimizer, utc_now
         from thinwire.tasks import get as get_task
@@ -90,13 +93,15 @@ class _WorkerRun:
                                          self.task.defaults.weight_decay, model=self.model, muon_lr=cfg.muon_lr)
         self.worker = ElasticWorker(self.model, self.optimizer, cfg.method, lighthouse=lighthouse, replica=replica,
                                     min_workers=int(cfg.min_workers or 1), timeout_s=cfg.elastic_timeout,
-                                    wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb, start_workers=cfg.workers)
+                                    wait_s=cfg.elastic_wait, bucket_mb=cfg.bucket_mb, start_workers=cfg.workers,
+                                    secret=secret, host=host)
         self.writer = MetricsWriter(out, tensorboard=bool(cfg.tensorboard)) if out else None
         self.window = [0.0, 0]  # training losses since the last record: sum, count
         self.status: str = "ok"
         self.failure: str | None = None
         self.last_eval: dict[str, Any] = {}
         self.seen_changes = 0
+        self.seen_refusals = 0
         self.t_start = time.perf_counter()
         self.first_commit: float | None = None
         self.train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
@@ -115,6 +120,7 @@ class _WorkerRun:
                 self.status, self.failure = "stopped", f"{e}; the job's last committed state is step {worker.step}"
                 break
             self.seen_changes = _log_changes(worker, self.writer, self.report, self.replica, self.seen_changes)
+            self.seen_refusals = _log_refusals(worker, self.writer, self.report, self.replica, self.seen_refusals)
             if done >= int(cfg.steps or 0):
                 break
             if at != done or batches is None:  # a heal moved the step, or a failed vote left it: the step's batch
@@ -179,7 +185,8 @@ class _WorkerRun:
             min_workers=int(cfg.min_workers or 1), seed=cfg.seed, lr=cfg.lr, optimizer=cfg.optimizer,
             config=_config_record(cfg), status=self.status, failure=self.failure, committed_step=worker.step,
             final=self.last_eval,
-            elastic={"changes": [c.record() for c in tally.changes], "committed": tally.committed,
+            elastic={"changes": [c.record() for c in tally.changes], "refusals": list(tally.refusals),
+                     "committed": tally.committed,
                      "discarded": tally.discarded, "heals": tally.heals, "present": tally.present,
                      "seconds_to_first_commit": self.first_commit, "timeout_seconds": cfg.elastic_timeout,
                      "wait_seconds": cfg.elastic_wait},
@@ -216,6 +223,17 @@ def _log_changes(worker: Any, writer: MetricsWriter | None, report: Report | Non
         if report is not None:
             report("quorum", replica=replica, **change.record())
     return len(worker.tally.changes)
+
+
+def _log_refusals(worker: Any, writer: MetricsWriter | None, report: Report | None, replica: int, seen: int) -> int:
+    """The members of a quorum this worker did not admit, and the peers whose state it
+    refused (:attr:`~thinwire.elastic.worker.Tally.refusals`), as events and on the console."""
+    for refusal in worker.tally.refusals[seen:]:
+        if writer is not None:
+            writer.write_event({"event": "refused", **refusal})
+        if report is not None:
+            report("refused", replica=replica, **refusal)
+    return len(worker.tally.refusals)
 
 
 def _model_digest(model: torch.nn.Module) -> str:
@@ -268,15 +286,35 @@ def launch_elastic(cfg: TrainConfig, *, show_progress: bool = True) -> WorkerSum
     """Run the elastic job ``cfg`` describes: one worker here (``cfg.lighthouse`` given), or
     a Lighthouse and ``cfg.workers`` worker processes on this machine. Returns the summary:
     the worker's, or for a local job every worker's with its exit status."""
+    from thinwire.elastic import secret as job_secret
+
+    key = job_secret.read(cfg.job_secret_file)
     if cfg.lighthouse is not None:
         replica = cfg.replica if cfg.replica is not None else int(os.environ.get("RANK", "0"))
         from thinwire.elastic.lighthouse import check_reachable
 
-        check_reachable(cfg.lighthouse, cfg.elastic_timeout)
+        route = check_reachable(cfg.lighthouse, cfg.elastic_timeout)  # this machine's address towards it
+        host = cfg.worker_host or route
+        warning = secret_warning(cfg.lighthouse, key)
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
         torch.set_num_threads(cfg.threads or torch.get_num_threads())
         return run_worker(cfg, replica=replica, lighthouse=cfg.lighthouse, out=cfg.out,
-                          report=_Printer(show_progress).report, resume=cfg.resume and _own_resume(cfg.resume, replica))
-    return _local_job(cfg, show_progress)
+                          report=_Printer(show_progress).report, resume=cfg.resume and _own_resume(cfg.resume, replica),
+                          secret=key, host=host)
+    return _local_job(cfg, show_progress, key)
+
+
+def secret_warning(lighthouse: str, key: bytes | None) -> str | None:
+    """The one warning of a worker without a job secret whose Lighthouse is not on this
+    machine alone (None when it has a secret, or the job is local)."""
+    from thinwire.elastic import secret as job_secret
+    from thinwire.elastic.lighthouse import split_address
+
+    if key is not None or job_secret.is_loopback(split_address(lighthouse)[0]):
+        return None
+    return ("thinwire: warning: this elastic job has no job secret and its Lighthouse is not on this machine alone: "
+            f"any process that reaches the job's ports can take part in it; {job_secret.HOW}")
 
 
 def _own_resume(path: str, replica: int) -> str:
@@ -285,7 +323,7 @@ def _own_resume(path: str, replica: int) -> str:
     return str(own) if own.is_dir() else path
 
 
-def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
+def _local_job(cfg: TrainConfig, show_progress: bool, key: bytes | None = None) -> JobSummary:
     """A Lighthouse in this process and ``cfg.workers`` worker processes, each the launcher's own
     child (``spawn``: no fork server, whose death would take every worker's exit status with it,
     and no lock shared between workers: each reports over a pipe of its own, so a worker killed
@@ -307,7 +345,7 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
             outdir.mkdir(cfg.out, f"worker-{r}")
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.workers)]
     procs = [ctx.Process(target=_worker_main, args=(cfg, r, lighthouse.address, pipes[r][1], threads,
-                                                     dict(os.environ)), daemon=False)
+                                                     dict(os.environ), key), daemon=False)
              for r in range(cfg.workers)]
     readers = {pipes[r][0]: r for r in range(cfg.workers)}
     printer = _Printer(show_progress)
@@ -363,7 +401,7 @@ def _local_job(cfg: TrainConfig, show_progress: bool) -> JobSummary:
 
 
 def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, conn: Any, threads: int,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], key: bytes | None) -> None:
     from thinwire.run.launch import loopback_interface
     from thinwire.run.spawn import begin_rank
 
@@ -381,7 +419,7 @@ def _worker_main(cfg: TrainConfig, replica: int, lighthouse: str, conn: Any, thr
         with outdir.hold(out):
             summary = run_worker(cfg, replica=replica, lighthouse=lighthouse, out=out, report=report,
                                  resume=worker_out(cfg.resume, replica) if cfg.resume else None,
-                                 resume_optional=True)
+                                 resume_optional=True, secret=key)
         conn.send(("done", {"replica": replica, "summary": summary}))
         if summary.status != "ok":
             sys.exit(EXIT_QUORUM_LOST)
@@ -410,6 +448,9 @@ class _Printer:
                                                f"left {f['left']}" if f["left"] else "") if part)
             self.line(f"[worker {f['replica']}] step {f['step']}: quorum of {f['workers']} {f['members']}"
                       f"{': ' + what if what else ''} ({f['seconds']:.2f} s{', took state' if f['healed'] else ''})")
+        elif kind == "refused":
+            who = f"worker {f['worker']}" if f.get("worker") is not None else "a peer"
+            self.line(f"[worker {f['replica']}] step {f['step']}: {who} refused: {f['why']}")
         elif kind == "eval":
             loss = f.get("test_loss")
             self.line(f"[worker {f['replica']}] step {f['step']}: train loss {f['train_loss']:.4f}"
