@@ -57,12 +57,26 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     (``(step, seconds)``: sleep that long before beginning that step, 1-based), ``secret`` (the
     job secret it holds), ``hostile`` (seconds: a client that holds a wrong secret, accepts every
     proof, ignores its refusal, claims a step far ahead of the job's at every quorum, so that
-    the others take their state from it, and leaves after that long)."""
+    the others take their state from it, and leaves after that long), ``bypass`` (a modified
+    client that goes around the Lighthouse's gate to its own port: what a process on the
+    Lighthouse's machine can reach)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
     begin_rank(env)
     time.sleep(plan.get("join_after", 0.0))
+    if plan.get("bypass"):
+        import thinwire.elastic.gate as gate
+
+        class Around:  # no handshake: straight to the address it is given
+            def __init__(self, target, key, timeout_s):
+                self.address = f"{target[0]}:{target[1]}"
+
+            def shutdown(self):
+                pass
+
+        gate.probe = lambda *args, **kwargs: None  # type: ignore[assignment]
+        gate.Forwarder = Around  # type: ignore[assignment,misc]
 
     torch.set_num_threads(1)
     net = model()
@@ -159,10 +173,13 @@ class Job:
     """A Lighthouse here and workers started as local ranks are (thinwire.run.spawn.rank_context);
     :meth:`results` by replica."""
 
-    def __init__(self, min_workers: int = 2, join_timeout_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, min_workers: int = 2, join_timeout_s: float = HEARTBEAT_S, secret: bytes | None = None) -> None:
         from thinwire.elastic import serve
 
-        self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=join_timeout_s)
+        self.lighthouse = serve(min_workers, heartbeat_timeout_s=HEARTBEAT_S, join_timeout_s=join_timeout_s,
+                                secret=secret, gate_timeout_s=TIMEOUT_S)
+        # the Lighthouse's own port (behind its gate, with a secret)
+        self.inner = "127.0.0.1:" + self.lighthouse.server.address().rsplit(":", 1)[1]
         from thinwire.run.spawn import rank_context
 
         self.ctx = rank_context()
@@ -170,8 +187,8 @@ class Job:
         self.procs: list[Any] = []
 
     def start(self, replica: int, spec: str, steps: int, **plan: Any) -> Any:
-        p = self.ctx.Process(target=worker, args=(replica, self.lighthouse.address, spec, steps, self.q, plan,
-                                                  dict(os.environ)))
+        address = self.inner if plan.get("bypass") else self.lighthouse.address
+        p = self.ctx.Process(target=worker, args=(replica, address, spec, steps, self.q, plan, dict(os.environ)))
         p.start()
         self.procs.append(p)
         return p

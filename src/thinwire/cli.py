@@ -138,8 +138,9 @@ def _lighthouse_parser(sub: Any) -> None:
                        "stopped (Ctrl-C)",
                        description="Run torchft's Lighthouse: it forms the quorum of an elastic job at every step that "
                        "communicates. "
-                       "Workers join with `thinwire train --elastic --lighthouse HOST:PORT --replica K`. Any process "
-                       "that reaches it can join the job: see docs/security.md.")
+                       "Workers join with `thinwire train --elastic --lighthouse HOST:PORT --replica K`. With a job "
+                       "secret only processes that prove they hold it reach it; without one, any process that reaches "
+                       "it can join the job: see docs/security.md.")
     h.add_argument("--min-workers", type=int, required=True, metavar="N", help="form no quorum of fewer workers")
     h.add_argument("--bind", default="127.0.0.1:29510", metavar="HOST:PORT",
                    help="where to listen (default: 127.0.0.1:29510, this machine only; 0.0.0.0:29510 for every "
@@ -151,6 +152,10 @@ def _lighthouse_parser(sub: Any) -> None:
                    help="how long a quorum that could form waits for a worker that is alive (its heartbeat heard) "
                    "but has not asked yet: a DiLoCo-family worker asks only at its averages, so the workers may be "
                    "up to a round apart (default: 60; give the workers' --elastic-wait the same)")
+    h.add_argument("--job-secret-file", metavar="PATH",
+                   help="the job's secret (at least 16 bytes; chmod 600): a connection that does not prove it holds "
+                   "it is refused before it reaches the Lighthouse, and named (default: $THINWIRE_JOB_SECRET, else "
+                   "none); give the workers the same")
 
 
 def _methods_parser(sub: Any) -> None:
@@ -302,19 +307,25 @@ def _lighthouse(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from thinwire.elastic.lighthouse import serve
+    from thinwire.elastic import secret
+    from thinwire.elastic.lighthouse import serve, split_address
 
     try:
+        key = secret.read(args.job_secret_file)
         lighthouse = serve(args.min_workers, args.bind, heartbeat_timeout_s=args.heartbeat_timeout,
-                           join_timeout_s=args.join_timeout)
+                           join_timeout_s=args.join_timeout, secret=key)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if key is None and not secret.is_loopback(split_address(args.bind)[0]):
+        print(f"thinwire: warning: this Lighthouse has no job secret and listens beyond this machine: any process "
+              f"that reaches it can join the job; {secret.HOW}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     host, port = lighthouse.address.split("://", 1)[1].rsplit(":", 1)
     reach = "HOST" if host in ("0.0.0.0", "[::]") else host  # every interface: the workers use the machine's name
-    print(f"thinwire: Lighthouse at {lighthouse.address} (quorums of >= {args.min_workers} workers); "
+    print(f"thinwire: Lighthouse at {lighthouse.address} (quorums of >= {args.min_workers} workers"
+          f"{'; only workers holding the job secret' if key is not None else ''}); "
           f"workers join with: thinwire train --elastic --lighthouse {reach}:{port} --replica K ...", flush=True)
     stop.wait()
     lighthouse.shutdown()

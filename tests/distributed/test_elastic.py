@@ -196,31 +196,46 @@ def test_a_stopped_worker_is_dropped_and_when_it_resumes_takes_the_jobs_state(tm
 
 def test_two_terminals_a_lighthouse_command_and_workers_that_join_it(tmp_path):
     import json
+    import os
     import signal
     import subprocess
     import sys
 
     from spawn import free_port
 
+    # the job's secret: a file for the Lighthouse and worker 0, the environment for worker 1
+    key, other = tmp_path / "job.secret", tmp_path / "other.secret"
+    for path, text in ((key, "0123456789abcdef0123456789abcdef\n"), (other, "fedcba9876543210fedcba98\n")):
+        path.write_text(text)
+        path.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "THINWIRE_JOB_SECRET"}
     port = free_port()
     lighthouse = subprocess.Popen([sys.executable, "-m", "thinwire", "lighthouse", "--min-workers", "2", "--bind",
-                                   f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   f"127.0.0.1:{port}", "--job-secret-file", str(key)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert f"Lighthouse at http://127.0.0.1:{port}" in lighthouse.stdout.readline()
-        workers = [subprocess.Popen([sys.executable, "-m", "thinwire", "train", "--elastic", "--lighthouse",
-                                     f"127.0.0.1:{port}", "--replica", str(k), "--workers", "2", "--min-workers", "2",
-                                     "--steps", "30", "--eval-every", "10", "--quiet",
-                                     "--out", str(tmp_path / f"w{k}")],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+        train = [sys.executable, "-m", "thinwire", "train", "--elastic", "--lighthouse", f"127.0.0.1:{port}",
+                 "--workers", "2", "--min-workers", "2", "--steps", "30", "--eval-every", "10", "--quiet"]
+        given = [(["--job-secret-file", str(key)], env), ([], {**env, "THINWIRE_JOB_SECRET": key.read_text()}),
+                 (["--job-secret-file", str(other)], env)]
+        workers = [subprocess.Popen([*train, "--replica", str(k % 2), *flags, "--out", str(tmp_path / f"w{k}")],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+                   for k, (flags, e) in enumerate(given)]
         outs = [w.communicate(timeout=180) for w in workers]
-        assert [w.returncode for w in workers] == [0, 0], outs
+        assert [w.returncode for w in workers] == [0, 0, 2], outs
         assert "worker 1 ok at step 30" in outs[1][0]
+        # another secret: one line, at once, naming the mismatch
+        assert outs[2][1].strip() == f"thinwire: error: the Lighthouse at 127.0.0.1:{port} refused this worker: the " \
+                                     "two hold different job secrets", outs[2]
         sums = [json.loads((tmp_path / f"w{k}" / "summary.json").read_text()) for k in range(2)]
         assert sums[0]["model_sha256"] == sums[1]["model_sha256"] and sums[0]["replica"] == 0
     finally:
         lighthouse.send_signal(signal.SIGINT)
         out, err = lighthouse.communicate(timeout=30)
     assert lighthouse.returncode == 0 and "Lighthouse stopped" in out, err
+    refused = [line for line in err.splitlines() if "gate refused" in line]
+    assert len(refused) == 1 and refused[0].endswith(": its proof of the job secret fails"), err
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -274,15 +289,19 @@ def _listeners(pid: int) -> list[str]:
 def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_worker(tmp_path, kind):
     """A local elastic job's processes: the launcher (with the Lighthouse), a worker per replica
     and multiprocessing's resource tracker (no fork server: docs/fault_tolerance.md). SIGKILL of
-    any but the launcher, mid-run, loses at most that one worker; the job exits 0."""
+    any but the launcher, mid-run, loses at most that one worker; the job exits 0. The job has a
+    secret: the Lighthouse behind its gate, each worker through a forwarder of its own."""
     import json
     import os
     import signal
     import subprocess
     import sys
 
-    out = tmp_path / "job"
+    out, key = tmp_path / "job", tmp_path / "job.secret"
+    key.write_text("0123456789abcdef0123456789abcdef")
+    key.chmod(0o600)
     cmd = [sys.executable, "-m", "thinwire", "train", "--elastic", "--workers", "3", "--min-workers", "2",
+           "--job-secret-file", str(key),
            "--method", "powersgd:rank=2", "--task", "synthetic", "--steps", "200", "--eval-every", "25",
            "--batch-size", "16", "--elastic-timeout", "3", "--out", str(out),
            *[a for kv in ("dim=24", "hidden=32", "classes=4", "samples=512", "test_samples=128")

@@ -12,7 +12,9 @@ on one machine does so), ``thinwire lighthouse`` runs one on its own for workers
 machines.
 
 It listens only on the address it is given: loopback (``127.0.0.1``) unless the user names
-another (see docs/security.md).
+another (see docs/security.md). With a job secret, torchft's server listens on a loopback
+port of its own and a :class:`~thinwire.elastic.gate.Gate` on the given address lets
+through only connections that prove they hold the secret.
 """
 
 from __future__ import annotations
@@ -37,15 +39,21 @@ class Lighthouse:
     server: Any
     address: str
     min_workers: int
+    gate: Any = None  # a Gate in front of the server (a job with a secret)
 
     def shutdown(self) -> None:
+        if self.gate is not None:
+            self.gate.shutdown()
         self.server.shutdown()
 
 
 def serve(min_workers: int, bind: str = f"{LOCAL}:0", *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-          join_timeout_s: float = JOIN_TIMEOUT_S) -> Lighthouse:
+          join_timeout_s: float = JOIN_TIMEOUT_S, secret: bytes | None = None,
+          gate_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> Lighthouse:
     """Start a Lighthouse in this process on ``bind`` (``host:port``; port 0: any free one)
-    that forms no quorum of fewer than ``min_workers`` workers."""
+    that forms no quorum of fewer than ``min_workers`` workers; with ``secret``, behind a
+    gate that admits only connections proving they hold it (``gate_timeout_s``: how long
+    the gate waits for a connection's proof)."""
     require(join_timeout_s > 0, f"the join timeout must be > 0 seconds, got {join_timeout_s}")
     require(min_workers >= 1, f"--min-workers must be >= 1, got {min_workers}")
     require(heartbeat_timeout_s > 0, f"the heartbeat timeout must be > 0 seconds, got {heartbeat_timeout_s}")
@@ -53,14 +61,24 @@ def serve(min_workers: int, bind: str = f"{LOCAL}:0", *, heartbeat_timeout_s: fl
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     from torchft._torchft import LighthouseServer
 
+    inner = f"{LOCAL}:0" if secret is not None else f"{_bracket(host)}:{port}"  # behind the gate: loopback
     try:
-        server = LighthouseServer(bind=f"{_bracket(host)}:{port}", min_replicas=min_workers,
+        server = LighthouseServer(bind=inner, min_replicas=min_workers,
                                   join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=TICK_MS,
                                   heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     except Exception as e:  # torchft raises a bare RuntimeError from its Rust server
         raise ValueError(f"the Lighthouse cannot listen on {bind}: {str(e).splitlines()[0] if str(e) else e}") from None
-    bound = server.address().rsplit(":", 1)[1]
-    return Lighthouse(server, f"http://{_bracket(host)}:{bound}", min_workers)
+    bound = int(server.address().rsplit(":", 1)[1])
+    if secret is None:
+        return Lighthouse(server, f"http://{_bracket(host)}:{bound}", min_workers)
+    from thinwire.elastic.gate import Gate
+
+    try:
+        gate = Gate(host, port, (LOCAL, bound), secret, gate_timeout_s)
+    except OSError as e:
+        server.shutdown()
+        raise ValueError(f"the Lighthouse cannot listen on {bind}: {e.strerror or e}") from None
+    return Lighthouse(server, f"http://{_bracket(host)}:{gate.port}", min_workers, gate)
 
 
 def split_address(text: str) -> tuple[str, int]:

@@ -234,6 +234,15 @@ class ElasticWorker:
         self._local = False  # the step begun trains alone: no quorum, no vote, nothing to undo
         self._named: set[tuple[int | None, str]] = set()  # refusals on record since the last committed step
         timeout = timedelta(seconds=timeout_s)
+        self.forwarder: Any = None
+        if secret is not None:  # the Lighthouse is behind a gate: its handshake first, then through a forwarder
+            from thinwire.elastic.gate import Forwarder, probe
+            from thinwire.elastic.lighthouse import split_address
+
+            target = split_address(lighthouse)
+            probe(*target, secret, timeout_s)
+            self.forwarder = Forwarder(target, secret, timeout_s)
+            lighthouse = self.forwarder.address
         self._listen = _listening(host)  # the store listens on host alone (c10d's own would take every interface)
         self.store = dist.TCPStore(host, self._listen.getsockname()[1], is_master=True, wait_for_workers=False,
                                    timeout=timeout, master_listen_fd=self._listen.fileno())
@@ -250,6 +259,8 @@ class ElasticWorker:
         except BaseException:
             self.transport.shutdown(wait=False)
             self._listen.close()
+            if self.forwarder is not None:
+                self.forwarder.shutdown()
             raise
         self.comm = QuorumComm(self.manager, self.pg)
         self.wait_s = wait_s
@@ -576,3 +587,5 @@ class ElasticWorker:
         threading.Thread(target=self.transport.shutdown, name="thinwire-elastic-close", daemon=True).start()
         self.pg.shutdown()
         self._listen.close()
+        if self.forwarder is not None:
+            self.forwarder.shutdown()

@@ -295,6 +295,11 @@ def launch_elastic(cfg: TrainConfig, *, show_progress: bool = True) -> WorkerSum
 
         route = check_reachable(cfg.lighthouse, cfg.elastic_timeout)  # this machine's address towards it
         host = cfg.worker_host or route
+        if key is None:  # a Lighthouse behind a gate says so at once (with a key, the worker's own handshake does)
+            from thinwire.elastic.gate import probe
+            from thinwire.elastic.lighthouse import split_address
+
+            probe(*split_address(cfg.lighthouse), None, cfg.elastic_timeout)
         warning = secret_warning(cfg.lighthouse, key)
         if warning is not None:
             print(warning, file=sys.stderr, flush=True)
@@ -337,7 +342,7 @@ def _local_job(cfg: TrainConfig, show_progress: bool, key: bytes | None = None) 
     # a quorum waits for a live worker as long as a worker waits for a quorum (DiLoCo-family workers
     # ask only at their averages, up to a round apart)
     lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout,
-                       join_timeout_s=cfg.elastic_wait)
+                       join_timeout_s=cfg.elastic_wait, secret=key, gate_timeout_s=cfg.elastic_timeout)
     ctx = mp.get_context("spawn")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     if cfg.out:
