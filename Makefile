@@ -24,13 +24,15 @@ run: $(STAMP)
 	$(VENV)/bin/thinwire compare $(RUN_ARGS)
 
 # the tests run after lint (ruff: style, import order, likely bugs) and types (mypy on src/thinwire);
-# both are configured in pyproject.toml
+# both are configured in pyproject.toml. TEST_JOBS test processes at once (pytest-xdist; much of a
+# spawned-process test is waiting: start-up, heartbeats, timeouts); TEST_JOBS=0 runs them one by one
+TEST_JOBS ?= 2
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) tests
 
 # the unit tests that start no process (a test that does is marked `spawns`), for the edit-test loop
 test-fast: $(STAMP)
-	THINWIRE_TEST_FAST=1 $(PY) -m pytest -q -m "not spawns" tests/unit
+	THINWIRE_TEST_FAST=1 $(PY) -m pytest -q -n $(TEST_JOBS) -m "not spawns" tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

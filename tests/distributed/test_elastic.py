@@ -302,7 +302,7 @@ def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_
     key.chmod(0o600)
     cmd = [sys.executable, "-m", "thinwire", "train", "--elastic", "--workers", "3", "--min-workers", "2",
            "--job-secret-file", str(key),
-           "--method", "powersgd:rank=2", "--task", "synthetic", "--steps", "200", "--eval-every", "25",
+           "--method", "powersgd:rank=2", "--task", "synthetic", "--steps", "100", "--eval-every", "25",
            "--batch-size", "16", "--elastic-timeout", "3", "--out", str(out),
            *[a for kv in ("dim=24", "hidden=32", "classes=4", "samples=512", "test_samples=128")
              for a in ("--option", kv)]]
