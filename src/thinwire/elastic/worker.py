@@ -506,22 +506,31 @@ class ElasticWorker:
             every = gather_bytes(self.comm, mine, TEXT_BYTES)
         if self.comm.broken:
             return None
-        try:
-            shown = [json.loads(row.decode()) for row in every]
-            replicas = [int(s["replica"]) for s in shown]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):  # not a worker of thinwire's
+        shown, unreadable = [], []
+        for rank, row in enumerate(every):
+            try:
+                s = json.loads(row.decode())
+                shown.append({**s, "replica": int(s["replica"]), "incarnation": str(s["incarnation"]),
+                              "key": json.dumps({k: s[k] for k in ("method", "thinwire", "model")}, sort_keys=True)})
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):  # not a thinwire worker
+                unreadable.append(rank)
+        if unreadable:
+            for rank in unreadable:
+                self._refused(self.pg.members[rank] if rank < len(self.pg.members) else None,
+                              "it showed no readable admission")
             self.manager.report_error(RuntimeError("a member of the quorum showed no readable admission"))
             return None
+        replicas = [s["replica"] for s in shown]
         if any(bool(s.get("secret")) for s in shown) and not self._prove(every, shown, replicas):
             return None
-        keys = [json.dumps({k: s[k] for k in ("method", "thinwire", "model")}, sort_keys=True) for s in shown]
-        admitted = [k for k, s in zip(keys, shown, strict=True) if s["admitted"]]
+        keys = [s["key"] for s in shown]
+        admitted = [k for k, s in zip(keys, shown, strict=True) if s.get("admitted")]
         reference = admitted[0] if admitted else max(keys, key=lambda k: (keys.count(k), -keys.index(k)))
         if keys[self.comm.rank] != reference:
             self._check(json.loads(reference))
         elif any(k != reference for k in keys):
             self.manager.report_error(RuntimeError("a worker the job does not admit is in the quorum"))
-        return {int(s["replica"]): str(s["incarnation"]) for s in shown}
+        return {s["replica"]: s["incarnation"] for s in shown}
 
     def _prove(self, every: list[bytes], shown: list[dict[str, Any]], replicas: list[int]) -> bool:
         """Every member's HMAC, under the job secret, of the quorum id, its own place and the
