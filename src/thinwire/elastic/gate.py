@@ -199,7 +199,8 @@ def probe(host: str, port: int, key: bytes | None, timeout_s: float, wait_s: flo
 
 class Forwarder(_Server):
     """A worker's way to the gated Lighthouse at ``target``: listens on loopback, and passes
-    each connection (torchft's manager's) on through the gate's handshake under ``key``."""
+    each connection (torchft's manager's) on through the gate's handshake under ``key``;
+    ``error``: the gate's refusal, when one came (the worker raises it at its next quorum)."""
 
     def __init__(self, target: tuple[str, int], key: bytes, timeout_s: float) -> None:
         self.target, self.key, self.timeout_s = target, key, timeout_s

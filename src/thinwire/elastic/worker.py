@@ -315,6 +315,8 @@ class ElasticWorker:
         except Refused:
             raise
         except Exception as e:
+            if self.forwarder is not None and self.forwarder.error is not None:  # the gate refused the secret since
+                raise Refused(str(self.forwarder.error)) from None
             text = str(e).lower()
             if "timeout" in text or "timed out" in text or "deadline" in text:
                 raise QuorumLost(f"no quorum of {self.min_workers} worker(s) formed within {self.wait_s:g} s") from None
@@ -536,9 +538,10 @@ class ElasticWorker:
         """Every member's HMAC, under the job secret, of the quorum id, its own place and the
         whole first exchange (every member's fresh nonce): whether every member proved it
         holds this worker's secret. A member without one, or whose proof fails, is named in
-        :attr:`Tally.refusals` and the step voted down; this worker is :class:`Refused` when
-        it has no secret in a job whose workers show one, or when no admitted member's proof
-        checks out under its own."""
+        :attr:`Tally.refusals` and the step voted down (in a job without a secret, a member
+        that shows one). This worker, while it has not been admitted, is :class:`Refused` when
+        it has no secret and others show one, or when no other member's proof checks out under
+        its own: one worker alone against the quorum is the one that differs."""
         from thinwire.elastic import secret
 
         transcript = b"".join(len(row).to_bytes(4, "big") + row for row in every)
@@ -552,26 +555,30 @@ class ElasticWorker:
             proofs = gather_bytes(self.comm, mine, 2 * secret.DIGEST_BYTES)
         if self.comm.broken:
             return False
+        others = [r for r in range(self.comm.world_size) if r != self.comm.rank]
         if self.secret is None:
-            raise Refused(f"worker {self.replica} is refused: the job's workers hold a job secret and this one has "
-                          f"none; {secret.HOW}")
-        failed = []
-        for rank, (shown_by, given) in enumerate(zip(shown, proofs, strict=True)):
-            if rank == self.comm.rank:
-                continue
-            try:
-                ok = secret.matches(self.secret, bytes.fromhex(given.decode()), "thinwire-admit", qid,
-                                    rank.to_bytes(4, "big"), transcript)
-            except (ValueError, UnicodeDecodeError):
-                ok = False
-            if not ok:
-                failed.append((rank, "it holds no job secret" if not shown_by.get("secret")
-                               else "its proof of the job's secret fails"))
+            if not self._admitted:  # a newcomer without a secret, among workers that show one
+                raise Refused(f"worker {self.replica} is refused: the job's workers hold a job secret and this one "
+                              f"has none; {secret.HOW}")
+            # a job without a secret: a member that shows one is not of this job
+            failed = [(r, "it holds a job secret and this job has none") for r in others if shown[r].get("secret")]
+        else:
+            failed = []
+            for rank in others:
+                try:
+                    ok = secret.matches(self.secret, bytes.fromhex(proofs[rank].decode()), "thinwire-admit", qid,
+                                        rank.to_bytes(4, "big"), transcript)
+                except (ValueError, UnicodeDecodeError):
+                    ok = False
+                if not ok:
+                    failed.append((rank, "it holds no job secret" if not shown[rank].get("secret")
+                                   else "its proof of the job's secret fails"))
         if not failed:
             return True
-        if len(failed) == self.comm.world_size - 1 and not self._admitted:
-            raise Refused(f"worker {self.replica} is refused: its job secret is not the running job's (no other "
-                          "worker's proof checks out under it)")
+        if self.secret is not None and len(failed) == len(others) and not self._admitted:
+            theirs = "hold no job secret" if not any(shown[r].get("secret") for r in others) else \
+                "hold another job secret (no other worker's proof checks out under this one's)"
+            raise Refused(f"worker {self.replica} is refused: the running job's workers {theirs}")
         for rank, why in failed:
             self._refused(replicas[rank], why)
         names = ", ".join(f"worker {replicas[r]} ({why})" for r, why in failed)
