@@ -39,6 +39,7 @@ def test_these_are_refused_by_name_with_the_reason(spec, why):
     (["--ranks-per-node", "2"], ("--elastic does not take --group-size",)),
     (["--link", "1gbit,50us"], ("--elastic does not take --link",)),
     (["--lighthouse", "nowhere"], ("an address must be HOST:PORT",)),
+    (["--worker-host", "10.0.0.7"], ("--worker-host needs --lighthouse",)),
 ])
 def test_bad_elastic_options_are_one_line(capsys, argv, needles):
     refused(capsys, ["train", "--elastic", "--workers", "2", "--steps", "5", *argv], *needles)
@@ -47,6 +48,7 @@ def test_bad_elastic_options_are_one_line(capsys, argv, needles):
 def test_elastic_options_without_elastic_are_refused(capsys):
     refused(capsys, ["train", "--min-workers", "2", "--steps", "5"], "--min-workers needs --elastic")
     refused(capsys, ["train", "--lighthouse", "127.0.0.1:29510", "--steps", "5"], "--lighthouse needs --elastic")
+    refused(capsys, ["train", "--worker-host", "127.0.0.1", "--steps", "5"], "--worker-host needs --elastic")
 
 
 def _secret_file(tmp_path, content: bytes, mode: int = 0o600) -> str:
