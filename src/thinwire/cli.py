@@ -124,8 +124,9 @@ def _elastic_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--elastic-wait", type=float, metavar="S",
                    help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
     e.add_argument("--worker-host", metavar="HOST",
-                   help="with --lighthouse: the address this worker's store listens on, alone, and the other workers "
-                   "reach it at (default: this machine's address on the way to the Lighthouse)")
+                   help="with --lighthouse: the address this worker's store and torchft's manager server listen on, "
+                   "alone, and the other workers reach it at (default: this machine's address on the way to the "
+                   "Lighthouse)")
     e.add_argument("--job-secret-file", metavar="PATH",
                    help="the job's secret (at least 16 bytes; chmod 600): only workers that prove they hold it take "
                    "part, and the state a joiner takes is checked with it before it is loaded (default: "
