@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from spawn import children
 from thinwire.cli import main
 
 SUMMARY_KEYS = {
@@ -265,33 +266,14 @@ def test_help_shows_every_tasks_defaults_and_options(command, capsys):
     assert "the task's)" not in text
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    kids.append(int(entry))
-            except (OSError, IndexError):
-                pass
-    return kids
-
-
 def _rank_pids(pid: int) -> list[int]:
     """The launcher's ranks: the children of its fork server (or, where ranks are spawned, its own)."""
     out = []
-    for kid in _children(pid):
-        try:
-            with open(f"/proc/{kid}/cmdline") as f:
-                cmd = f.read()
-        except OSError:
-            continue
+    for kid, cmd in children(pid).items():
         if "spawn_main" in cmd:
             out.append(kid)
         elif "multiprocessing.forkserver" in cmd:
-            out += _children(kid)
+            out += children(kid)
     return sorted(out)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_job import HEARTBEAT_S, Job
+from spawn import children
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -238,26 +239,6 @@ def test_two_terminals_a_lighthouse_command_and_workers_that_join_it(tmp_path):
     assert len(refused) == 1 and refused[0].endswith(": its proof of the job secret fails"), err
 
 
-def _children(pid: int) -> dict[int, str]:
-    """The processes whose parent is ``pid``: their command lines (from /proc)."""
-    import os
-
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if ppid == pid:
-            found[int(entry)] = cmdline
-    return found
-
-
 def _listeners(pid: int) -> list[str]:
     """The addresses process ``pid`` listens on over TCP (from /proc: its sockets' inodes
     against the machine's listening sockets)."""
@@ -314,7 +295,7 @@ def test_killing_any_process_of_a_local_job_but_the_launcher_loses_at_most_that_
                 break
         else:
             raise AssertionError(f"the job ended before step 25 (exit {job.wait()})")
-        kids = _children(job.pid)
+        kids = children(job.pid)
         workers = sorted(p for p, c in kids.items() if "spawn_main" in c)
         assert len(workers) == 3 and not any("forkserver" in c for c in kids.values()), kids
         for pid in workers:  # its store, gloo and torchft's manager server: this machine alone

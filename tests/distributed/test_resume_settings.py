@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from thinwire.cli import main
 
@@ -94,8 +95,6 @@ def test_a_run_stopped_by_sigint_resumes_with_its_checkpoint_interval(tmp_path, 
 
 
 def _model(out: Path) -> dict:
-    import torch
-
     step = _latest(out)
     return torch.load(out / "checkpoints" / f"step-{step:08d}" / "rank-0.pt", weights_only=True)["model"]
 
@@ -129,10 +128,4 @@ def test_a_scheduled_run_extends_only_where_its_rates_so_far_are_the_longer_runs
     assert main(["train", "--quiet", "--resume", str(first), "--steps", "40", "--checkpoint-every", "40",
                  "--out", str(resumed)]) == 0, capsys.readouterr().err
     a, b = _model(resumed), _model(longer)
-    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
-
-
-def torch_equal(x, y) -> bool:
-    import torch
-
-    return torch.equal(x, y)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

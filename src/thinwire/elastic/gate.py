@@ -75,7 +75,8 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-def _listener(host: str, port: int) -> socket.socket:
+def listening(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host:port`` alone (port 0: a free one); raises ``OSError``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -125,7 +126,7 @@ class Gate(_Server):
     def __init__(self, host: str, port: int, target: tuple[str, int], key: bytes, timeout_s: float) -> None:
         self.target, self.key, self.timeout_s = target, key, timeout_s
         self.refused: list[tuple[str, str]] = []
-        super().__init__(_listener(host, port), self._admit, "thinwire-gate")
+        super().__init__(listening(host, port), self._admit, "thinwire-gate")
 
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
         who = f"{peer[0]}:{peer[1]}"
@@ -205,7 +206,7 @@ class Forwarder(_Server):
     def __init__(self, target: tuple[str, int], key: bytes, timeout_s: float) -> None:
         self.target, self.key, self.timeout_s = target, key, timeout_s
         self.error: GateRefused | None = None
-        super().__init__(_listener("127.0.0.1", 0), self._forward, "thinwire-forwarder")
+        super().__init__(listening("127.0.0.1"), self._forward, "thinwire-forwarder")
 
     @property
     def address(self) -> str:

@@ -139,18 +139,12 @@ def _manager_server_on(host: str) -> Iterator[None]:
 
 def _listening(host: str) -> Any:
     """A TCP socket listening on ``host`` alone, on a free port (for the worker's store)."""
-    import socket
+    from thinwire.elastic.gate import listening
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(128)
+        return listening(host)
     except OSError as e:
-        sock.close()
         raise ValueError(f"an elastic worker cannot listen on {host}: {e.strerror or e}") from None
-    return sock
 
 
 def _gloo_group(timeout: timedelta) -> Any:
