@@ -13,6 +13,16 @@ machines, on one), ``--min-workers 2``. Per task and method, four jobs of the sa
 * **two-killed**: workers 2 and 3 get SIGKILL together at step KILL_EVERY, both restarted
   RESTART_S seconds later.
 
+``--recovery N``: instead, N jobs per kill point of the quorum protocol (``_kill_point.py``:
+before asking, while asking, answered, inside the group's rendezvous, group set up), each with
+workers 2 and 3 dying at that point of the same quorum call, the first they ask for from step
+RECOVERY_STEP on (each writes the moment it dies), and restarted RECOVERY_RESTART_S seconds
+later; RECOVERY_STEPS steps of ``mnist1d``. For the last two points, which exist only in a
+quorum that changed, worker 1 joins only at step RECOVERY_STEP (the other three start after
+``--elastic-wait 3``), so that a new group is set up then. The
+figure: from the first of the two deaths to worker 0's first quorum without either (target
+TARGET_ABSENT_S, the worst over every job), and every finished worker bit-identical.
+
 Read from the workers' own records (their ``metrics.jsonl`` quorum events and summaries):
 steps discarded, seconds from a kill (or stop) to the quorum without the worker, seconds
 from a restart (the new process's start) to its first quorum (it takes a present worker's
@@ -58,6 +68,11 @@ TARGET_ABSENT_S = 5.0
 TARGET_REJOIN_S = 10.0
 TARGET_COST = {"topk": 1.03}  # elastic step time / plain, per method name; the others 1.05
 TARGET_COST_DEFAULT = 1.05
+RECOVERY_STEP = 30
+RECOVERY_STEPS = 400
+RECOVERY_RESTART_S = 2.0
+LATE_JOIN = ("rendezvous", "configured")  # kill points that need a quorum that changes: worker 1 joins late
+KILL_POINT = Path(__file__).with_name("_kill_point.py")
 
 
 @dataclass
@@ -95,13 +110,14 @@ class Job:
     timeout: float
     lighthouse: Any = None
     seed: int = 0
+    kill_point: str | None = None  # workers 2 and 3 die at this point of the quorum protocol
     runs: list[Incarnation] = field(default_factory=list)
     events: list[tuple[str, float, list[int]]] = field(default_factory=list)  # (what, time, replicas)
 
     def __post_init__(self) -> None:
         from thinwire.elastic import serve
 
-        self.lighthouse = serve(2, heartbeat_timeout_s=self.timeout, join_timeout_s=self.timeout)
+        self.lighthouse = serve(2, join_timeout_s=self.timeout)
 
     def start(self, r: int) -> Incarnation:
         out = self.root / f"w{r}-{sum(1 for i in self.runs if i.replica == r)}"
@@ -111,10 +127,16 @@ class Job:
                "--eval-every", str(self.eval_every), "--elastic-timeout", str(self.timeout), "--threads", "1",
                "--seed", str(self.seed),
                "--out", str(out), "--quiet", "--no-tensorboard", *self.options]
+        if self.kill_point is not None and r in (2, 3) and out.name.endswith("-0"):
+            cmd[1:4] = [str(KILL_POINT), self.kill_point, str(RECOVERY_STEP), str(self.stamp(r)), "--"]
         log = open(self.root / f"{out.name}.log", "w")  # noqa: SIM115  (the process writes it until it ends)
         inc = Incarnation(r, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time())
         self.runs.append(inc)
         return inc
+
+    def stamp(self, r: int) -> Path:
+        """Where worker ``r`` writes the moment it kills itself."""
+        return self.root / f"died-{r}"
 
     def live(self, r: int) -> Incarnation:
         return [i for i in self.runs if i.replica == r][-1]
@@ -153,22 +175,32 @@ def run_job(task: str, method: str, scenario: str, root: Path, timeout: float, q
     steps, every, options = TASKS[task]
     eval_every = eval_every or every
     kill_every = KILL_EVERY
+    kill_point = scenario.split("@", 1)[1] if "@" in scenario else None
     if quick:
         steps, kill_every = max(200, steps // 5), max(50, KILL_EVERY // 2)
+    if kill_point is not None:
+        steps, eval_every = RECOVERY_STEPS, 10
+        if kill_point in LATE_JOIN:
+            options = [*options, "--elastic-wait", "3"]
     job = Job(task, method, steps, eval_every, options,
               root / f"{task}-{method.split(':')[0]}-{scenario}-{time.time_ns()}", timeout,
-              seed=1 if scenario == "reference, seed 1" else 0)
+              seed=1 if scenario == "reference, seed 1" else 0, kill_point=kill_point)
     job.root.mkdir(parents=True)
     t0 = time.time()
     try:
-        for r in range(WORKERS):
-            job.start(r)
         pending: list[tuple[float, int]] = []  # (restart at, replica)
+        for r in range(WORKERS):
+            if kill_point in LATE_JOIN and r == 1:
+                pending.append((float("inf"), 1))  # joins at RECOVERY_STEP: a quorum that changes
+                continue
+            job.start(r)
         next_fault, victim = kill_every, 1
         stopped_at: float | None = None
         while job.live(0).proc.poll() is None:
             time.sleep(0.1)
             now, step = time.time(), job.step()
+            if kill_point is not None and step >= RECOVERY_STEP and (float("inf"), 1) in pending:
+                pending[pending.index((float("inf"), 1))] = (now, 1)
             for at, r in [p for p in pending if p[0] <= now]:  # noqa: B007
                 pending.remove((at, r))
                 job.start(r)
@@ -180,6 +212,14 @@ def run_job(task: str, method: str, scenario: str, root: Path, timeout: float, q
                 job.signal([2, 3], signal.SIGKILL, "kill")
                 pending += [(now + RESTART_S, 2), (now + RESTART_S, 3)]
                 next_fault = steps + 1
+            elif kill_point is not None and len(job.runs) == WORKERS and not pending and all(
+                    job.live(r).proc.poll() is not None for r in (2, 3)):
+                died = [float(job.stamp(r).read_text()) for r in (2, 3) if job.stamp(r).exists()]
+                if len(died) != 2:
+                    raise RuntimeError(f"{task} {method} {scenario}: workers 2 and 3 ended without dying at "
+                                       f"{job.kill_point} (see {job.root.name}/w2-0.log)")
+                job.events.append(("kill", min(died), [2, 3]))
+                pending += [(now + RECOVERY_RESTART_S, 2), (now + RECOVERY_RESTART_S, 3)]
             elif scenario == "stop" and step >= next_fault and stopped_at is None:
                 job.signal([3], signal.SIGSTOP, "stop")
                 stopped_at = now
@@ -208,7 +248,8 @@ def read_job(job: Job, seconds: float) -> dict[str, Any]:
     for what, at, replicas in job.events:
         if what not in ("kill", "stop"):
             continue
-        later = [c for c in changes if c["time"] >= at and set(replicas) & set(c["left"])]
+        later = [c for c in changes if c["time"] >= at and set(replicas) & set(c["left"])
+                 and not set(replicas) & set(c["members"])]
         if later:
             absent.append(later[0]["time"] - at)
     rejoin = []  # a restarted process's start -> its first quorum (state taken, that step committed)
@@ -253,12 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated (default: mnist1d,text)")
     p.add_argument("--methods", help="comma-separated method specs (default: each task's)")
-    p.add_argument("--timeout", type=float, default=4.0, help="--elastic-timeout and the heartbeat timeout (s)")
+    p.add_argument("--timeout", type=float, default=4.0, help="--elastic-timeout and the join timeout (s)")
+    p.add_argument("--recovery", type=int, metavar="N", help="only N jobs per kill point of the quorum protocol")
+    p.add_argument("--points", help="with --recovery: comma-separated kill points (default: all)")
     p.add_argument("--no-cost", action="store_true", help="skip the steady-state cost comparison")
     p.add_argument("--cost-only", action="store_true", help="only the steady-state cost comparison (no faults)")
     args = p.parse_args(argv)
     command = "python benchmarks/bench_elastic.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if not a.endswith(".json") and a != "--json")
+    if args.recovery is not None:
+        return recovery(args, command)
     report = Report(f"elastic training under faults ({WORKERS} workers, --min-workers 2)", command)
     report.add(f"kill every {KILL_EVERY} steps (workers 1, 2, 3 in turn), restart {RESTART_S:g} s later; SIGSTOP "
                f"for {STOP_S:g} s; two killed at once; --elastic-timeout {args.timeout:g} s; {load_note()}")
@@ -319,6 +364,43 @@ def main(argv: list[str] | None = None) -> int:
                           "final test loss", "vs reference", "MB sent (all)", "job seconds"], rows))
     if cost_rows:
         report.add(table(["task", "method", "plain ms/step", "elastic ms/step", "ratio"], cost_rows))
+    report.seconds = time.perf_counter() - t0
+    return report.finish(args.json)
+
+
+def recovery(args: Any, command: str) -> int:
+    """``--recovery N``: workers 2 and 3 killed at each point of the quorum protocol, N jobs each."""
+    from _kill_point import POINTS
+
+    method = args.methods.split(",")[0] if args.methods else METHODS["mnist1d"][0]
+    report = Report(f"recovery from two workers killed inside the quorum call ({WORKERS} workers, "
+                    f"--min-workers 2, mnist1d, {method})", command)
+    report.add(f"{args.recovery} job(s) per kill point, {RECOVERY_STEPS} steps, workers 2 and 3 die at the point "
+               f"named of the first quorum call from step {RECOVERY_STEP} on (for {' and '.join(LATE_JOIN)}: the "
+               f"one worker 1 joins at, started at step {RECOVERY_STEP}), restarted "
+               f"{RECOVERY_RESTART_S:g} s later; --elastic-timeout "
+               f"{args.timeout:g} s; {load_note()}")
+    t0 = time.perf_counter()
+    rows, absent, identical = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.recovery):
+            for point in args.points.split(",") if args.points else POINTS:
+                if point not in POINTS:
+                    raise SystemExit(f"--points: {point!r} is not one of {', '.join(POINTS)}")
+                r = run_job("mnist1d", method, f"two-killed@{point}", Path(tmp), args.timeout, False)
+                print(f"[{point} {i}] {json.dumps(r)}", flush=True)
+                absent += r["absent"] or [float("inf")]
+                identical.append(r["identical"] and r["finished"] == r["processes"] - 2)
+                rows.append([point, i, fmt(r["absent"]), f"{r['finished']}/{r['processes']}",
+                             "yes" if r["identical"] else "NO", r["discarded"], fmt(r["rejoin"]),
+                             f"{r['seconds']:.0f}"])
+    report.add(table(["kill point", "job", "death -> quorum without both (s)", "finished/processes", "bit-identical",
+                      "discarded", "restart -> in the quorum (s)", "job seconds"], rows))
+    report.figures.append(Figure(f"death to the quorum without both, worst of {len(absent)} faulty jobs",
+                                 max(absent), "<=", TARGET_ABSENT_S, " s",
+                                 f"median {statistics.median(absent):.2f} s"))
+    report.figures.append(Figure("jobs whose every finished worker is bit-identical (the killed excepted)",
+                                 sum(identical) / len(identical), ">=", 1.0, "", f"{sum(identical)}/{len(identical)}"))
     report.seconds = time.perf_counter() - t0
     return report.finish(args.json)
 

@@ -112,8 +112,10 @@ PSGD_BUCKET_MB = {"gpt-small": 128}
 
 
 # -- the models ------------------------------------------------------------------------------------
-def resnet18(classes: int = 10):
-    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool; 11.17M parameters)."""
+def resnet18(classes: int = 10, width: int = 64):
+    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool; 11.17M parameters). ``width``: the
+    stem's channels, the stages' doubling from it (64: ResNet-18 itself; smaller: the same
+    layout, narrower, for a quick run)."""
     from torch import nn
 
     class Block(nn.Module):
@@ -130,12 +132,13 @@ def resnet18(classes: int = 10):
             y = self.bn1(self.conv1(x)).relu()
             return (self.bn2(self.conv2(y)) + self.short(x)).relu()
 
-    layers, cin = [], 64
-    for cout, stride in ((64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1)):
+    w = width
+    layers, cin = [], w
+    for cout, stride in ((w, 1), (w, 1), (2 * w, 2), (2 * w, 1), (4 * w, 2), (4 * w, 1), (8 * w, 2), (8 * w, 1)):
         layers.append(Block(cin, cout, stride))
         cin = cout
-    return nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), *layers,
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+    return nn.Sequential(nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(), *layers,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * w, classes))
 
 
 def build(model: str):

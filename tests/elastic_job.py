@@ -59,7 +59,9 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     proof, ignores its refusal, claims a step far ahead of the job's at every quorum, so that
     the others take their state from it, and leaves after that long), ``bypass`` (a modified
     client that goes around the Lighthouse's gate to its own port: what a process on the
-    Lighthouse's machine can reach)."""
+    Lighthouse's machine can reach), ``timeout_s`` (its elastic timeout, default TIMEOUT_S),
+    ``die_in_setup`` (a file: write the time there and SIGKILL itself inside the set-up of the
+    first quorum's group it takes part in, the others waiting for it in gloo's rendezvous)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
@@ -78,13 +80,22 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
         gate.probe = lambda *args, **kwargs: None  # type: ignore[assignment]
         gate.Forwarder = Around  # type: ignore[assignment,misc]
 
+    if plan.get("die_in_setup"):
+        import torchft.process_group as tpg
+
+        def die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with open(plan["die_in_setup"], "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        tpg.ProcessGroupGloo._create_pg = die  # type: ignore[method-assign]
     torch.set_num_threads(1)
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     started = time.time()
     try:
         w = ElasticWorker(net, opt, spec, lighthouse=address, replica=replica,
-                          min_workers=plan.get("min_workers", 2), timeout_s=TIMEOUT_S,
+                          min_workers=plan.get("min_workers", 2), timeout_s=plan.get("timeout_s", TIMEOUT_S),
                           wait_s=plan.get("wait_s", 30.0), start_workers=plan.get("start_workers", 2),
                           secret=plan.get("secret"))
     except Exception as e:  # noqa: BLE001
@@ -125,7 +136,8 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
                optimizer=digest(opt.state_dict()["state"]),
                shared=digest(shared_state(w.method)), changes=[c.record() for c in w.tally.changes],
                discarded=w.tally.discarded, committed=w.tally.committed, heals=w.tally.heals,
-               present=w.tally.present, votes=int(w.manager.current_step()), refusals=w.tally.refusals)
+               present=w.tally.present, votes=int(w.manager.current_step()), refusals=w.tally.refusals,
+               ended=time.time())
     w.close()
     q.put(out)
 

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from thinwire.elastic.lighthouse import HEARTBEAT_TIMEOUT_S
+from thinwire.elastic.worker import RENDEZVOUS_S
 from thinwire.lab import commands as lab
 from thinwire.run.arguments import (
     EXIT_BAD_INPUT,
@@ -119,8 +121,10 @@ def _elastic_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--replica", type=int, metavar="K",
                    help="this worker's number with --lighthouse, 0..workers-1: its data shard (default: $RANK, else 0)")
     e.add_argument("--elastic-timeout", type=float, metavar="S",
-                   help="a collective, commit vote or state transfer taking longer fails and the step is discarded; "
-                   "a silent worker is dropped after this long (default: 4)")
+                   help="a collective, commit vote or state transfer taking longer fails and the step is discarded "
+                   "(default: 4); a dead worker is left out sooner, by its heartbeat (the Lighthouse's heartbeat "
+                   f"timeout: {HEARTBEAT_TIMEOUT_S:g} s for a local job) and by the {RENDEZVOUS_S:g} s bound on "
+                   "setting up a quorum's group")
     e.add_argument("--elastic-wait", type=float, metavar="S",
                    help="how long a worker waits for a quorum of --min-workers before it stops (default: 60)")
     e.add_argument("--worker-host", metavar="HOST",
@@ -146,9 +150,9 @@ def _lighthouse_parser(sub: Any) -> None:
     h.add_argument("--bind", default="127.0.0.1:29510", metavar="HOST:PORT",
                    help="where to listen (default: 127.0.0.1:29510, this machine only; 0.0.0.0:29510 for every "
                    "interface)")
-    h.add_argument("--heartbeat-timeout", type=float, default=4.0, metavar="S",
-                   help="a worker silent this long is left out of the next quorum (default: 4; give the workers' "
-                   "--elastic-timeout the same)")
+    h.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help="a worker whose heartbeat (every 100 ms) is silent this long is left out of the next quorum "
+                   f"(default: {HEARTBEAT_TIMEOUT_S:g}; raise it where a link can hold a packet up longer)")
     h.add_argument("--join-timeout", type=float, default=60.0, metavar="S",
                    help="how long a quorum that could form waits for a worker that is alive (its heartbeat heard) "
                    "but has not asked yet: a DiLoCo-family worker asks only at its averages, so the workers may be "

@@ -211,3 +211,50 @@ def test_the_overlapping_hook_keeps_ddps_own_collectives_in_order_with_unused_pa
     # hook's buckets must all be on the wire before, on every rank, or the collectives cross
     for ddp, ours in run_ranks(_unused_versus_ddp, 2):
         assert all(torch.equal(a, b) for a, b in zip(ddp, ours))
+
+
+def _one_rank_collectives(rank, world):
+    """The collectives torch.distributed saw for two steps of the hook on one rank, for a SUM
+    codec (identity, launched from the hook) and a GATHER one (topk), without and with
+    ``one_rank_collectives``; and whether the gradients matched DDP's own either way."""
+    import thinwire.comm.torch_dist as td
+    import thinwire.integrations.ddp as tw_ddp
+    from thinwire.comm.torch_dist import TorchComm
+
+    calls: list[str] = []
+    all_reduce, gather = dist.all_reduce, td._all_gather_flat
+
+    def counted_all_reduce(*a, **k):
+        calls.append("all_reduce")
+        return all_reduce(*a, **k)
+
+    def counted_gather(*a, **k):
+        calls.append("all_gather")
+        return gather(*a, **k)
+
+    dist.all_reduce, td._all_gather_flat = counted_all_reduce, counted_gather
+    try:
+        default = _grads(rank, lambda m: None)
+        out = {}
+        for spec in ("identity", "topk:ratio=0.05"):
+            for forced in (False, True):
+                calls.clear()
+                grads = _grads(rank, lambda m, spec=spec, forced=forced: tw_ddp.register(
+                    m, spec, TorchComm(m.process_group, one_rank_collectives=forced)))
+                same = all(torch.equal(a, b) for a, b in zip(default, grads)) if spec == "identity" else None
+                out[(spec, forced)] = (list(calls), same)
+    finally:
+        dist.all_reduce, td._all_gather_flat = all_reduce, gather
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_collectives_issues_the_hook_s_collectives_on_a_one_rank_group():
+    # one rank skips its collectives (there is no one to send to); told to, it issues them as DDP
+    # does on one rank, so the hook's own cost can be set against DDP's (benchmarks/bench_gpu.py)
+    (out,) = run_ranks(_one_rank_collectives, 1)
+    assert out[("identity", False)] == ([], True)  # nothing issued, the same gradients as DDP's
+    calls, same = out[("identity", True)]
+    assert calls.count("all_reduce") >= 2 and same  # a bucket each step, the same gradients
+    assert "all_gather" not in out[("topk:ratio=0.05", False)][0]
+    assert out[("topk:ratio=0.05", True)][0].count("all_gather") >= 2  # its compressed bucket, each step

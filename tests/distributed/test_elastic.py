@@ -61,6 +61,47 @@ def test_a_worker_that_joins_takes_a_peers_state_bit_for_bit_and_the_job_ends_id
     assert all(w == 3 for _, _, w in res[2]["present"])
 
 
+def test_a_worker_that_dies_inside_a_new_quorums_set_up_is_left_out_without_waiting_the_elastic_timeout(tmp_path):
+    # worker 2 joins a running job and dies inside the set-up of the group of the quorum that
+    # takes it in: the other two wait for it in gloo's rendezvous. That wait has a bound of its
+    # own (RENDEZVOUS_S, 3 s), not the job's elastic timeout, here 60 s, which still bounds
+    # every collective and state transfer after the set-up
+    from thinwire.elastic.worker import RENDEZVOUS_S
+
+    stamp = tmp_path / "died"
+    job = Job()
+    try:
+        for r in range(2):
+            job.start(r, "topk:ratio=0.1,min_numel=0", 150, pace=0.02, timeout_s=60.0)
+        job.start(2, "topk:ratio=0.1,min_numel=0", 150, join_after=1.0, timeout_s=60.0, die_in_setup=str(stamp))
+        res = job.results(2)
+    finally:
+        job.close()
+    died = float(stamp.read_text())
+    assert res[0]["step"] == res[1]["step"] == 150
+    assert res[0]["model"] == res[1]["model"] and res[0]["optimizer"] == res[1]["optimizer"]
+    # what was left of the job after the death (set-up bound, a new quorum, the steps left)
+    # took well under the 60 s an unbounded rendezvous would have waited
+    assert RENDEZVOUS_S < 60.0 and res[0]["ended"] - died < 20.0
+
+
+def test_workers_short_of_start_workers_start_together_once_the_wait_is_over():
+    # three wanted, two come, one second apart: each waits wait_s from its own first ask, and
+    # they stop waiting together (the first to be done says so over the quorum), so that no one
+    # trains a step alone and the wait does not start over at every discarded step
+    job = Job()
+    try:
+        for r in range(2):
+            job.start(r, "powersgd:rank=2,min_numel=0", 20, start_workers=3, wait_s=3.0, join_after=float(r))
+        res = job.results(2)
+    finally:
+        job.close()
+    assert res[0]["step"] == res[1]["step"] == 20
+    assert res[0]["model"] == res[1]["model"]
+    assert res[0]["discarded"] == res[1]["discarded"] == 0
+    assert res[0]["present"] == res[1]["present"] == [[1, 20, 2]]
+
+
 def test_diloco_a_joiner_starts_from_the_global_model_and_every_worker_ends_on_it():
     job = Job()
     try:

@@ -376,3 +376,112 @@ def test_the_median_of_repeats_at_the_shared_figure():
     shared = SharedCompute(0.015, 0.010, 0.020, 2)
     m = cost.median_cost([at_compute(c, True, shared) for c in (a, b)])
     assert (m.compute_s, m.window_s) == pytest.approx((0.015, (0.003 + 0.0015) / 2), rel=1e-12)
+
+
+# -- the compute (and codec times) of a GPU results file: benchmarks/bench_gpu.py's JSON ----------
+GPU_OPTIONS = {"dim": 8, "hidden": 8, "classes": 2}
+GPU_ARGS = ["cost", "--task", "synthetic", "--workers", "2", "--probe-steps", "3", "--methods", "identity,demo",
+            "--link", "1gbit,50us", "--batch-size", "16", *[f"--option={k}={v}" for k, v in GPU_OPTIONS.items()]]
+
+
+def _synthetic_parameters(**options) -> int:
+    from thinwire.tasks import get as get_task
+
+    return sum(p.numel() for p in get_task("synthetic")(**{**GPU_OPTIONS, **options}).build_model().parameters())
+
+
+def _gpu_results(model_changes: dict | None = None, **changes) -> dict:
+    """A hand-written bench_gpu result: the probe's synthetic model at 4 ms a step (its identity at
+    0.5 ms and bf16 at 0.25 ms, one rank of 2 workers), and a model of no thinwire task."""
+    mlp = {"label": "synthetic MLP", "task": "synthetic", "task_options": dict(GPU_OPTIONS), "batch_size": 16,
+           "parameters": _synthetic_parameters(), "gradient_elements": 0, "compute": {"ms": 4.0, "steps": 25},
+           "codecs": {"identity": {"spec": "identity", "kind": "gradient", "ms": 0.5},
+                      "bf16": {"spec": "bf16", "kind": "gradient", "ms": 0.25},
+                      "demo": {"spec": "demo (dct:chunk=64)", "kind": "slow-link", "ms": 9.0}}}
+    mlp.update(model_changes or {})
+    data = {"kind": "thinwire bench_gpu", "schema": 1, "tiny": False, "workers": 2,
+            "machine": {"device": "cuda", "device_name": "NVIDIA H200"},
+            "models": {"mlp": mlp, "resnet18": {"task": None, "batch_size": 256, "compute": {"ms": 20.0}}}}
+    data.update(changes)
+    return data
+
+
+def _write(tmp_path, data, name: str = "gpu.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_a_gpu_results_file_gives_its_model_s_compute_and_codec_times(monkeypatch, capsys, tmp_path):
+    from thinwire.cli import main
+
+    _stand_in(monkeypatch)
+    path = _write(tmp_path, _gpu_results())
+    (tmp_path / "gpu.md").write_text("# the markdown beside it\n")
+    for given in (path, tmp_path / "gpu.md"):  # the JSON, or the markdown file whose sibling it is
+        assert main([*GPU_ARGS, "--compute-from", str(given)]) == 0
+        out = capsys.readouterr().out
+        assert (f"compute: 4.0 ms a step (--compute-from {given}: mlp on NVIDIA H200) in every prediction; measured "
+                "here: 10.0 ms a step") in out
+        assert "; codec ms of bf16, identity: the file's (2 workers), the others' this machine's\n" in out
+        # the stand-in's probe: 2 ms wait, 4 messages and 0.1 MB a step, 1 ms codec; at 1gbit,50us the link
+        # takes 4 x 50 us + 0.1 MB / 125 MB/s = 1 ms < the wait: identity 4 + 0.5 + 2, bf16 4 + 0.25 + 2
+        assert _cells(out, "identity")[4:9] == ["4.0", "0.5", "2.0", "0.0", "6.5"]
+        assert _cells(out, "bf16")[4:9] == ["4.0", "0.2", "2.0", "0.0", "6.2"]
+        # DeMo computes its own step (scaled, 10 ms x 4 / 10) and keeps this machine's codec time
+        assert _cells(out, "demo")[4:9] == ["4.0", "1.0", "2.0", "0.0", "7.0"]
+
+
+def test_a_gpu_results_file_of_another_worker_count_gives_its_compute_alone(monkeypatch, capsys, tmp_path):
+    from thinwire.cli import main
+
+    _stand_in(monkeypatch)
+    path = _write(tmp_path, _gpu_results(workers=8))
+    assert main([*GPU_ARGS, "--compute-from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "; codec ms: this machine's (the file's are one rank's of 8 workers, this probe has 2)\n" in out
+    assert _cells(out, "identity")[4:9] == ["4.0", "1.0", "2.0", "0.0", "7.0"]
+
+
+def test_the_probe_s_options_are_matched_resolved_and_only_those_the_file_records(tmp_path):
+    from thinwire.lab.gpu_results import model_for
+
+    data = _gpu_results({"task_options": {"hidden": 8}})  # dim and classes: not recorded, free
+    got = model_for(data, "gpu.json", task="synthetic", options={"dim": "8", "hidden": "8", "classes": 2},
+                    batch_size=16, parameters=_synthetic_parameters())
+    assert (got.name, got.compute_s, got.workers, got.device) == ("mlp", 0.004, 2, "NVIDIA H200")
+    # the codec times by resolved spec, as thinwire cost resolves a method; DeMo's slow-link row is not one
+    assert got.codec_s == {"identity:ef=false,min_numel=0": 0.0005, "bf16:ef=false,min_numel=0": 0.00025}
+    # the text task's preset spelled out or left to the preset: the same resolved options
+    text = {"task": "text", "task_options": {"model": "gpt-small", "layers": 8, "d_model": 512, "heads": 8,
+                                             "context": 128}, "batch_size": 8, "parameters": 1,
+            "compute": {"ms": 60.0}}
+    data = _gpu_results(models={"transformer": text})
+    assert model_for(data, "gpu.json", task="text", options={"model": "gpt-small"}, batch_size=8,
+                     parameters=1).compute_s == pytest.approx(0.06)
+
+
+@pytest.mark.parametrize("content, name, needle", [
+    ("# no json beside it\n", "gpu.md", "gpu.md: no gpu.json beside it (bench_gpu.py writes the two together"),
+    (json.dumps({"kind": "something else", "models": {}}), "gpu.json",
+     "not a bench_gpu result (its kind is 'something else', not 'thinwire bench_gpu'); give a run's folder or "
+     "summary.json, or the JSON benchmarks/bench_gpu.py writes"),
+    (json.dumps({"models": {}}), "gpu.json",
+     "neither a run summary (no compute_seconds) nor a bench_gpu result (no kind 'thinwire bench_gpu')"),
+    (json.dumps(_gpu_results(schema=99)), "gpu.json",
+     "bench_gpu schema 99 is newer than this thinwire reads (1): upgrade thinwire"),
+    (json.dumps(_gpu_results(models=[])), "gpu.json", "a bench_gpu result without models"),
+    (json.dumps(_gpu_results({"batch_size": 32})), "gpu.json",
+     "it holds no model of this probe (task synthetic (dim=8, hidden=8, classes=2), batch size 16, "),
+    (json.dumps(_gpu_results({"task_options": {**GPU_OPTIONS, "hidden": 16}})), "gpu.json",
+     "; it holds: mlp (task synthetic (dim=8, hidden=16, classes=2), batch size 16, "),
+    (json.dumps(_gpu_results({"parameters": 1})), "gpu.json", "resnet18 (no thinwire task)"),
+    (json.dumps(_gpu_results({"compute": {}})), "gpu.json", "its mlp has no compute step measured (> 0 ms)"),
+])
+def test_a_bad_gpu_results_file_is_one_line_and_exit_2(content, name, needle, tmp_path, capsys, monkeypatch):
+    def launch(*a, **k):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr("thinwire.run.launch.launch", launch)
+    path = _write(tmp_path, content, name)
+    refused(capsys, [*GPU_ARGS, "--compute-from", str(path)], needle, "--compute-from")

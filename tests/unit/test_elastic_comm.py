@@ -4,6 +4,8 @@ launching; the outputs of a gather, a scatter or a receive that failed are zeros
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from thinwire.elastic.comm import QuorumComm
@@ -21,10 +23,13 @@ class Manager:
 
 
 class Work:
+    waited: list = []  # the timeout of every wait, in order
+
     def __init__(self, fail: bool) -> None:
         self.fail = fail
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
+        Work.waited.append(timeout)
         if self.fail:
             raise RuntimeError("Connection closed by peer")
         return True
@@ -67,9 +72,19 @@ class Group:
 
 def comm(fail_from: int) -> tuple[QuorumComm, Manager, Group]:
     m, g = Manager(), Group(fail_from)
-    c = QuorumComm(m, g)
+    c = QuorumComm(m, g, timeout=timedelta(seconds=7))
     c.reconfigure(0, 2)
     return c, m, g
+
+
+def test_every_work_waits_the_comms_own_timeout():
+    # gloo's own timeout is the group's set-up bound (short); a send, a receive or a
+    # collective of a step waits the elastic timeout the comm was given
+    c, _, _ = comm(fail_from=100)
+    Work.waited.clear()
+    c.all_reduce(torch.ones(3))
+    c.exchange({1: torch.ones(2)}, {1: torch.zeros(2)})
+    assert Work.waited == [timedelta(seconds=7)] * 3
 
 
 def test_collectives_that_succeed_land_their_outputs():

@@ -125,6 +125,13 @@ class TorchComm(Communicator):
     Its ranks are the group's ranks; a communicator from :meth:`subgroup` numbers them by
     position in the list it was given (torch itself numbers a new group in sorted order;
     all_gather reorders its output to match).
+
+    A group of one rank skips its collectives (an all_reduce leaves the tensor as it is, an
+    all_gather copies it): there is no one to send to. ``one_rank_collectives=True`` issues
+    them through ``torch.distributed`` all the same, as DDP does on one rank, so that the
+    collective path's own cost on one device can be measured against DDP's with the network
+    out of the way (``benchmarks/bench_gpu.py``); the results are the same either way. Its
+    subgroups inherit it.
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class TorchComm(Communicator):
         group: dist.ProcessGroup | None = None,
         meter: ByteMeter | None = None,
         *,
+        one_rank_collectives: bool = False,
         _order: Sequence[int] | None = None,  # our rank -> global rank (subgroups); default: torch's order
     ) -> None:
         if not dist.is_initialized():
@@ -145,14 +153,20 @@ class TorchComm(Communicator):
         if dist.get_rank() not in self._global:
             raise ValueError(f"global rank {dist.get_rank()} is not a member of this group {self._global}")
         super().__init__(self._global.index(dist.get_rank()), len(self._global), meter)
+        self.one_rank_collectives = one_rank_collectives
         # all_gather output row i must be our rank i; torch writes torch-group rank j to row j
         self._gather_rows = None if self._global == torch_order else [torch_order.index(g) for g in self._global]
 
     def __repr__(self) -> str:
         return f"TorchComm(rank={self.rank}, world_size={self.world_size}, global_ranks={self._global})"
 
+    @property
+    def _alone(self) -> bool:
+        """Whether the collectives are skipped: one rank, and not told to issue them anyway."""
+        return self.world_size == 1 and not self.one_rank_collectives
+
     def _all_reduce(self, t: torch.Tensor, async_op: bool) -> Handle:
-        if self.world_size == 1:
+        if self._alone:
             return Done()
         buf = t if t.is_contiguous() else t.contiguous()
         with _launching():
@@ -160,7 +174,7 @@ class TorchComm(Communicator):
         return _Works([work], None if buf is t else (lambda: t.copy_(buf)), buf)
 
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
-        if self.world_size == 1:
+        if self._alone:
             out[0].copy_(t)
             return Done()
         src = t.contiguous().view(-1)
@@ -171,7 +185,7 @@ class TorchComm(Communicator):
         return _Works([work], None if direct else (lambda: self._copy_rows(dst, out)), src, dst)
 
     def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor, async_op: bool) -> Handle:
-        if self.world_size == 1:
+        if self._alone:
             out.copy_(t)
             return Done()
         src = t.contiguous()
@@ -194,7 +208,7 @@ class TorchComm(Communicator):
             out[i].copy_(gathered[j])
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
-        if self.world_size == 1:
+        if self._alone:
             return
         buf = t if t.is_contiguous() else t.contiguous()
         with _launching():
@@ -253,7 +267,7 @@ class TorchComm(Communicator):
         group = dist.new_group(ranks=sorted(members))
         if dist.get_rank() not in members:
             return None
-        return TorchComm(group, self.meter, _order=members)
+        return TorchComm(group, self.meter, one_rank_collectives=self.one_rank_collectives, _order=members)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float | None = None, *,

@@ -19,6 +19,7 @@ are sent, failed steps included: the meter counts what this worker sent.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ class _Guarded:
         works, self.works = self.works, []
         for w in works:
             try:
-                w.wait()
+                w.wait(self.comm.timeout)  # a send or recv waits its own timeout (gloo's is the set-up's)
             except Exception as e:  # a dead or silent peer: the step is discarded, not the run
                 self.comm.failed(e)
         after, fail, self.after, self.fail = self.after, self.fail, None, None
@@ -55,9 +56,10 @@ class _Guarded:
 class QuorumComm(Communicator):
     """torchft's process group ``pg`` over the current quorum, failures reported to ``manager``."""
 
-    def __init__(self, manager: Any, pg: Any, meter: ByteMeter | None = None) -> None:
+    def __init__(self, manager: Any, pg: Any, meter: ByteMeter | None = None, *,
+                 timeout: timedelta = timedelta(seconds=4)) -> None:
         super().__init__(0, 1, meter)
-        self.manager, self.pg = manager, pg
+        self.manager, self.pg, self.timeout = manager, pg, timeout
 
     def __repr__(self) -> str:
         return f"QuorumComm(rank={self.rank}, world_size={self.world_size})"

@@ -70,6 +70,7 @@ from thinwire.elastic.lighthouse import url
 TEXT_BYTES = 1024  # room for a worker's fingerprint in the admission exchange
 TIMEOUT_S = 4.0  # a collective, a commit vote or a state transfer waiting longer fails
 WAIT_S = 60.0  # how long a worker waits for a quorum of --min-workers before it gives up
+RENDEZVOUS_S = 3.0  # a new quorum's group set up: a member not there by then is taken for dead
 
 
 class Refused(ValueError):
@@ -147,8 +148,12 @@ def _listening(host: str) -> Any:
         raise ValueError(f"an elastic worker cannot listen on {host}: {e.strerror or e}") from None
 
 
-def _gloo_group(timeout: timedelta) -> Any:
-    """torchft's reconfigurable gloo group, remembering the quorum it was last configured for."""
+def _gloo_group(timeout: timedelta, rendezvous: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, remembering the quorum it was last configured for.
+
+    Setting up the group of a new quorum waits at most ``rendezvous`` for its members (a
+    quorum can name a worker that died after asking for it: the others learn it then, not a
+    whole ``timeout`` later); its collectives then wait up to ``timeout``."""
     from torchft.process_group import ProcessGroupGloo
 
     class QuorumGloo(ProcessGroupGloo):
@@ -158,8 +163,13 @@ def _gloo_group(timeout: timedelta) -> Any:
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                       quorum_id: int | None = None, group_rank: int | None = None,
                       group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
-            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                              global_ranks)
+            self._timeout = min(timeout, rendezvous)  # torchft's store client and gloo's connections
+            try:
+                super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                                  group_world_size, global_ranks)
+            finally:
+                self._timeout = timeout
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
             self.quorum_id, self.members = quorum_id, list(global_ranks or [])
 
     return QuorumGloo(timeout=timeout)
@@ -224,6 +234,7 @@ class ElasticWorker:
         self._admitted = False  # took part in a committed step, or took a present worker's state
         self._closed = False
         self._first_step: int | None = None
+        self._started = 0.0  # when this worker first asked for a quorum (perf_counter)
         self._steps = 0  # steps the job has committed (torchft's counter counts only the steps that vote)
         self._local = False  # the step begun trains alone: no quorum, no vote, nothing to undo
         self._named: set[tuple[int | None, str]] = set()  # refusals on record since the last committed step
@@ -240,7 +251,7 @@ class ElasticWorker:
         self._listen = _listening(host)  # the store listens on host alone (c10d's own would take every interface)
         self.store = dist.TCPStore(host, self._listen.getsockname()[1], is_master=True, wait_for_workers=False,
                                    timeout=timeout, master_listen_fd=self._listen.fileno())
-        self.pg = _gloo_group(timeout)
+        self.pg = _gloo_group(timeout, timedelta(seconds=RENDEZVOUS_S))
         self.transport = SignedTransport(self.pg, secret, lambda: self.pg.quorum_id, self._worker_at)
         try:
             with _manager_server_on(host):
@@ -256,7 +267,7 @@ class ElasticWorker:
             if self.forwarder is not None:
                 self.forwarder.shutdown()
             raise
-        self.comm = QuorumComm(self.manager, self.pg)
+        self.comm = QuorumComm(self.manager, self.pg, timeout=timeout)
         self.wait_s = wait_s
         self.start_workers = min_workers if start_workers is None else start_workers
         self.gradient_sync = False
@@ -284,6 +295,7 @@ class ElasticWorker:
         self._healed = False
         if self._first_step is None:
             self._first_step = self.step  # 0, or a resumed worker's checkpoint
+            self._started = t0
         # a step that sends nothing, on a method set up over a quorum, trains alone: the
         # workers meet at the next step that communicates (a joiner waits there for them)
         self._local = (self.quorum_id is not None and self.method is not None and not self.comm.broken
@@ -291,17 +303,34 @@ class ElasticWorker:
         if self._local:
             return self.step
         self._quorum()
-        # a job that starts (or is resumed whole) waits for start_workers, or for wait_s: every
-        # member of such a quorum has committed nothing yet and stands at the step it began
-        # with, so they all wait alike; a worker joining a running job took its state (a later
-        # step) and does not wait
+        # a job that starts (or is resumed whole) waits for start_workers, or for wait_s from its
+        # first ask: every member of such a quorum has committed nothing yet and stands at the
+        # step it began with, so they all wait alike, and they stop waiting together (one that
+        # went on alone would fail its step, and the others would start their wait again); a
+        # worker joining a running job took its state (a later step) and does not wait
         while (self.tally.committed == 0 and self.step == self._first_step
-               and self.manager.num_participants() < self.start_workers and time.perf_counter() - t0 < self.wait_s):
+               and self.manager.num_participants() < self.start_workers
+               and not self._waited(time.perf_counter() - self._started >= self.wait_s)):
             time.sleep(0.05)
             self._quorum()
         if self.pg.quorum_id != self.quorum_id or self._healed or self.quorum_id is None:
             self._new_quorum(time.perf_counter() - t0)
         return self.step
+
+    def _waited(self, mine: bool) -> bool:
+        """Whether any member of the quorum has waited ``wait_s`` for the job to start (a sum
+        over the quorum's group: all of them get the same answer). A sum that fails (a member
+        left) is no; the next quorum asks again."""
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        flag = torch.tensor([float(mine)])
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs: RedOpType
+        try:
+            self.pg.allreduce([flag], opts).wait(self.comm.timeout)
+        except Exception:  # noqa: BLE001  (a member that left: not settled in this quorum)
+            return False
+        return bool(flag.item() > 0)
 
     def _quorum(self) -> None:
         try:

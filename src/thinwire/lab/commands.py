@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from thinwire.run.arguments import (
@@ -151,9 +152,12 @@ def cost_parser(sub: Any) -> None:
                    help="the compute of one training step on your own hardware, in milliseconds: it replaces the "
                    "compute measured here in every prediction (methods with their own compute: scaled by MS over "
                    "the measured figure); the codec and wait times stay this machine's")
-    k.add_argument("--compute-from", metavar="RUN_DIR",
+    k.add_argument("--compute-from", metavar="RUN_DIR|GPU_JSON",
                    help="as --compute-ms, from a finished run's summary.json (compute_seconds / steps): a run of "
-                   "the same task, options and batch size on the hardware to predict")
+                   "the same task, options and batch size on the hardware to predict; or from the results of "
+                   "benchmarks/bench_gpu.py (its .json, or the .md beside it): the compute step of the model "
+                   "that matches the probe (task, options, batch size, parameters), and, for a probe with as "
+                   "many workers as the file's, its measured codec time of each method it holds")
     k.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="probe every method R times, in rounds, and show each figure as median [min-max] and "
                    "each bandwidth of the verdict (from the medians) with its range over the repeats (default: 1)")
@@ -297,11 +301,13 @@ def _cost(args: argparse.Namespace) -> int:
         base, resolved = resolve_methods(base, typed)
     except ValueError as e:
         raise BadInput(str(e)) from None
-    if given is not None and given[1] is not None:
-        _check_compute_run(given[1], base, args.compute_from)
+    if given is not None and given.summary is not None:
+        _check_compute_run(given.summary, base, args.compute_from)
+    if given is not None and given.gpu is not None:
+        given = _from_gpu_results(given.gpu, base, resolved, args.compute_from)
     from thinwire.run.labels import labels
 
-    table = _CostTable(args, base, resolved, labels(typed), None if given is None else given[0])
+    table = _CostTable(args, base, resolved, labels(typed), given)
     _warn_load("thinwire cost")
     collected: dict[str, list[Any]] = {spec: [] for spec in resolved}
     failed: dict[str, str] = {}
@@ -339,24 +345,80 @@ def _cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def _given_compute(args: argparse.Namespace) -> tuple[float, Summary | None] | None:
-    """The compute a step takes on the user's hardware (seconds; ``--compute-ms`` or
-    ``--compute-from``, with that run's summary), or None: the one measured here."""
+@dataclass
+class _Given:
+    """What the user gave of their own hardware: the compute of a step (seconds; None until a
+    GPU results file's model is matched to the probe), the run it came from (``--compute-from
+    RUN_DIR``), or the GPU results file (``--compute-from GPU_JSON``) and, once matched, the
+    codec seconds it measured per resolved spec and a line saying where they came from."""
+
+    compute_s: float | None
+    summary: Summary | None = None
+    gpu: dict[str, Any] | None = None
+    codec_s: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+    codec_note: str = ""  # where the codec seconds came from, when a results file could give them
+
+
+def _given_compute(args: argparse.Namespace) -> _Given | None:
+    """The compute a step takes on the user's hardware (``--compute-ms`` or ``--compute-from``:
+    a run's summary, or a bench_gpu results file, read here and matched to the probe later),
+    or None: the one measured here."""
     if args.compute_ms is not None and args.compute_from is not None:
         raise BadInput("give one of --compute-ms and --compute-from")
     if args.compute_ms is not None:
         if not (math.isfinite(args.compute_ms) and args.compute_ms > 0):
             raise BadInput(f"--compute-ms must be a finite number of milliseconds > 0, got {args.compute_ms}")
-        return args.compute_ms / 1e3, None
+        return _Given(args.compute_ms / 1e3, source="--compute-ms")
     if args.compute_from is not None:
         from thinwire.lab.cost import compute_from_run
+        from thinwire.lab.gpu_results import read_if_results
 
         try:
+            gpu = read_if_results(args.compute_from)
+            if gpu is not None:
+                return _Given(None, gpu=gpu)
             seconds, summary = compute_from_run(args.compute_from)
         except ValueError as e:
             raise BadInput(str(e)) from None
-        return seconds, summary
+        return _Given(seconds, summary, source=f"--compute-from {args.compute_from}")
     return None
+
+
+def _from_gpu_results(data: dict[str, Any], base: Any, resolved: list[str], where: str) -> _Given:
+    """The probe's model in a bench_gpu results file: its compute step, and its codec seconds
+    for the probed methods it measured where the probe has as many workers as the file's
+    codec times are for (a gathered codec decodes one payload per worker)."""
+    from thinwire.lab.gpu_results import model_for
+
+    try:
+        model = model_for(data, where, task=base.task, options=dict(base.task_options), batch_size=base.batch_size,
+                          parameters=_parameters(base))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    codecs = {spec: s for spec, s in model.codec_s.items() if spec in resolved}
+    if model.workers != base.workers:
+        note = (f"codec ms: this machine's (the file's are one rank's of {model.workers} workers, this probe has "
+                f"{base.workers})")
+        codecs = {}
+    elif codecs:
+        names = ", ".join(spec.split(":")[0] for spec in resolved if spec in codecs)
+        note = f"codec ms of {names}: the file's ({model.workers} workers), the others' this machine's"
+    else:
+        note = "codec ms: this machine's (the file measured none of these methods)"
+    return _Given(model.compute_s, gpu=data, codec_s=codecs, source=f"--compute-from {where}: {model.name} on "
+                  f"{model.device}", codec_note=note)
+
+
+def _parameters(base: Any) -> int:
+    """Parameters of the probe's model (built without memory: on the meta device)."""
+    import torch
+
+    from thinwire.tasks import get as get_task
+
+    task = get_task(base.task)(seed=base.seed, data_dir=base.data_dir, **base.task_options)
+    with torch.device("meta"):
+        return sum(p.numel() for p in task.build_model().parameters())
 
 
 def _check_compute_run(summary: Summary, base: Any, where: str) -> None:
@@ -402,11 +464,13 @@ class _CostTable:
     its probe ends, the table at the end (or at an interrupt)."""
 
     def __init__(self, args: argparse.Namespace, base: Any, resolved: list[str], names: list[str],
-                 given_s: float | None) -> None:
+                 given: _Given | None) -> None:
         from thinwire.comm.link import Link
         from thinwire.lab import cost
 
-        self.args, self.base, self.resolved, self.given_s = args, base, resolved, given_s
+        self.args, self.base, self.resolved, self.given = args, base, resolved, given
+        self.given_s = None if given is None else given.compute_s
+        self.codec_s = {} if given is None else given.codec_s  # codec seconds the user's hardware measured
         self.names = dict(zip(resolved, names, strict=True))  # rows named as typed: two variants stay apart
         self.shares = {spec: cost.shares_compute(spec) for spec in resolved}
         self.links = [Link.parse(text) for text in base.links]
@@ -424,7 +488,7 @@ class _CostTable:
 
         shared = self._compute(runs)
         ref_spec = self.resolved[0]
-        at = {spec: [cost.at_compute(c, self.shares[spec], shared, self.given_s) for c in cs]
+        at = {spec: [self._codec(spec, cost.at_compute(c, self.shares[spec], shared, self.given_s)) for c in cs]
               for spec, cs in runs.items()}
         ref_raw = cost.median_cost(runs[ref_spec])
         latency = self.links[0].latency_s
@@ -453,6 +517,12 @@ class _CostTable:
                          *([cost.bounds_text(each[:n], at[ref_spec][:n], latency)] if self.repeats > 1 else [])])
         return columns, rows
 
+    def _codec(self, spec: str, c: Any) -> Any:
+        """``c`` with the codec seconds the user's hardware measured for ``spec``, where given."""
+        import dataclasses
+
+        return dataclasses.replace(c, codec_s=self.codec_s[spec]) if spec in self.codec_s else c
+
     def compute_line(self, runs: dict[str, list[Any]]) -> str:
         """``compute: 48.1 ms a step [46.0–51.2] over 8 blocks, shared by identity, bf16, ...``."""
         shared = self._compute(runs)
@@ -464,12 +534,12 @@ class _CostTable:
         if self.given_s is None:
             line = f"compute: {measured}"
             return line + (f"; {', '.join(own)}: their own" if own else "")
-        source = (f"--compute-from {self.args.compute_from}" if self.args.compute_from is not None
-                  else "--compute-ms")
-        line = f"compute: {1e3 * self.given_s:.1f} ms a step ({source}) in every prediction; measured here: {measured}"
+        assert self.given is not None  # given_s comes with it
+        line = (f"compute: {1e3 * self.given_s:.1f} ms a step ({self.given.source}) in every prediction; measured "
+                f"here: {measured}")
         if own and shared is not None:
             line += f"; {', '.join(own)}: their own, scaled by {1e3 * self.given_s:.1f} / {1e3 * shared.per_step:.1f}"
-        return line
+        return line + (f"; {self.given.codec_note}" if self.given.codec_note else "")
 
     def line(self, spec: str, runs: dict[str, list[Any]]) -> str | None:
         """One method's row as ``figure value`` pairs, the moment its probe ends (None before

@@ -89,7 +89,9 @@ place of its own measured one). A method with its own compute keeps its measured
 ``--compute-ms MS`` (or ``--compute-from RUN_DIR``: ``compute_seconds`` / ``steps`` of the
 run's ``summary.json``) puts the compute of the user's own hardware in place of the shared
 figure (and scales an own-compute method's by MS over the shared figure); the codec and wait
-seconds stay those measured here.
+seconds stay those measured here. ``--compute-from GPU_JSON`` (what ``benchmarks/bench_gpu.py``
+measured: :mod:`thinwire.lab.gpu_results`) gives the compute step of the probe's model there,
+and, for a probe of as many workers, the codec seconds of the methods it measured too.
 
 Two methods sharing the compute differ in step time by codec, communication and overlap
 alone, so their verdict barely moves with it; a method with its own compute is compared with

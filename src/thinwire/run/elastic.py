@@ -340,9 +340,9 @@ def _local_job(cfg: TrainConfig, show_progress: bool, key: bytes | None = None) 
     from thinwire.elastic.lighthouse import serve
 
     # a quorum waits for a live worker as long as a worker waits for a quorum (DiLoCo-family workers
-    # ask only at their averages, up to a round apart)
-    lighthouse = serve(int(cfg.min_workers or 1), heartbeat_timeout_s=cfg.elastic_timeout,
-                       join_timeout_s=cfg.elastic_wait, secret=key, gate_timeout_s=cfg.elastic_timeout)
+    # ask only at their averages, up to a round apart); a dead one is known by its heartbeat
+    lighthouse = serve(int(cfg.min_workers or 1), join_timeout_s=cfg.elastic_wait, secret=key,
+                       gate_timeout_s=cfg.elastic_timeout)
     ctx = mp.get_context("spawn")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     if cfg.out:
