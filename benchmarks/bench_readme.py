@@ -1,6 +1,6 @@
 """The figures README.md states, measured again at one commit into one file.
 
-``make bench-readme`` runs this (about 37 minutes on 2 cores) and writes
+``make bench-readme`` runs this (37-43 minutes on 2 cores) and writes
 ``benchmarks/results/readme.md``: a header (command, commit, machine, wall time) and one table,
 ``| figure | measured | from |``. README.md's "Measured" table is that table, row for row
 (tests/unit/test_readme.py keeps the two in step). Four sources:
