@@ -168,3 +168,25 @@ def training_step(model, optimizer, batches, loss_fn, after_backward: Callable[[
         optimizer.step()
 
     return step
+
+
+def mirror(world: int):
+    """Rank 0 of ``world`` ranks whose peers send exactly what it sends, with no network: an
+    all_reduce multiplies by ``world``, an all_gather copies the rank's payload into every row.
+    Its meter counts what one rank of ``world`` sends (thinwire's byte accounting)."""
+    from thinwire.comm.base import Communicator, Done
+
+    class Mirror(Communicator):
+        def __init__(self) -> None:
+            super().__init__(0, world)
+
+        def _all_reduce(self, t, async_op):
+            t.mul_(world)
+            return Done()
+
+        def _all_gather(self, t, out, async_op):
+            for row in out:
+                row.copy_(t)
+            return Done()
+
+    return Mirror()

@@ -47,7 +47,7 @@ import dataclasses
 import sys
 import time
 
-from _common import Figure, Report, load_note, median, paired_ratio, parser, table
+from _common import Figure, Report, load_note, median, mirror, paired_ratio, parser, table
 
 SETS = ("resnet18", "gpt-small")
 CODECS = ("topk", "randomk", "qsgd", "terngrad", "signsgd", "twobit", "kernels", "hylo")
@@ -75,26 +75,6 @@ def gradient_set(name: str):
         ids, targets = torch.randint(0, v, (4, 64), generator=gen), torch.randint(0, v, (4, 64), generator=gen)
         F.cross_entropy(model(ids).reshape(-1, v), targets.reshape(-1)).backward()
     return model, [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
-
-
-def mirror():
-    """Rank 0 of 2 whose peer sends exactly what it sends (no network)."""
-    from thinwire.comm.base import Communicator, Done
-
-    class Mirror(Communicator):
-        def __init__(self) -> None:
-            super().__init__(0, 2)
-
-        def _all_reduce(self, t, async_op):
-            t.add_(t)
-            return Done()
-
-        def _all_gather(self, t, out, async_op):
-            out[0].copy_(t)
-            out[1].copy_(t)
-            return Done()
-
-    return Mirror()
 
 
 def chooser(spec: str, model):
@@ -142,7 +122,7 @@ def arm(named, codec_for):
     """A step closure: restore the inputs (untimed), then time one ``reduce_``."""
     from thinwire.aggregate import Aggregator
 
-    agg = Aggregator(named, codec_for, mirror())
+    agg = Aggregator(named, codec_for, mirror(2))
     work = {n: t.clone() for n, t in named}
 
     def step() -> float:

@@ -99,7 +99,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(1, str(ROOT / "src"))  # this tree's thinwire, whether installed (pip install -e .) or not
 
-from _common import Figure, median, paired_ratio, table  # noqa: E402  (imports torch)
+from _common import Figure, median, mirror, paired_ratio, table  # noqa: E402  (imports torch)
 
 GPU_OUT = HERE / "results" / "gpu.md"
 TINY_OUT = HERE / "results" / "raw" / "gpu-tiny.md"
@@ -429,28 +429,6 @@ def compute_model(m: Model, device, sizes: Sizes) -> list[Any]:
 
 
 # -- 2. the codecs -------------------------------------------------------------------------------
-def mirror(world: int):
-    """Rank 0 of ``world`` ranks whose peers send exactly what it sends, with no network: an
-    all_reduce multiplies by ``world``, an all_gather copies the rank's payload into every row.
-    Its meter counts what one rank of ``world`` sends (thinwire's byte accounting)."""
-    from thinwire.comm.base import Communicator, Done
-
-    class Mirror(Communicator):
-        def __init__(self) -> None:
-            super().__init__(0, world)
-
-        def _all_reduce(self, t, async_op):
-            t.mul_(world)
-            return Done()
-
-        def _all_gather(self, t, out, async_op):
-            for row in out:
-                row.copy_(t)
-            return Done()
-
-    return Mirror()
-
-
 @dataclasses.dataclass
 class Arm:
     """One codec on one gradient set: its aggregator, inputs, and untimed-free extra work."""
