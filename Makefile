@@ -25,18 +25,20 @@ run: $(STAMP)
 
 # the tests run after lint (ruff: style, import order, likely bugs) and types (mypy on src/thinwire);
 # both are configured in pyproject.toml. TEST_JOBS test processes at once (pytest-xdist; much of a
-# spawned-process test is waiting: start-up, heartbeats, timeouts); TEST_JOBS=0 runs them one by one
+# spawned-process test is waiting: start-up, heartbeats, timeouts); TEST_JOBS=0 runs them one by one.
+# worksteal: a test process that runs out of tests takes half of another's queue (xdist's default
+# hands each its share up front, and one of two was left with the slow tests for minutes alone)
 TEST_JOBS ?= 2
 # every process a test starts imports thinwire: its modules are compiled once, here (where
 # PYTHONDONTWRITEBYTECODE is set, no process would keep what it compiled for the next one)
 test: lint
 	$(PY) -m compileall -q src tests benchmarks >/dev/null
-	$(PY) -m pytest -q -n $(TEST_JOBS) tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal tests
 
 # the unit tests that start no process (a test that does is marked `spawns`), for the edit-test loop
 test-fast: $(STAMP)
 	$(PY) -m compileall -q src tests >/dev/null
-	THINWIRE_TEST_FAST=1 $(PY) -m pytest -q -n $(TEST_JOBS) -m "not spawns" tests/unit
+	THINWIRE_TEST_FAST=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "not spawns" tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

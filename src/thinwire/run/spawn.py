@@ -67,14 +67,19 @@ def leave_rank() -> None:
 
 
 # what every local rank imports first: the fork server imports it once (thinwire.run.rank_server: it
-# ignores SIGTERM, so that a signal to the job's process group leaves it to the launcher and the ranks)
-PRELOAD = ["thinwire.run.rank_server", "torch", "torch.distributed", "thinwire.run.trainer"]
+# ignores SIGTERM, so that a signal to the job's process group leaves it to the launcher and the ranks).
+# torch._dynamo: every optimizer's constructor imports it (about 1.4 s of CPU, once per process, else
+# in each rank); torch.utils.tensorboard: rank 0 of a run with --out writes its events. An import that
+# fails here (tensorboard not installed) is skipped by the server, and a rank that needs it says so.
+PRELOAD = ["thinwire.run.rank_server", "torch", "torch.distributed", "torch._dynamo", "torch.utils.tensorboard",
+           "thinwire.run.trainer"]
 
 
 def rank_context() -> Any:
     """The multiprocessing context local ranks start from: ``forkserver`` where there is one
     (Linux; its server imported :data:`PRELOAD` once, so a rank starts in milliseconds instead
-    of importing torch again, about 1.5 s of CPU each), else ``spawn``. Neither inherits the
+    of importing torch again, about 1.5 s of CPU each, and torch's compiler front end, which
+    any optimizer imports, about 1.4 s more), else ``spawn``. Neither inherits the
     caller's threads or CUDA state. A rank started from it calls :func:`begin_rank` with the
     caller's ``os.environ``."""
     if "forkserver" not in mp.get_all_start_methods():
