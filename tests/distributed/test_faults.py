@@ -103,6 +103,24 @@ def test_a_run_that_skipped_most_steps_exits_1_naming_the_parameter(tmp_path):
     assert summary["status"] == "diverged"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("server", [True, False])
+def test_the_rank_servers_exit_skips_the_interpreters_teardown_and_nothing_else_does(tmp_path, server):
+    # the fork server holds the launcher's stderr until it is gone, so its exit is part of the
+    # time a stopped rank holds a run (hang_limit); an exit handler registered before its first
+    # import (the interpreter's teardown stands for all of them) never runs there, and runs
+    # anywhere else that imports the module
+    mark = tmp_path / "finalized"
+    first = "import multiprocessing.forkserver" if server else "import multiprocessing"
+    code = (f"{first}; import atexit, signal; atexit.register(lambda: open({str(mark)!r}, 'w').close()); "
+            "import thinwire.run.rank_server; "
+            "assert (signal.getsignal(signal.SIGTERM) == signal.SIG_IGN) == " + repr(server) + "; "
+            "print('left', flush=True); raise SystemExit(0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and done.stdout == "left\n", done.stderr
+    assert mark.exists() is not server
+
+
 # -- how long a stopped rank or a stop request can hold a run ----------------------------------
 def _slow(out: Path, *extra: str) -> list[str]:
     """The run of _cmd on usercodec.slowtask's task: ranks sleep or stop where SLOWTASK_* say."""
