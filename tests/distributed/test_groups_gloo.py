@@ -9,6 +9,9 @@ the groups, in a user's loop (``thinwire.attach(..., mesh=mesh)``).
   ends with the same model, every rank's bytes between the groups are the codec's count for
   its own shard's shapes, and a resume from the method's, the model's and the optimizer's
   state is bit for bit the straight run;
+- DiLoCo with each round's average behind the next (``sync=eager``, over twins of the groups)
+  runs between sharded groups and between groups DDP averages inside as between replicated
+  ones, and sends the blocking run's bytes;
 - a group sends between groups what one unsharded worker sends, each rank its shard's part;
   FSDP's own collectives inside a group are metered apart (link ``intra``);
 - methods that read whole tensors, and meshes that do not match how the model was wrapped,
@@ -28,6 +31,7 @@ from spawn import run_ranks
 STEPS = 50
 TOL = 1e-6  # fp32: the same sums in another order (exact on this model in practice)
 SHAPES = [(30, 12), (30,), (5, 30), (5,)]  # 30 and 5 rows: even and uneven shards over 2 ranks
+EAGER = "diloco:period=5,sync=eager"  # each round's average behind the next, over twins of the groups
 
 
 def _model() -> torch.nn.Module:
@@ -146,6 +150,9 @@ def _ranks(rank: int, world: int) -> dict:
     for spec in ("identity", "bf16", "diloco:period=5", "streaming-diloco:period=6,fragments=2"):
         for layout in ("replicated", "sharded"):
             out[spec, layout] = _train(rank, layout, mesh, spec)
+    for layout in ("replicated", "sharded"):
+        out[EAGER, layout] = _train(rank, layout, mesh, EAGER)
+    out[EAGER, "ddp"] = _train(rank, "replicated", mesh, EAGER, wrap="ddp")
     for spec in ("topk:ratio=0.1,ef=true", "powersgd:rank=2", "sparseloco:period=5,chunk=8,k=4"):
         out[spec, "sharded"] = _train(rank, "sharded", mesh, spec)
         out[spec, "resume"] = _resume(rank, mesh, spec, k=7, n=14)
@@ -187,6 +194,25 @@ def test_sharded_groups_follow_replicated_groups_loss_for_loss(results, spec):
     # the groups are one model at the end: every rank's whole model is rank 0's
     for r in results[1:]:
         assert _params_close(r[spec, "sharded"]["full"], results[0][spec, "sharded"]["full"]) == 0.0
+
+
+@pytest.mark.spawns
+@pytest.mark.timeout(320)
+def test_a_rounds_average_behind_the_next_runs_between_groups_of_every_layout(results):
+    """sync=eager over twins of the groups: sharded groups, and groups that DDP averages inside
+    (thinwire between them over the mesh's dimension 0 alone, its twin made by every process),
+    follow thinwire's replicated groups loss for loss; one model at the end; the bytes between
+    the groups are the blocking run's."""
+    for r in results:
+        for layout in ("sharded", "ddp"):
+            assert _close(r[EAGER, layout]["losses"], r[EAGER, "replicated"]["losses"]) <= TOL, layout
+            assert _params_close(r[EAGER, layout]["full"], r[EAGER, "replicated"]["full"]) <= TOL, layout
+        assert r[EAGER, "sharded"]["inter"] == r["diloco:period=5", "sharded"]["inter"] > 0
+        assert r[EAGER, "replicated"]["inter"] == r["diloco:period=5", "replicated"]["inter"] > 0
+    for r in results[1:]:
+        assert _params_close(r[EAGER, "sharded"]["full"], results[0][EAGER, "sharded"]["full"]) == 0.0
+    # eager is not blocking: each group continued from its own preview for a round at a time
+    assert _close(results[0][EAGER, "replicated"]["losses"], results[0]["diloco:period=5", "replicated"]["losses"]) > 0
 
 
 def _rows(rank: int, rows: int) -> int:

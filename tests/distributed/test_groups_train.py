@@ -28,7 +28,10 @@ def _cfg(tmp_path, spec: str, shard: bool = True) -> TrainConfig:
 # streaming DiLoCo runs DiLoCo's engine, with a fragment in flight across the checkpoint; SparseLoCo's
 # blocks are cut by the shard; a gradient codec's residuals are per shard (test_groups_gloo.py resumes
 # top-k and PowerSGD in a user's loop)
-@pytest.mark.parametrize("spec", ["streaming-diloco:period=4,fragments=2,delay=1", "sparseloco:period=3,chunk=8,k=4"])
+# sync=eager: a round's 4-bit average (scatter: over the twin's groups between the groups) is in flight at the
+# checkpoint
+@pytest.mark.parametrize("spec", ["streaming-diloco:period=4,fragments=2,delay=1", "sparseloco:period=3,chunk=8,k=4",
+                                  "diloco:period=3,sync=eager,codec=rangefloat:bits=4;ef=true,scatter=true"])
 def test_sharded_groups_resume_exactly(spec, tmp_path):
     cfg = _cfg(tmp_path, spec)
     straight, resumed = straight_and_resumed(cfg, K, tmp_path)

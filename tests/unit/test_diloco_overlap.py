@@ -163,3 +163,50 @@ def test_a_checkpoint_with_an_average_in_flight_resumes_only_under_its_own_sync(
         return True
 
     assert all(LocalWorld(2).run(fn))
+
+
+def _grouped(make):
+    """``make`` over 4 in-process ranks as 2 worker groups of 2 replicas (thinwire averages the
+    gradients inside a group every step, the method runs between the groups)."""
+    from thinwire.comm.layout import NodeLayout
+    from thinwire.comm.nodes import build_hierarchy
+
+    def over_groups(m, o, c):
+        if c.hierarchy is None:
+            build_hierarchy(c, NodeLayout(4, 2))
+        return make(m, o, c)
+    return over_groups
+
+
+@pytest.mark.parametrize("codec", ["identity", "rangefloat:bits=4;ef=true"])
+def test_over_worker_groups_the_background_average_is_the_blocking_runs_mean_a_round_late(codec):
+    """The twin's groups average as the world's do: after two delayed rounds θ has stepped on the
+    first round's mean only, which is the blocking run's first θ; and each link carries the
+    blocking run's bytes (the group's fp32 stages inside, the codec between the groups)."""
+    def run(steps, **kw):
+        def fn(comm):
+            model, _ = tiny.train(comm, _grouped(lambda m, o, c: DiLoCo(m, o, c, period=3, codec=codec, **kw)),
+                                  steps, BASE, finish=kw.get("sync") is not None and steps == 9)
+            return model, comm.meter.link_bytes("intra"), comm.meter.link_bytes("inter")
+        return LocalWorld(4).run(fn)
+
+    blocking, delayed = run(3), run(6, sync="delayed")
+    for b, d in zip(blocking, delayed, strict=True):
+        assert torch.allclose(d[0], b[0], atol=TOL, rtol=0)
+    assert torch.equal(delayed[0][0], delayed[3][0])  # every rank of every group continues from θ
+    sent = run(9), run(9, sync="delayed")  # three rounds; the overlapped one lands the last in finish()
+    for b, d in zip(*sent, strict=True):
+        assert d[1:] == b[1:] and b[2] > 0 and b[1] > 0
+
+
+def test_over_worker_groups_eager_ranks_of_a_group_continue_from_one_preview_and_finish_as_one_model():
+    def fn(comm):
+        make = _grouped(lambda m, o, c: DiLoCo(m, o, c, period=3, sync="eager"))
+        mid, _ = tiny.train(comm, make, 6, BASE)
+        end, _ = tiny.train(comm, make, 9, BASE, finish=True)
+        return mid, end
+
+    got = LocalWorld(4).run(fn)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[2][0], got[3][0])  # a group is one worker
+    assert not torch.equal(got[0][0], got[2][0])  # each group previews its own pseudo-gradient
+    assert all(torch.equal(got[0][1], g[1]) for g in got[1:])  # one model after finish()

@@ -20,6 +20,7 @@ from thinwire.comm.background import Worker
 from thinwire.comm.base import Communicator
 from thinwire.comm.link import Link, meter_seconds
 from thinwire.comm.meter import ByteMeter
+from thinwire.comm.nodes import twin
 
 
 class InFlight:
@@ -53,14 +54,9 @@ class BackgroundSync:
     """Averages run on a background thread over a twin of ``comm``: one at a time with
     :meth:`launch` and :meth:`land` (a round's), or queued with :meth:`start` (fragments)."""
 
-    def __init__(self, comm: Communicator, who: str) -> None:
-        if comm.hierarchy is not None:
-            raise ValueError(f"{who} runs its average over a second group of the same ranks, which worker groups "
-                             "(--group-size) do not build: run it flat, or with sync=blocking")
-        twin = comm.subgroup(list(range(comm.world_size)))  # every rank calls this, in the same order
-        assert twin is not None  # every rank is a member
-        twin.meter = ByteMeter(inter_share=comm.meter.inter_share)  # counted apart, absorbed on landing
-        self.comm, self.twin = comm, twin
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.twin = twin(comm)  # every rank calls this, in the same order; counted apart, absorbed on landing
         self.worker: Worker | None = None  # started by the first launch, ended by close()
         self.launched_at = 0.0
         self.seconds = 0.0  # launch to completion, summed over the landed averages
@@ -109,7 +105,8 @@ class BackgroundSync:
         twin = self.twin
 
         def run() -> tuple[ByteMeter, float]:
-            meter = twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)  # this work's alone
+            meter = ByteMeter(inter_share=self.comm.meter.inter_share)  # this work's alone
+            twin.use_meter(meter)
             work()
             return meter, time.perf_counter()
 

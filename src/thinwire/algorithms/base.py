@@ -134,12 +134,6 @@ class Method(ABC):
         """Why the method with ``config`` cannot run elastic (default: :attr:`elastic_unsafe`)."""
         return cls.elastic_unsafe
 
-    @classmethod
-    def check_groups(cls, config: Any) -> str | None:
-        """Why the method with ``config`` cannot run over worker groups (``--group-size``, sharded
-        or not) though its class can; None (the default) when it can."""
-        return None
-
     @classmethod  # noqa: B027
     def check_model(cls, config: Any, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` when the method cannot run on ``model``. Default: any model."""
@@ -280,12 +274,13 @@ class PeriodicAveraging(Method, Reports):
         (or their deltas), which bf16 would round at every sync. ``scatter``: a
         :class:`~thinwire.scatter.ScatterMean` instead (a gathered codec's compressed
         reduce-scatter + all-gather, over all ranks, nodes or not). ``comm``: another
-        communicator over the same ranks (a background sync's; flat worlds only)."""
+        communicator over the same ranks (a background sync's twin, with worker groups of its own)."""
         if scatter:
             assert codec is not None  # the config refuses scatter without a gathered codec
-            hierarchy = self.comm.hierarchy
-            across = hierarchy.inter if hierarchy is not None and hierarchy.sharded else self.comm
-            mean = ScatterMean("model", like, codec, comm or across)
+            over = comm or self.comm
+            hierarchy = over.hierarchy
+            across = hierarchy.inter if hierarchy is not None and hierarchy.sharded else over
+            mean = ScatterMean("model", like, codec, across)
             self.aggregators.append(mean)
             return mean
         agg = flat_aggregator("model", like, codec if codec is not None else Identity(IdentityConfig()),

@@ -176,7 +176,7 @@ class DiLoCo(PeriodicAveraging):
         self.never_synced_warned = False
         # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
         sync = getattr(self.config, "sync", "blocking")
-        self.background = BackgroundSync(self.comm, f"{self.name} sync={sync}") if sync != "blocking" else None
+        self.background = BackgroundSync(self.comm) if sync != "blocking" else None
         # eager: a worker continues from θ stepped with its own pseudo-gradient in place of the mean in flight
         self.eager = sync == "eager"
         # averages merged some steps after their launch (streaming DiLoCo's delay), when set: run
@@ -198,15 +198,6 @@ class DiLoCo(PeriodicAveraging):
             return (f"delay={config.delay} keeps a fragment's average in flight across steps, over which the "
                     "quorum may change (delay=0 runs elastic)")
         return cls.elastic_unsafe
-
-    @classmethod
-    def check_groups(cls, config: Any) -> str | None:
-        """A round's average behind the next round runs over a second group of the same ranks,
-        which worker groups do not build."""
-        if getattr(config, "sync", "blocking") != "blocking":
-            return (f"sync={config.sync} runs its average over a second process group of the same ranks, which "
-                    "worker groups do not build yet (sync=blocking runs there)")
-        return None
 
     def elastic_join(self) -> None:
         """A worker joining a running job starts its round from the global model ``θ`` (the
@@ -309,7 +300,7 @@ class DiLoCo(PeriodicAveraging):
         twin_here = self.offload is not None and at_once  # over the twin's group, on this thread (none in flight)
         if twin_here:
             assert self.offload is not None
-            self.offload.twin.meter = ByteMeter(inter_share=self.comm.meter.inter_share)
+            self.offload.twin.use_meter(ByteMeter(inter_share=self.comm.meter.inter_share))
         pending: Reduction | ScatterReduction | InFlight
         if not at_once and self.offload is not None:  # the whole average on the background thread
             agg = f.agg

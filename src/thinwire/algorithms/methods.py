@@ -112,8 +112,7 @@ def sharded_refusal(spec: str | Policy | Codec) -> str | None:
     """Why the method of a resolved spec cannot run between groups of sharded ranks
     (:attr:`Method.sharded_unsafe`), or None: codecs and policies can."""
     if isinstance(spec, str) and kind_of(spec) == "method":
-        cls, config = method_config(spec)
-        return cls.sharded_unsafe or cls.check_groups(config)
+        return method_config(spec)[0].sharded_unsafe
     return None
 
 
@@ -121,8 +120,7 @@ def flat_only(spec: str | Policy | Codec) -> str | None:
     """Why the method of a resolved spec cannot average in two levels (:attr:`Method.flat_only`),
     or None when it can (codecs and policies always can)."""
     if isinstance(spec, str) and kind_of(spec) == "method":
-        cls, config = method_config(spec)
-        return cls.flat_only or cls.check_groups(config)
+        return method_config(spec)[0].flat_only
     return None
 
 

@@ -128,8 +128,8 @@ class StreamingDiLoCo(DiLoCo):
                  comm: Any = None, config: StreamingDiLoCoConfig | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer, comm, config, **kwargs)
         self._delay: int | None = None if self.config.delay == "auto" else int(self.config.delay)
-        if self._delay != 0 and self.comm.hierarchy is None:  # the averages behind the steps, whole, on a thread
-            self.offload = BackgroundSync(self.comm, f"{self.name} delay={self.config.delay}")
+        if self._delay != 0:  # the averages behind the steps, whole, on a thread
+            self.offload = BackgroundSync(self.comm)
             self.reads_took = self.config.delay == "auto"  # a fixed delay's state holds no timing
         self.link: Link | None = None
         if self.config.link:

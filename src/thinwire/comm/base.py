@@ -117,6 +117,21 @@ class Communicator:
     def barrier(self) -> None:
         self._barrier()
 
+    def same_ranks(self) -> Communicator:
+        """A second communicator over the same ranks, on process groups of its own (every rank
+        of the job calls this, in the same order), whose collectives never meet this one's: for
+        work on another thread. Its bytes are counted by this communicator's meter. Worker
+        groups are not copied (:func:`thinwire.comm.nodes.twin` builds them)."""
+        twin = self.subgroup(list(range(self.world_size)))
+        assert twin is not None  # every rank is a member
+        return twin
+
+    def use_meter(self, meter: ByteMeter) -> None:
+        """Count this communicator's bytes, its worker groups' included, with ``meter``."""
+        self.meter = meter
+        if self.hierarchy is not None:
+            self.hierarchy.intra.meter = self.hierarchy.inter.meter = meter
+
     def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
         """A communicator over ``ranks`` (all ranks must call this, in the same order).
 

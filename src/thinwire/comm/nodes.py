@@ -79,6 +79,26 @@ def build_hierarchy(world: Communicator, layout: NodeLayout, intra_link: str | N
     return hierarchy
 
 
+def twin(comm: Communicator) -> Communicator:
+    """A second communicator over ``comm``'s ranks (:meth:`~Communicator.same_ranks`), with
+    worker groups of its own when ``comm`` has them: the same layout, links, dtype and
+    sharding, on new process groups (a mesh's included), so that work on another thread (a
+    background average) never meets ``comm``'s collectives in any of its groups. Every rank
+    of the job calls it, in the same order. Its meter is a new one (its bytes counted apart,
+    for the caller to absorb)."""
+    from thinwire.comm.link import EmulatedLink
+    from thinwire.comm.meter import ByteMeter
+
+    out = comm.same_ranks()
+    out.use_meter(ByteMeter(inter_share=comm.meter.inter_share))
+    h = comm.hierarchy
+    if h is not None:
+        intra = str(h.intra.link) if isinstance(h.intra, EmulatedLink) else None
+        build_hierarchy(out, h.layout, intra, intra_dtype=h.dtype_name, sharded=h.sharded)
+        out.use_meter(out.meter)  # the new groups count with the twin's meter
+    return out
+
+
 def mesh_groups(world: Communicator, layout: NodeLayout, mesh: Any) -> tuple[Communicator, Communicator]:
     """This rank's group (``intra``) and its peers in the other groups (``inter``) as
     communicators over a 2-D ``DeviceMesh``'s own process groups: dimension 0 across the

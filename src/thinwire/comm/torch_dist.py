@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -251,6 +252,25 @@ class TorchComm(Communicator):
         if self.world_size > 1:
             with _launching():
                 dist.barrier(group=self.group)
+
+    def same_ranks(self) -> TorchComm:
+        """A second group over the same ranks. Over the whole job: ``subgroup`` of every rank.
+        Over one of several groups that split the job (a ``DeviceMesh``'s dimension, one group
+        per rank of the other), every process creates every such group anew, in one order
+        learnt from all of them (one all_gather of the groups' ranks over the job, not
+        metered), as ``torch.distributed.new_group`` asks."""
+        if self.world_size == dist.get_world_size():
+            return super().same_ranks()  # type: ignore[return-value]  # a TorchComm's subgroup is one
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, tuple(self._global))
+        mine = None
+        for members in sorted(set(every)):
+            group = dist.new_group(ranks=sorted(members))
+            if members == tuple(self._global):
+                mine = TorchComm(group, self.meter, one_rank_collectives=self.one_rank_collectives,
+                                 _order=list(members))
+        assert mine is not None  # this process's own group is among them
+        return mine
 
     def _subgroup(self, ranks: list[int]) -> TorchComm | None:
         # dist.new_group must be entered by every process of the job (members or not), in
