@@ -9,7 +9,9 @@ method without overlap:
 - ``diloco`` with ``sync=eager`` (and ``sync=delayed``, the paper's naive variant; and eager at
   outer lr 0.4 and 0.2, smaller steps for a round-old mean; and at the outer step ``--tune``
   chose on the validation windows, lr 0.3 with momentum 0.9) against ``sync=blocking``;
-- ``sparseloco`` (outer lr 4, the suite's) with ``sync=eager`` against blocking;
+- ``sparseloco`` (outer lr 4, the suite's) with ``sync=eager`` (each rank previewing with its
+  own sparse message), and at the outer lr ``--tune sparseloco`` chose on the validation
+  windows (3), against blocking;
 - ``streaming-diloco`` (4 fragments) with ``delay=auto`` on a 10 Mbit/s link against
   ``delay=0`` (no overlap) and the suite's ``delay=1``;
 - MuLoCo (``diloco`` with ``--optimizer muon``) against synchronous Muon (``identity`` with
@@ -18,7 +20,8 @@ method without overlap:
 Targets (ours): overlapped DiLoCo and SparseLoCo within 1% of their blocking final loss,
 Streaming DiLoCo with ``delay=auto`` within 2% of it without overlap, MuLoCo within 2% of
 synchronous Muon. ``--from DIR`` reads the runs from an earlier call's folder instead of
-training (each run in ``DIR/NAME``); ``--only NAME,...`` trains some of them.
+training (each run in ``DIR/NAME``); ``--only NAME,...`` trains some of them; ``--tune
+[diloco|sparseloco]`` trains that method's outer-step grid on the validation windows instead.
 """  # noqa: E501  (line 1 is the --help description: kept whole)
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ RUNS = {  # name: (optimizer, method)
     "diloco-eager-tuned": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.9,sync=eager"),
     "sparseloco": ("adamw", "sparseloco:period=30,outer_lr=4"),
     "sparseloco-eager": ("adamw", "sparseloco:period=30,outer_lr=4,sync=eager"),
+    # the outer lr --tune sparseloco chose on the validation windows
+    "sparseloco-eager-tuned": ("adamw", "sparseloco:period=30,outer_lr=3,sync=eager"),
     "streaming-0": ("adamw", "streaming-diloco:period=30,fragments=4,delay=0,outer_lr=0.7"),
     "streaming-1": ("adamw", "streaming-diloco:period=30,fragments=4,delay=1,outer_lr=0.7"),
     "streaming-auto": ("adamw", "streaming-diloco:period=30,fragments=4,delay=auto,link=10mbit;1ms,outer_lr=0.7"),
@@ -53,7 +58,7 @@ RUNS = {  # name: (optimizer, method)
 }
 # --tune: the outer step for a round-old mean, chosen on the validation windows (eval_split=valid,
 # the held-out windows after the test's), never on the test's; blocking at the paper's setting beside it
-TUNE = {
+TUNE_DILOCO = {
     "blocking-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9"),
     "eager-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9,sync=eager"),
     "eager-lr0.5-m0.9": ("adamw", "diloco:period=30,outer_lr=0.5,outer_momentum=0.9,sync=eager"),
@@ -63,10 +68,17 @@ TUNE = {
     "eager-lr0.3-m0.95": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.95,sync=eager"),
     "eager-lr0.2-m0.95": ("adamw", "diloco:period=30,outer_lr=0.2,outer_momentum=0.95,sync=eager"),
 }
+TUNE_SPARSELOCO = {  # SparseLoCo's outer SGD has no momentum: its lr alone
+    "sparseloco-blocking-lr4": ("adamw", "sparseloco:period=30,outer_lr=4"),
+    **{f"sparseloco-eager-lr{lr}": ("adamw", f"sparseloco:period=30,outer_lr={lr},sync=eager")
+       for lr in ("4", "3", "2", "1", "0.5")},
+}
+TUNE = {"diloco": TUNE_DILOCO, "sparseloco": TUNE_SPARSELOCO}
 TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
     ("diloco_eager_final_loss_vs_blocking", "diloco-eager", "diloco", 0.01),
     ("diloco_eager_tuned_final_loss_vs_blocking", "diloco-eager-tuned", "diloco", 0.01),
     ("sparseloco_eager_final_loss_vs_blocking", "sparseloco-eager", "sparseloco", 0.01),
+    ("sparseloco_eager_tuned_final_loss_vs_blocking", "sparseloco-eager-tuned", "sparseloco", 0.01),
     ("streaming_delay_auto_final_loss_vs_no_overlap", "streaming-auto", "streaming-0", 0.02),
     ("muloco_final_loss_vs_synchronous_muon", "muloco", "muon-sync", 0.02),
 )
@@ -78,23 +90,23 @@ def command(name: str, out: Path, runs: dict[str, tuple[str, str]] = RUNS, extra
             "--method", method, "--out", str(out / name), "--quiet"]
 
 
-def tune(folder: Path, source: bool, report: Report, json_path: str | None) -> int:
-    """Train (or, with ``source``, read) the :data:`TUNE` grid on the validation windows and
-    report its final losses, best first."""
-    for name in TUNE:
+def tune(grid: dict[str, tuple[str, str]], folder: Path, source: bool, report: Report, json_path: str | None) -> int:
+    """Train (or, with ``source``, read) one of the :data:`TUNE` grids on the validation
+    windows and report its final losses, best first."""
+    for name in grid:
         if source or (folder / name / "summary.json").exists():
             continue
         t0 = time.perf_counter()
-        print(f"[{name}] thinwire train ... --method {TUNE[name][1]} (validation windows)", flush=True)
-        done = subprocess.run(command(name, folder, TUNE, ("--option", "eval_split=valid")), cwd=HERE.parent)
+        print(f"[{name}] thinwire train ... --method {grid[name][1]} (validation windows)", flush=True)
+        done = subprocess.run(command(name, folder, grid, ("--option", "eval_split=valid")), cwd=HERE.parent)
         if done.returncode != 0:
             report.add(f"{name}: thinwire train failed ({done.returncode})")
             return report.finish(json_path) or 1
         print(f"[{name}] {time.perf_counter() - t0:.0f} s", flush=True)
-    found = {n: json.loads((folder / n / "summary.json").read_text()) for n in TUNE
+    found = {n: json.loads((folder / n / "summary.json").read_text()) for n in grid
              if (folder / n / "summary.json").exists()}
     best_first = sorted(found.items(), key=lambda i: i[1]["final_loss"])
-    rows = [[n, TUNE[n][1], f"{s['final_loss']:.4f}"] for n, s in best_first]
+    rows = [[n, grid[n][1], f"{s['final_loss']:.4f}"] for n, s in best_first]
     report.add(f"Settings: `thinwire train {SETTINGS} --option eval_split=valid` with each run's `--method` "
                "(validation windows: the held-out windows after the test's).\n\n"
                + table(["run", "method", "final validation loss"], rows))
@@ -106,18 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="source", help="read the runs from this folder (one subfolder per run)")
     p.add_argument("--out", default="runs/overlap-quality", help="where the runs go (default: %(default)s)")
     p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
-    p.add_argument("--tune", action="store_true",
-                   help="train the outer-step grid for sync=eager on the validation windows instead (default "
-                        "folder: runs/overlap-quality-tune; runs already there are kept)")
+    p.add_argument("--tune", nargs="?", const="diloco", choices=list(TUNE),
+                   help="train a method's outer-step grid for sync=eager on the validation windows instead "
+                        "(default: diloco; folder: runs/overlap-quality-tune; runs already there are kept)")
     args = p.parse_args(argv)
     folder = Path(args.source or (args.out if not args.tune or "--out" in (argv or sys.argv)
                                   else "runs/overlap-quality-tune"))
     given = given_command(argv)
     report = Report("Quality with the wire overlapped (text, lowbandwidth settings)"
-                    + (": the outer step for sync=eager, on the validation windows" if args.tune else ""),
+                    + (f": {args.tune}'s outer step for sync=eager, on the validation windows" if args.tune else ""),
                     f"python benchmarks/bench_overlap_quality.py {given}".strip())
     if args.tune:
-        return tune(folder, args.source is not None, report, args.json)
+        return tune(TUNE[args.tune], folder, args.source is not None, report, args.json)
     names = args.only.split(",") if args.only else list(RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:

@@ -427,6 +427,11 @@ class Reduction:
         # when the first collective was started (after encoding): where communication begins
         self.started_at = min((f.started_at for _, f in launched), default=0.0)
 
+    @property
+    def payloads(self) -> list[Payload]:
+        """This rank's round-0 payloads, bucket by bucket: what it sent."""
+        return [p for _, f in self._launched for p in f.payloads]
+
     def is_completed(self) -> bool:
         """Whether every round-0 collective has completed (no side effects; landing, and a
         multi-round codec's later rounds, remain for :meth:`wait`)."""

@@ -210,3 +210,24 @@ def test_over_worker_groups_eager_ranks_of_a_group_continue_from_one_preview_and
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[2][0], got[3][0])  # a group is one worker
     assert not torch.equal(got[0][0], got[2][0])  # each group previews its own pseudo-gradient
     assert all(torch.equal(got[0][1], g[1]) for g in got[1:])  # one model after finish()
+
+
+def test_sparseloco_eager_ranks_continue_from_theta_stepped_with_their_own_sparse_message():
+    """SparseLoCo's mean is of sparse messages (each rank's chunked top-k, quantized), which
+    ``outer_lr`` scales: a rank previews with its own message, decoded, not with its dense
+    pseudo-gradient. After one round (nothing landed yet, the error buffer empty) rank i is
+    at ``θ − α · decode(encode(Δ_i))``, ``Δ_i`` its progress by hand."""
+    make = lambda m, o, c: SparseLoCo(m, o, c, period=3, chunk=4, k=3, outer_lr=2.0, sync="eager")  # noqa: E731
+    got = LocalWorld(2).run(lambda comm: (tiny.train(comm, make, 3, BASE)[0], comm.rank))
+    start = tiny.flat(BASE)
+    codec = LocalWorld(1).run(lambda comm: SparseLoCo(copy.deepcopy(BASE), None, comm, period=3, chunk=4, k=3).wire)[0]
+    for model, rank in got:
+        m = copy.deepcopy(BASE)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
+        for step in range(3):
+            tiny.backward(m, opt, rank, step)
+            opt.step()
+        delta = start - tiny.flat(m)
+        sent = codec.decode(codec.encode(delta)).reshape(-1)
+        assert 0 < int((sent != 0).sum()) < delta.numel()  # a sparse message, not the dense progress
+        assert torch.allclose(model, start - 2.0 * sent, atol=TOL, rtol=0)

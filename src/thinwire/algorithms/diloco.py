@@ -428,7 +428,12 @@ class DiLoCo(PeriodicAveraging):
         if landed:
             self._step_outer(f, delta)
             self.syncs += 1
-        if self.eager:  # this rank's pseudo-gradient in place of the mean in flight
+        agg = self._ready(f, fresh)  # the codec's state is idle now (nothing in flight)
+        started = None
+        if self.eager and self.previews_own_message:  # encoded here: the preview is what this rank sends
+            started = agg.start({"model": delta})
+            self._preview(f, self._own_message(agg, started))
+        elif self.eager:  # this rank's pseudo-gradient in place of the mean in flight
             self._preview(f, fresh)
         else:
             self._continue(f, 0.0)
@@ -436,11 +441,10 @@ class DiLoCo(PeriodicAveraging):
         if f.index == 0:
             self._average_rest()
         t4 = time.perf_counter()
-        agg = self._ready(f, fresh)  # the codec's state is idle now (nothing in flight)
 
         def work() -> float:
             before = agg.timing.codec_seconds
-            agg.start({"model": delta}).wait()
+            (started or agg.start({"model": delta})).wait()
             return agg.timing.codec_seconds - before
 
         self.background.launch(work)
@@ -458,6 +462,19 @@ class DiLoCo(PeriodicAveraging):
         f.agg.step = f.syncs
         f.syncs += 1
         return f.agg
+
+    #: eager: preview with this rank's own decoded message (encoded on the training thread at the
+    #: round's end) rather than its pseudo-gradient; DiLoCo: no, its codec's message is the
+    #: pseudo-gradient itself or a quantization of it
+    previews_own_message = False
+
+    @staticmethod
+    def _own_message(agg: Aggregator | ScatterMean, started: Any) -> torch.Tensor:
+        """This rank's own message of the average ``started`` (:meth:`Aggregator.start` of one
+        flat bucket), decoded: what it adds to the mean, at the scale of one rank's."""
+        if not isinstance(agg, Aggregator) or not isinstance(started, Reduction) or len(started.payloads) != 1:
+            raise RuntimeError("an eager preview of the rank's own message needs one flat bucket's average")
+        return agg.buckets[0].codec.decode(started.payloads[0]).reshape(-1)
 
     def _preview(self, f: Fragment, own: torch.Tensor) -> None:
         """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as

@@ -377,6 +377,10 @@ class SparseLoCo(DiLoCo):
         for f in self.fragments:  # one, the whole model (built before its aggregator is)
             f.codec = self.wire
 
+    # eager: a rank's dense pseudo-gradient is no estimate of a mean of sparse messages (outer_lr
+    # scales it several times); its own sparse message, which the mean holds at 1/R, is
+    previews_own_message = True
+
     def _outer_from_config(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.config.outer_lr)  # θ ← θ − α Δ
 
