@@ -25,7 +25,8 @@ timed blocks (on the GPT, both PowerSGD hook arms use one DDP bucket: see ``PSGD
   SparseLoCo at H = 30 (``--steps 30``: each block is one whole period, so the mean step
   counts its sync), by default at 10 Mbit/s. ``--arms overlap`` runs, beside the floor, each
   slow-link method with its averages behind later steps (SparseLoCo and 4-bit DiLoCo with
-  ``sync=eager``, 4-bit Streaming DiLoCo with ``delay=auto``) and its own form without
+  ``sync=eager``, 4-bit Streaming DiLoCo with ``delay=auto``, with ``scatter=true`` and without)
+  and its own form without
   overlap; such an arm is timed over whole rounds with one average behind each (an untimed
   round first), and what is still in flight is landed, untimed, before another arm runs.
 
@@ -90,12 +91,17 @@ SLOW_ARMS = ("compute", f"at-diloco:period={SLOW_H}", f"at-streaming-diloco:peri
 SLOW_TARGET = 1.05  # the best slow-link method's mean step over whole periods / the compute-only step
 LATENCY = "50us"  # the veth's own latency, roughly: tbf shapes the rate only
 FOUR_BIT = "codec=rangefloat:bits=4;exp_bits=3;ef=true,scatter=true"
+# between two ranks an all_gather sends what reduce-scatter + all-gather sends, with one collective and
+# one encode and decode instead of two
+FOUR_BIT_GATHER = "codec=rangefloat:bits=4;exp_bits=3;ef=true"
 # --arms overlap: each method with its round's average behind the next round, beside its own blocking form
 OVERLAP = {  # overlapped arm: (its blocking baseline, target / compute)
     f"at-sparseloco:period={SLOW_H},sync=eager": (f"at-sparseloco:period={SLOW_H}", 1.02),
     f"at-diloco:period={SLOW_H},{FOUR_BIT},sync=eager": (f"at-diloco:period={SLOW_H},{FOUR_BIT}", 1.05),
     f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT},delay=auto,link=10mbit;{LATENCY}":
         (f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT},delay=0", 1.10),
+    f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT_GATHER},delay=auto,link=10mbit;{LATENCY}":
+        (f"at-streaming-diloco:period={SLOW_H},fragments=4,{FOUR_BIT_GATHER},delay=0", 1.10),
 }
 PEERS.update({arm: baseline for arm, (baseline, _) in OVERLAP.items()})
 OVERLAP_ARMS = ("compute", *(a for pair in OVERLAP.items() for a in (pair[1][0], pair[0])))
@@ -437,6 +443,7 @@ def measure(report: Report, model: str, arms: list[str], args) -> bool:
         for arm, (baseline, target) in OVERLAP.items():  # against compute, and its own blocking form
             if arm in sec and rate == 10:
                 name = arm[3:].split(":")[0] + ("_4bit" if "bits=4" in arm else "")
+                name += "_gather" if "bits=4" in arm and "scatter=true" not in arm else ""
                 report.figures.append(Figure(
                     f"overlapped_{name}_vs_compute_10mbit{suffix}", paired_ratio(sec[arm], sec["compute"]), "<=",
                     target, "x", f"{1e3 * median(sec[arm]):.0f} ms/step over whole rounds of {args.steps} steps, "
