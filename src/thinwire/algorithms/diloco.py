@@ -429,9 +429,11 @@ class DiLoCo(PeriodicAveraging):
             self._step_outer(f, delta)
             self.syncs += 1
         agg = self._ready(f, fresh)  # the codec's state is idle now (nothing in flight)
-        started = None
+        started, counted = None, 0.0  # the encode here is the aggregator's to count, not this method's
         if self.eager and self.previews_own_message:  # encoded here: the preview is what this rank sends
+            t_start = time.perf_counter()
             started = agg.start({"model": delta})
+            counted = time.perf_counter() - t_start
             self._preview(f, self._own_message(agg, started))
         elif self.eager:  # this rank's pseudo-gradient in place of the mean in flight
             self._preview(f, fresh)
@@ -449,7 +451,7 @@ class DiLoCo(PeriodicAveraging):
 
         self.background.launch(work)
         f.merged_at = local
-        self._timing.codec_seconds += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+        self._timing.codec_seconds += (t1 - t0) + (t3 - t2 - counted) + (time.perf_counter() - t4)
 
     def _ready(self, f: Fragment, pseudo: torch.Tensor) -> Aggregator | ScatterMean:
         """Put ``pseudo`` in ``f.delta`` to be averaged over the background's group, with the
