@@ -183,10 +183,10 @@ def test_over_worker_groups_the_background_average_is_the_blocking_runs_mean_a_r
     """The twin's groups average as the world's do: after two delayed rounds θ has stepped on the
     first round's mean only, which is the blocking run's first θ; and each link carries the
     blocking run's bytes (the group's fp32 stages inside, the codec between the groups)."""
-    def run(steps, **kw):
+    def run(steps, finish=False, **kw):
         def fn(comm):
             model, _ = tiny.train(comm, _grouped(lambda m, o, c: DiLoCo(m, o, c, period=3, codec=codec, **kw)),
-                                  steps, BASE, finish=kw.get("sync") is not None and steps == 9)
+                                  steps, BASE, finish=finish)
             return model, comm.meter.link_bytes("intra"), comm.meter.link_bytes("inter")
         return LocalWorld(4).run(fn)
 
@@ -194,7 +194,7 @@ def test_over_worker_groups_the_background_average_is_the_blocking_runs_mean_a_r
     for b, d in zip(blocking, delayed, strict=True):
         assert torch.allclose(d[0], b[0], atol=TOL, rtol=0)
     assert torch.equal(delayed[0][0], delayed[3][0])  # every rank of every group continues from θ
-    sent = run(9), run(9, sync="delayed")  # three rounds; the overlapped one lands the last in finish()
+    sent = run(9), run(9, finish=True, sync="delayed")  # three rounds; the overlapped one lands the last in finish()
     for b, d in zip(*sent, strict=True):
         assert d[1:] == b[1:] and b[2] > 0 and b[1] > 0
 
