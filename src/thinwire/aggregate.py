@@ -221,10 +221,17 @@ class Aggregator:
         items = self._inputs(b, tensors, in_place)
         ef = b.codec.config.ef
         us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
-        flight = Flight(us, [b.codec.encode(u, key=k) for k, u in us])
+        flight = Flight(us, [b.codec.encode_into(u, self._wire_buffer(b, k, u.device), key=k) for k, u in us])
         in_comm = self._start(b, flight, 0)
         flight.codec_seconds += time.perf_counter() - t0 - in_comm
         return flight
+
+    @staticmethod
+    def _wire_buffer(b: Bucket, key: str,
+                     device: torch.device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+        """Round 0's kept wire buffer of one unit of the bucket (:meth:`Codec.encode_into`):
+        a bucket has one flight at a time, as its other kept buffers assume."""
+        return lambda shape, dtype: bucket_buffer(b, f"wire:{key}", shape, dtype, device)
 
     def _start(self, b: Bucket, f: Flight, r: int) -> float:
         """Pack, start the collective, then (after the final round's encode) error feedback.

@@ -288,3 +288,35 @@ def test_registry_loads_safely_from_many_threads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(["terngrad"] * 4)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp16", "bf16:ef=true", "fp16:min_numel=100"])
+def test_casts_encode_into_kept_buffers_with_the_same_means_and_residuals(spec):
+    """A cast's wire is written into the bucket's kept buffer (no fresh allocation a step),
+    the memory unchanged from step to step, and every mean and residual bit for bit what a
+    fresh tensor each step (the codec's plain ``encode``) gives."""
+    n, steps = 2, 3
+
+    def fn(comm, kept):
+        codec = build_codec(spec)
+        if not kept:  # the reference: a fresh wire tensor every step
+            codec.encode_into = lambda x, buffer, key="": codec.encode(x, key=key)
+        agg = Aggregator(_named(), lambda name, t: codec, comm)
+        outs, ptrs = [], []
+        for step in range(steps):
+            g = _grads(comm.rank, step)
+            agg.reduce_(g)
+            outs.append(g)
+            ptrs.append({k: v.data_ptr() for b in agg.buckets for k, v in b.buffers.items() if k.startswith("wire:")})
+        residuals = {k: r.clone() for k, r in agg.feedback.residuals.items()}
+        return outs, ptrs, residuals
+
+    got = LocalWorld(n).run(lambda comm: fn(comm, True))
+    ref = LocalWorld(n).run(lambda comm: fn(comm, False))
+    for (outs, ptrs, res), (ref_outs, ref_ptrs, ref_res) in zip(got, ref):
+        for out, want in zip(outs, ref_outs):
+            for name in SHAPES:
+                assert torch.equal(out[name], want[name]), name
+        assert res.keys() == ref_res.keys() and all(torch.equal(res[k], ref_res[k]) for k in res)
+        assert ptrs[0] and ptrs[0] == ptrs[-1]  # kept: the same memory every step
+        assert not ref_ptrs[0]  # the reference allocated its wires afresh

@@ -104,6 +104,15 @@ class Codec:
         """Encode ``x`` (round 0). Does not modify ``x``."""
         raise NotImplementedError
 
+    def encode_into(self, x: torch.Tensor, buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], *,
+                    key: str = "") -> Payload:
+        """:meth:`encode`, free to write its wire tensors into kept buffers: ``buffer(shape,
+        dtype)`` returns one, the same memory on every call for its caller (an aggregator's
+        bucket), which owns the payload until the next call. Codecs whose wire is a fresh
+        tensor as large as the input (the casts) override it: a fresh large allocation
+        faults its pages in every step, several copies' time. Default: :meth:`encode`."""
+        return self.encode(x, key=key)
+
     def encode_next(self, reduced: Payload, *, key: str = "") -> Payload:
         """Round ``i+1`` from the reduced payload of round ``i`` (multi-round codecs only)."""
         raise NotImplementedError(f"{self.name} has a single round")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,12 @@ class _Cast(Codec):
 
     def encode(self, x: torch.Tensor, *, key: str = "") -> Payload:
         wire = x.reshape(-1).to(self.wire_dtype)  # a fresh tensor: x is not modified
+        return Payload((wire,), x.shape, x.dtype)
+
+    def encode_into(self, x: torch.Tensor, buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], *,
+                    key: str = "") -> Payload:
+        wire = buffer((x.numel(),), self.wire_dtype)
+        wire.copy_(x.reshape(-1))  # the same cast as encode's, into a kept buffer
         return Payload((wire,), x.shape, x.dtype)
 
     def decode(self, payload: Payload) -> torch.Tensor:
