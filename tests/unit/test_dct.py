@@ -146,6 +146,51 @@ def test_gather_sums_the_ranks_coefficients_then_inverts_once():
     torch.testing.assert_close(out, sum(codec.decode(p) for p in payloads), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("values", ["fp32", "bf16", "rangefloat", "sign"])
+@pytest.mark.parametrize("shape", [(16, 24), (32,), (3, 8, 2, 2), (20, 12), (10,)])
+def test_error_feedback_in_the_transform_domain_is_the_tensors_own_up_to_rounding(shape, values):
+    """``encode_feedback`` over five steps against error feedback written out in the
+    tensor's domain (``u = x + r``, ``r = u - decode(own payload)``): the same positions
+    sent, values within rounding, and a residual that is the reference's coefficients where
+    the blocks tile the tensor (kept under ``key#dct``), the reference itself where they pad."""
+    from thinwire.feedback import ErrorFeedback
+
+    codec = build_codec(f"dct:chunk=8,topk=5,values={values},ef=true")
+    t = dct_basis.tiling(shape, 8)
+    ours, r = ErrorFeedback(), torch.zeros(shape)
+    for step in range(5):
+        x = _x(shape, seed=step)
+        got = codec.encode_feedback(x, ours, key="w")
+        u = x + r
+        want = codec.encode(u)
+        r = u - codec.decode(want)
+        assert torch.equal(got.tensors[-2], want.tensors[-2])  # positions
+        torch.testing.assert_close(codec.decode(got), codec.decode(want), rtol=0, atol=1e-4)
+    if t.whole:
+        assert list(ours.residuals) == ["w#dct"]
+        torch.testing.assert_close(ours.residuals["w#dct"], dct_basis.forward(r, t), rtol=0, atol=1e-5)
+    else:
+        assert list(ours.residuals) == ["w"]
+        torch.testing.assert_close(ours.residuals["w"], r, rtol=0, atol=1e-5)
+
+
+def test_a_residual_kept_in_the_tensors_domain_continues_in_the_transform_domain():
+    """A whole-block tensor's residual saved by an earlier version (tensor-shaped, under its
+    own key) is taken over as its coefficients on the next step."""
+    from thinwire.feedback import ErrorFeedback
+
+    codec = build_codec("dct:chunk=8,topk=5,values=fp32,ef=true")
+    t = dct_basis.tiling((16, 16), 8)
+    r, x = _x((16, 16), seed=1), _x((16, 16), seed=2)
+    fb = ErrorFeedback()
+    fb.residuals["w"] = r.clone()
+    got = codec.encode_feedback(x, fb, key="w")
+    want = codec.encode(x + r)
+    assert list(fb.residuals) == ["w#dct"] and torch.equal(got.tensors[0], want.tensors[0])
+    torch.testing.assert_close(fb.residuals["w#dct"], dct_basis.forward(x + r - codec.decode(want), t),
+                               rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec,needle", [
     ("dct:chunk=1", "chunk must be >= 2"), ("dct:chunk=48", "chunk must be a power of two"),
     ("dct:chunk=2048", "chunk must be <= 1024"), ("dct:topk=0", "topk must be in 1..4096"),

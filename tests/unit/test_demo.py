@@ -25,6 +25,13 @@ from thinwire.numerics import dct_basis
 from thinwire.optim import DeMo
 
 BASE = tiny.net(5, 40, 3)  # tensors (40, 5), (40,), (3, 40), (3,)
+# the (16, 16) weight and both (16,) biases tile 8 x 8 and 8 blocks exactly (momenta as
+# coefficients); the (16, 5) and (3, 16) weights and the (3,) bias pad
+MIXED = tiny.seeded(nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)))
+
+
+def _momenta(opt) -> list[torch.Tensor]:
+    return [m for s in opt.state.values() for k, m in s.items() if k in ("momentum", "momentum_dct")]
 
 
 def _run(comm, steps, *, cut=None, base=BASE, **knobs):
@@ -45,13 +52,14 @@ def _run(comm, steps, *, cut=None, base=BASE, **knobs):
     return tiny.flat(model), opt
 
 
-def test_one_worker_sending_everything_is_sgd_with_decoupled_weight_decay():
-    LocalWorld(1).run(_sgd_relation)
+@pytest.mark.parametrize("base", [BASE, MIXED], ids=["padded", "mixed"])
+def test_one_worker_sending_everything_is_sgd_with_decoupled_weight_decay(base):
+    LocalWorld(1).run(lambda comm: _sgd_relation(comm, base))
 
 
-def _sgd_relation(comm):
+def _sgd_relation(comm, base):
     steps, lr, wd = 6, 0.05, 0.1
-    model, ref = copy.deepcopy(BASE), copy.deepcopy(BASE)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
     opt = DeMo(model.parameters(), lr=lr, chunk=64, topk=4096, values="fp32", sign=False, decay=0.9,
                weight_decay=wd, comm=comm)
     sgd = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.0)
@@ -64,16 +72,16 @@ def _sgd_relation(comm):
                 p.mul_(1 - lr * wd)
         sgd.step()
     torch.testing.assert_close(tiny.flat(model), tiny.flat(ref), rtol=0, atol=1e-5)
-    for p in model.parameters():  # nothing left over: the momentum is zero up to rounding
-        assert opt.state[p]["momentum"].abs().max().item() < 1e-5
+    moms = _momenta(opt)  # nothing left over: the momentum is zero up to rounding
+    assert len(moms) == len(list(model.parameters())) and all(m.abs().max().item() < 1e-5 for m in moms)
 
 
-def _by_hand(n, steps, *, chunk, topk, decay, lr, wd, sign):
+def _by_hand(n, steps, *, chunk, topk, decay, lr, wd, sign, base=BASE):
     """n models, the update written out: m ← β m + g; per block the top-k DCT coefficients
     of m (fp32 values), m ← m − idct(kept); Δ = mean of the ranks' idct(kept); θ ← (1 − lr
     λ) θ − lr Δ (or sign Δ)."""
-    models = [copy.deepcopy(BASE) for _ in range(n)]
-    moms = [[torch.zeros_like(p) for p in BASE.parameters()] for _ in range(n)]
+    models = [copy.deepcopy(base) for _ in range(n)]
+    moms = [[torch.zeros_like(p) for p in base.parameters()] for _ in range(n)]
     sgd = [torch.optim.SGD(m.parameters(), lr=0.0) for m in models]  # for zero_grad only
     for step in range(steps):
         for r, m in enumerate(models):
@@ -92,7 +100,7 @@ def _by_hand(n, steps, *, chunk, topk, decay, lr, wd, sign):
                 mom.sub_(dct_basis.inverse(kept, t))
             sent.append(mine)
         with torch.no_grad():
-            for i, p0 in enumerate(BASE.parameters()):
+            for i, p0 in enumerate(base.parameters()):
                 t = dct_basis.tiling(tuple(p0.shape), chunk)
                 delta = dct_basis.inverse(sum(s[i] for s in sent), t) / n
                 step_dir = delta.sign() if sign else delta
@@ -102,11 +110,14 @@ def _by_hand(n, steps, *, chunk, topk, decay, lr, wd, sign):
     return [tiny.flat(m) for m in models]
 
 
+@pytest.mark.parametrize("base", [BASE, MIXED], ids=["padded", "mixed"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_ranks_follow_the_update_by_hand(n):
+def test_ranks_follow_the_update_by_hand(n, base):
+    """The momentum kept in the tensor's domain (padded blocks) and as DCT coefficients
+    (whole blocks) both follow the update written out in the tensor's domain."""
     knobs = dict(chunk=8, topk=5, decay=0.9, sign=False)
-    got = LocalWorld(n).run(lambda comm: _run(comm, 5, values="fp32", weight_decay=0.1, **knobs)[0])
-    want = _by_hand(n, 5, lr=0.05, wd=0.1, **knobs)
+    got = LocalWorld(n).run(lambda comm: _run(comm, 5, values="fp32", weight_decay=0.1, base=base, **knobs)[0])
+    want = _by_hand(n, 5, lr=0.05, wd=0.1, base=base, **knobs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
@@ -128,10 +139,47 @@ def test_every_rank_ends_with_the_same_bits_and_sends_what_the_layout_says(value
     assert all(b == pytest.approx(12 * per_step) for _, b in out)
 
 
-def test_a_resumed_optimizer_continues_exactly():
-    straight = LocalWorld(2).run(lambda comm: _run(comm, 8, chunk=8, topk=3)[0])
-    resumed = LocalWorld(2).run(lambda comm: _run(comm, 8, chunk=8, topk=3, cut=4)[0])
+@pytest.mark.parametrize("base", [BASE, MIXED], ids=["padded", "mixed"])
+def test_a_resumed_optimizer_continues_exactly(base):
+    straight = LocalWorld(2).run(lambda comm: _run(comm, 8, chunk=8, topk=3, base=base)[0])
+    resumed = LocalWorld(2).run(lambda comm: _run(comm, 8, chunk=8, topk=3, cut=4, base=base)[0])
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_whole_blocks_keep_coefficients_and_a_state_saved_in_the_tensors_domain_loads_as_them():
+    """Momenta of whole-block tensors are (blocks, coefficients); a state that holds them
+    parameter-shaped (saved before) loads as their coefficients and continues as the
+    straight run does, up to the transforms' rounding; another chunk is refused by name."""
+
+    def run(comm):
+        model = copy.deepcopy(MIXED)
+        make = lambda: DeMo(model.named_parameters(), lr=0.05, chunk=8, topk=3, comm=comm)  # noqa: E731
+        opt = make()
+        for step in range(6):
+            if step == 3:
+                saved = copy.deepcopy(opt.state_dict())
+                kinds = {i: sorted(k for k in st if "momentum" in k) for i, st in saved["state"].items()}
+                for i, p in enumerate(model.parameters()):
+                    st = saved["state"][i]
+                    if "momentum_dct" in st:  # the same momentum as a parameter-shaped tensor
+                        st["momentum"] = dct_basis.inverse(st.pop("momentum_dct"), dct_basis.tiling(tuple(p.shape), 8))
+                opt = make()
+                opt.load_state_dict(saved)
+            tiny.backward(model, opt, comm.rank, step)
+            opt.step()
+        refused = None
+        try:
+            DeMo(model.named_parameters(), lr=0.05, chunk=4, topk=3, comm=comm).load_state_dict(opt.state_dict())
+        except ValueError as e:
+            refused = str(e)
+        return tiny.flat(model), kinds, refused
+
+    straight = LocalWorld(2).run(lambda comm: _run(comm, 6, chunk=8, topk=3, base=MIXED)[0])
+    for (flat, kinds, refused), want in zip(LocalWorld(2).run(run), straight):
+        torch.testing.assert_close(flat, want, rtol=0, atol=1e-5)
+        assert [kinds[i] for i in range(6)] == [["momentum"], ["momentum_dct"], ["momentum_dct"], ["momentum_dct"],
+                                                ["momentum"], ["momentum"]]
+        assert refused is not None and "chunk" in refused
 
 
 def test_a_none_gradient_stays_none_and_frozen_weights_stay_put():
@@ -216,7 +264,7 @@ def test_a_bf16_model_resumes_with_fp32_momenta():
                 saved = copy.deepcopy(opt.state_dict())
                 opt = DeMo(model.parameters(), lr=0.05, chunk=8, topk=3, comm=comm)
                 opt.load_state_dict(saved)
-                assert all(s["momentum"].dtype == torch.float32 for s in opt.state.values())
+                assert all(m.dtype == torch.float32 for m in _momenta(opt))
             x, y = tiny.batch(100 * step + comm.rank, 6, 5, 3)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()

@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec, spec_nbytes
+
+if TYPE_CHECKING:
+    from thinwire.feedback import ErrorFeedback
 
 
 class Codec:
@@ -112,6 +115,17 @@ class Codec:
         tensor as large as the input (the casts) override it: a fresh large allocation
         faults its pages in every step, several copies' time. Default: :meth:`encode`."""
         return self.encode(x, key=key)
+
+    #: :meth:`encode_feedback` keeps error feedback itself (in the codec's own domain); the
+    #: aggregator then leaves its compensate/update steps to it
+    own_feedback: ClassVar[bool] = False
+
+    def encode_feedback(self, x: torch.Tensor, feedback: ErrorFeedback, *, key: str = "") -> Payload:
+        """:meth:`encode` with error feedback (``config.ef``), for codecs with
+        :attr:`own_feedback`: adds the residual kept under ``key`` (or a key of the codec's
+        own) to ``x``, encodes, and leaves in ``feedback`` what this payload did not send.
+        The payload's tensors share no memory with ``x`` or the residual."""
+        raise NotImplementedError(f"{self.name} keeps no error feedback of its own")
 
     def encode_next(self, reduced: Payload, *, key: str = "") -> Payload:
         """Round ``i+1`` from the reduced payload of round ``i`` (multi-round codecs only)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -41,7 +41,11 @@ from thinwire.numerics import dct_basis, range_format
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
 
+if TYPE_CHECKING:
+    from thinwire.feedback import ErrorFeedback
+
 VALUES = ("fp32", "bf16", "rangefloat", "sign")
+COEFFICIENTS = "#dct"  # suffix of a residual's key when it is kept as (chunks, size) coefficients
 CHUNK_MAX = 1024
 
 
@@ -148,8 +152,15 @@ class DCT(Codec):
         if t.chunks == 0 or t.size == 0:
             return Payload(tuple(torch.zeros(s, dtype=d, device=x.device) for s, d in self.wire_spec(x.shape, x.dtype)),
                            x.shape, x.dtype)
+        return self._select(dct_basis.forward(x, t), t, x)
+
+    def _select(self, coeffs: torch.Tensor, t: dct_basis.Tiling, x: torch.Tensor) -> Payload:
+        """The payload of ``x`` (its shape, dtype, device) from its (chunks, size) coefficients
+        (only read): every block's top ``k``, in the configured value format."""
         mags = self._scratch("mags", t.chunks, t.size, x.device)
-        pos, vals = dct_basis.top_per_chunk(dct_basis.forward(x, t), self.kept(t), mags)
+        pos, vals = dct_basis.top_per_chunk(coeffs, self.kept(t), mags)
+        if vals.data_ptr() == coeffs.data_ptr():  # every coefficient kept: the payload gets its own copy
+            vals = vals.clone()
         flat = vals.reshape(-1)  # (chunks * k,)
         values = self.config.values
         wire_pos = pos.to(position_dtype(t.size)).contiguous()
@@ -163,6 +174,40 @@ class DCT(Codec):
                            x.shape, x.dtype)
         scale = flat.abs().mean().reshape(1)
         return Payload((scale, wire_pos, pack(flat < 0, 1)), x.shape, x.dtype)
+
+    own_feedback = True
+
+    def encode_feedback(self, x: torch.Tensor, feedback: ErrorFeedback, *, key: str = "") -> Payload:
+        """Error feedback in the transform domain where the blocks tile ``x`` exactly. There
+        the DCT is a rotation, so with ``R`` the residual's coefficients (kept under
+        ``key + COEFFICIENTS``): ``R ← R + dct(x)``; send its top coefficients; ``R[kept] ←
+        R[kept] − decoded values``. That is ``r ← u − idct(sent)`` of the tensor's domain, up
+        to fp32 rounding, with one inverse transform fewer a step. A padded tensor keeps its
+        residual in its own domain: there every step crops the padding's part of
+        ``idct(sent)``, which the transform domain would keep."""
+        t = self.tiling(x.shape)
+        if not t.whole:
+            u = feedback.compensate(key, x)
+            payload = self.encode(u, key=key)
+            feedback.update_decoded(key, u, self, payload)  # the payload shares no memory with u
+            return payload
+        coeffs = dct_basis.forward(x, t)  # a fresh (chunks, size) tensor
+        ck = key + COEFFICIENTS
+        r = feedback.residuals.get(ck)
+        legacy = feedback.residuals.pop(key, None)  # kept in the tensor's domain (a state saved before)
+        if legacy is not None and r is None:
+            r = dct_basis.forward(legacy.to(x.device), t)
+        if r is None:
+            r = coeffs  # u = x: the first step
+        else:
+            if r.device != x.device:  # e.g. resumed from a checkpoint mapped to the CPU
+                r = r.to(x.device)
+            r.add_(coeffs)
+        feedback.residuals[ck] = r
+        payload = self._select(r, t, x)
+        pos, sent = self.coefficients(payload)  # the values every rank decodes (fp32: the payload's own)
+        r.scatter_add_(1, pos, sent.neg())  # R[kept] − sent, exactly (a + (−b) is a − b)
+        return payload
 
     def coefficients(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions as int64, fp32 values), both (chunks, k): what the payload keeps."""

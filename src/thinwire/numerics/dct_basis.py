@@ -53,6 +53,13 @@ class Tiling:
         """Coefficients per block."""
         return self.b1 * self.b2
 
+    @property
+    def whole(self) -> bool:
+        """The blocks tile the matrix with no padding: the transform is then a rotation of the
+        tensor itself (its inverse gives back every value, and nothing is cropped)."""
+        p, q = self.grid
+        return p * self.b1 == self.rows and q * self.b2 == self.cols and self.chunks > 0
+
 
 def _side(n: int, chunk: int) -> int:
     return min(chunk, 1 << max(0, n - 1).bit_length())

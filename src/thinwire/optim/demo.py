@@ -35,7 +35,13 @@ The update written into ``p.grad`` before the step is the averaged direction (it
 ``sign=True``), as the paper's code leaves it. A parameter whose gradient is ``None`` is
 left alone, momentum included; every rank must agree on which those are, as under DDP
 without ``find_unused_parameters``. The state (``optimizer.state_dict()``) holds each
-parameter's momentum, so a run resumes exactly.
+parameter's momentum, so a run resumes exactly: as its DCT coefficients (``momentum_dct``,
+(blocks, coefficients per block)) where the blocks tile the parameter with no padding, else
+as a tensor of the parameter's shape (``momentum``). In the transform domain the step above
+needs two transforms, not three: ``m ← β m + dct(g)`` and ``m[kept] ← m[kept] − sent`` are
+exact there (the transform is a rotation), so this rank's own sent coefficients need no
+inverse transform. A padded parameter's momentum stays in its own domain, where every step
+crops the padding's share of ``idct(sent)``.
 """
 
 from __future__ import annotations
@@ -47,11 +53,12 @@ from typing import Any
 import torch
 
 from thinwire.aggregate import Aggregator
-from thinwire.codecs.dct import VALUES
+from thinwire.codecs.dct import COEFFICIENTS, VALUES
 from thinwire.codecs.specs import build_codec
 from thinwire.comm.base import Communicator
 from thinwire.feedback import ErrorFeedback
 from thinwire.hierarchical import build_aggregator
+from thinwire.numerics import dct_basis
 from thinwire.timing import Timing
 
 
@@ -84,7 +91,7 @@ class DeMo(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.codec_spec = f"dct:chunk={chunk},topk={topk},values={values},ef=true,min_numel=0"
         build_codec(self.codec_spec)  # the knobs' own errors, now
-        self.decay, self.sign, self.bucket_mb = decay, sign, bucket_mb
+        self.decay, self.sign, self.bucket_mb, self.chunk = decay, sign, bucket_mb, chunk
         from thinwire.algorithms.averaging import comm_or_world
 
         self.comm = comm_or_world(comm)
@@ -99,12 +106,21 @@ class DeMo(torch.optim.Optimizer):
         """Seconds in the codec and in communication so far."""
         return self._timing
 
+    def _tiling(self, p: torch.Tensor) -> dct_basis.Tiling:
+        return dct_basis.tiling(tuple(p.shape), self.chunk)
+
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        m = state.get("momentum")
+        """``p``'s momentum, registered as the codec's residual (which it updates in place):
+        its DCT coefficients, (chunks, size), where the blocks tile ``p`` exactly (the codec
+        keeps error feedback in that domain: ``dct``'s ``encode_feedback``), else
+        ``p``-shaped."""
+        state, t = self.state[p], self._tiling(p)
+        key = "momentum_dct" if t.whole else "momentum"
+        m = state.get(key)
         if m is None:
-            m = state["momentum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        self.feedback.residuals[self.names[p]] = m  # the codec's error feedback updates it in place
+            shape = (t.chunks, t.size) if t.whole else p.shape
+            m = state[key] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+        self.feedback.residuals[self.names[p] + (COEFFICIENTS if t.whole else "")] = m
         return m
 
     def _aggregator(self, live: list[tuple[str, torch.Tensor]]) -> Aggregator:
@@ -152,10 +168,24 @@ class DeMo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts loaded state to each parameter's dtype: the momenta stay fp32 (bf16 models too)
-        saved = {i: s["momentum"] for i, s in state_dict["state"].items() if "momentum" in s}
+        keys = ("momentum", "momentum_dct")
+        saved = {i: {k: s[k] for k in keys if k in s} for i, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        for i, m in saved.items():
-            p = params[int(i)]
-            self.state[p]["momentum"] = m.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        for i, moms in saved.items():
+            if not moms:
+                continue
+            p, state = params[int(i)], self.state[params[int(i)]]
+            for k, m in moms.items():
+                state[k] = m.detach().to(device=p.device, dtype=torch.float32, copy=True)
+            t = self._tiling(p)
+            if t.whole and "momentum_dct" not in state:  # saved p-shaped (before momenta were coefficients)
+                state["momentum_dct"] = dct_basis.forward(state.pop("momentum"), t)
+            if t.whole and tuple(state["momentum_dct"].shape) != (t.chunks, t.size):
+                raise ValueError(f"DeMo: the momentum of {self.names[p]!r} was saved as "
+                                 f"{tuple(state['momentum_dct'].shape)} coefficients; chunk={self.chunk} gives "
+                                 f"{(t.chunks, t.size)}: resume with the chunk it was saved with")
+            if not t.whole and "momentum" not in state:
+                raise ValueError(f"DeMo: the momentum of {self.names[p]!r} was saved as coefficients; with "
+                                 f"chunk={self.chunk} its blocks are padded: resume with the chunk it was saved with")
             self._momentum(p)  # the loaded tensors become the codec's residuals
