@@ -21,7 +21,8 @@ timed blocks (on the GPT, both PowerSGD hook arms use one DDP bucket: see ``PSGD
 - ``dasgd``: ``thinwire.attach(model, opt, "dasgd:warmup=2,period=4,delay=2")``: model
   averages every 4 steps, hidden behind the next 2;
 - ``at-SPEC``: ``thinwire.attach(model, opt, SPEC)`` on the plain model: any method, e.g. the
-  slow-link family. ``--arms slow`` runs the compute floor and DiLoCo, streaming DiLoCo and
+  slow-link family (a method that is its own optimizer, ``at-demo``, steps with
+  ``thinwire.method_optimizer``'s, lr 1e-3, in SGD's place). ``--arms slow`` runs the compute floor and DiLoCo, streaming DiLoCo and
   SparseLoCo at H = 30 (``--steps 30``: each block is one whole period, so the mean step
   counts its sync), by default at 10 Mbit/s. ``--arms overlap`` runs, beside the floor, each
   slow-link method with its averages behind later steps (SparseLoCo and 4-bit DiLoCo with
@@ -195,6 +196,8 @@ def rank_main(model_name: str, steps: int, warmup: int, blocks: int, arms: list[
         model = (net if arm.startswith(("sr-", "at-")) or arm == "dasgd"
                  else DDP(net, **({"bucket_cap_mb": psgd_cap} if psgd_cap else {})))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if arm.startswith("at-"):  # a method that is its own optimizer (demo) steps with it, in SGD's place
+            opt = thinwire.method_optimizer(arm[3:], model.named_parameters(), 1e-3) or opt
         after_backward, after_step = None, None
         if arm == "torch-fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)

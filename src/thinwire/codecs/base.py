@@ -26,15 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec, spec_nbytes
 
-if TYPE_CHECKING:
-    from thinwire.feedback import ErrorFeedback
+
+class Feedback(Protocol):
+    """What :meth:`Codec.encode_feedback` uses of error feedback (``thinwire.feedback.ErrorFeedback``)."""
+
+    residuals: dict[str, torch.Tensor]
+
+    def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def update_decoded(self, key: str, u: torch.Tensor, codec: Codec, payload: Payload) -> None: ...
 
 
 class Codec:
@@ -120,7 +127,7 @@ class Codec:
     #: aggregator then leaves its compensate/update steps to it
     own_feedback: ClassVar[bool] = False
 
-    def encode_feedback(self, x: torch.Tensor, feedback: ErrorFeedback, *, key: str = "") -> Payload:
+    def encode_feedback(self, x: torch.Tensor, feedback: Feedback, *, key: str = "") -> Payload:
         """:meth:`encode` with error feedback (``config.ef``), for codecs with
         :attr:`own_feedback`: adds the residual kept under ``key`` (or a key of the codec's
         own) to ``x``, encodes, and leaves in ``feedback`` what this payload did not send.

@@ -29,20 +29,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, in_range, not_negative
+from thinwire.codecs.base import E_MAX_HIGH, E_MAX_LOW, Codec, Feedback, in_range, not_negative
 from thinwire.codecs.config import CodecConfig, knob, require
 from thinwire.codecs.rangefloat import resolve_layout
 from thinwire.codecs.specs import register
 from thinwire.numerics import dct_basis, range_format
 from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 from thinwire.payload import Aggregation, Payload, PayloadError, WireSpec
-
-if TYPE_CHECKING:
-    from thinwire.feedback import ErrorFeedback
 
 VALUES = ("fp32", "bf16", "rangefloat", "sign")
 COEFFICIENTS = "#dct"  # suffix of a residual's key when it is kept as (chunks, size) coefficients
@@ -177,7 +174,7 @@ class DCT(Codec):
 
     own_feedback = True
 
-    def encode_feedback(self, x: torch.Tensor, feedback: ErrorFeedback, *, key: str = "") -> Payload:
+    def encode_feedback(self, x: torch.Tensor, feedback: Feedback, *, key: str = "") -> Payload:
         """Error feedback in the transform domain where the blocks tile ``x`` exactly. There
         the DCT is a rotation, so with ``R`` the residual's coefficients (kept under
         ``key + COEFFICIENTS``): ``R ← R + dct(x)``; send its top coefficients; ``R[kept] ←
