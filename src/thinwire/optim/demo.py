@@ -170,22 +170,25 @@ class DeMo(torch.optim.Optimizer):
         # torch casts loaded state to each parameter's dtype: the momenta stay fp32 (bf16 models too)
         keys = ("momentum", "momentum_dct")
         saved = {i: {k: s[k] for k in keys if k in s} for i, s in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
+        for i, moms in saved.items():  # checked before anything is loaded
+            coefficients, t = moms.get("momentum_dct"), self._tiling(params[int(i)])
+            if coefficients is None:
+                continue
+            if not t.whole or tuple(coefficients.shape) != (t.chunks, t.size):
+                blocks = f"{(t.chunks, t.size)}" if t.whole else "padded blocks"
+                raise ValueError(f"DeMo: the momentum of {self.names[params[int(i)]]!r} was saved as "
+                                 f"{tuple(coefficients.shape)} coefficients; chunk={self.chunk} gives {blocks}: "
+                                 "resume with the chunk it was saved with")
+        super().load_state_dict(state_dict)
         for i, moms in saved.items():
             if not moms:
                 continue
-            p, state = params[int(i)], self.state[params[int(i)]]
+            p = params[int(i)]
+            state = self.state[p]
             for k, m in moms.items():
                 state[k] = m.detach().to(device=p.device, dtype=torch.float32, copy=True)
             t = self._tiling(p)
             if t.whole and "momentum_dct" not in state:  # saved p-shaped (before momenta were coefficients)
                 state["momentum_dct"] = dct_basis.forward(state.pop("momentum"), t)
-            if t.whole and tuple(state["momentum_dct"].shape) != (t.chunks, t.size):
-                raise ValueError(f"DeMo: the momentum of {self.names[p]!r} was saved as "
-                                 f"{tuple(state['momentum_dct'].shape)} coefficients; chunk={self.chunk} gives "
-                                 f"{(t.chunks, t.size)}: resume with the chunk it was saved with")
-            if not t.whole and "momentum" not in state:
-                raise ValueError(f"DeMo: the momentum of {self.names[p]!r} was saved as coefficients; with "
-                                 f"chunk={self.chunk} its blocks are padded: resume with the chunk it was saved with")
             self._momentum(p)  # the loaded tensors become the codec's residuals
