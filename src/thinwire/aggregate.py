@@ -222,7 +222,6 @@ class Aggregator:
         ef = b.codec.config.ef
         if ef and b.codec.own_feedback:  # compensated and updated by the codec, in its own domain
             flight = Flight(items, [b.codec.encode_feedback(x, self.feedback, key=k) for k, x in items])
-            flight.fed_back = True
         else:
             us = [(k, self.feedback.compensate(k, x) if ef else x) for k, x in items]
             flight = Flight(us, [b.codec.encode_into(u, self._wire_buffer(b, k, u.device), key=k) for k, u in us])
@@ -262,7 +261,7 @@ class Aggregator:
             f.started_at = f.started_at or t0
             f.handle = self.comm.all_gather(send, f.wire, async_op=True)
         in_comm = time.perf_counter() - t0
-        if r == codec.rounds - 1 and codec.config.ef and not f.fed_back:
+        if r == codec.rounds - 1 and codec.config.ef and not codec.own_feedback:  # else kept by encode_feedback
             # the wire tensors are packed already, so u (often the residual buffer) may be
             # overwritten; the residual comes from this rank's own payload
             for (k, u), p in zip(f.us, f.payloads):

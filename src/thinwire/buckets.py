@@ -35,7 +35,6 @@ class Flight:
     codec_seconds: float = 0.0
     comm_seconds: float = 0.0
     started_at: float = 0.0  # perf_counter() when round 0's collective was started
-    fed_back: bool = False  # the codec kept its error feedback itself (Codec.encode_feedback)
 
 
 @dataclass
