@@ -14,10 +14,13 @@ HEARTBEAT_S = 1.0  # the tests' Lighthouse drops a silent worker after this long
 TIMEOUT_S = 3.0  # a collective with a dead peer fails within this
 
 
-def model() -> torch.nn.Module:
+def model(norm: bool = False) -> torch.nn.Module:
+    """The tests' model; ``norm``: with a batch norm, whose running statistics (buffers) each
+    forward pass updates."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 4))
+    middle = [torch.nn.BatchNorm1d(32)] if norm else []
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), *middle, torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +64,9 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     client that goes around the Lighthouse's gate to its own port: what a process on the
     Lighthouse's machine can reach), ``timeout_s`` (its elastic timeout, default TIMEOUT_S),
     ``die_in_setup`` (a file: write the time there and SIGKILL itself inside the set-up of the
-    first quorum's group it takes part in, the others waiting for it in gloo's rendezvous)."""
+    first quorum's group it takes part in, the others waiting for it in gloo's rendezvous), ``norm``
+    (the model with a batch norm; every begin's buffers are then recorded by step, before the
+    forward pass), ``clock`` (record when each begin was called and when it returned)."""
     from thinwire.elastic import ElasticWorker, QuorumLost, Refused
     from thinwire.run.spawn import begin_rank
 
@@ -90,7 +95,7 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
 
         tpg.ProcessGroupGloo._create_pg = die  # type: ignore[method-assign]
     torch.set_num_threads(1)
-    net = model()
+    net = model(bool(plan.get("norm")))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     started = time.time()
     try:
@@ -101,7 +106,7 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
     except Exception as e:  # noqa: BLE001
         q.put({"replica": replica, "error": f"{type(e).__name__}: {e}"})
         return
-    out: dict[str, Any] = {"replica": replica, "joins": []}
+    out: dict[str, Any] = {"replica": replica, "joins": [], "buffers": {}, "begins": {}}
     if plan.get("hostile"):
         hostile(w, plan["hostile"], out)
         w.close()
@@ -111,7 +116,12 @@ def worker(replica: int, address: str, spec: str, steps: int, q: Any, plan: dict
         while w.step < steps:
             if plan.get("late") and plan["late"][0] == w.step + 1:
                 time.sleep(plan["late"][1])
+            called = time.time()
             done = w.begin()
+            if plan.get("clock"):
+                out["begins"][done + 1] = (called, time.time())
+            if plan.get("norm"):
+                out["buffers"].setdefault(done + 1, digest(list(net.buffers())))  # a retried step: its first
             if w.tally.changes and w.tally.changes[-1].healed and plan.get("check_join") and not out["joins"]:
                 theta = getattr(w.method, "outer_params", None)
                 out["joins"].append(theta is None or all(

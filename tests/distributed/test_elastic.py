@@ -61,6 +61,34 @@ def test_a_worker_that_joins_takes_a_peers_state_bit_for_bit_and_the_job_ends_id
     assert all(w == 3 for _, _, w in res[2]["present"])
 
 
+def test_a_worker_asks_for_the_next_quorum_beside_its_step_and_a_joiner_takes_the_buffers_of_the_steps_start():
+    # worker 1 begins step 80 two seconds late (the Lighthouse waits for it: it is alive).
+    # Worker 0, whose method is set up over the quorum, does not wait for it in begin(): it
+    # asks beside its forward and backward passes and waits at its commit, before the step's
+    # first collective. Worker 2 joins meanwhile:
+    # the state it takes was read while a peer's forward pass ran (which updates the batch
+    # norm's running statistics), and holds the buffers as they stood at that step's begin()
+    job = Job(join_timeout_s=30.0)
+    try:
+        job.start(0, "topk:ratio=0.1,min_numel=0", 120, pace=0.02, norm=True, clock=True)
+        job.start(1, "topk:ratio=0.1,min_numel=0", 120, pace=0.02, norm=True, clock=True, late=(80, 2.0))
+        job.start(2, "topk:ratio=0.1,min_numel=0", 120, pace=0.02, norm=True, join_after=1.5, check_join=True)
+        res = job.results(3)
+    finally:
+        job.close()
+    assert {r["step"] for r in res.values()} == {120}
+    assert res[0]["model"] == res[1]["model"] == res[2]["model"]
+    assert res[0]["discarded"] == res[1]["discarded"] == 0
+    called_1 = res[1]["begins"][80][0]
+    assert res[0]["begins"][80][1] < called_1 - 1.0  # worker 0 was past begin() a second before worker 1 asked
+    joined = res[2]["changes"][0]
+    assert joined["healed"] and joined["workers"] == 3
+    step = joined["step"] + 1  # the step the joiner's first forward pass trains
+    assert res[2]["buffers"][step] in (res[0]["buffers"][step], res[1]["buffers"][step])
+    seen = [c for c in res[0]["changes"] if c["joined"] == [2]]
+    assert seen and seen[0]["step"] == joined["step"] and not seen[0]["healed"]
+
+
 def test_a_worker_that_dies_inside_a_new_quorums_set_up_is_left_out_without_waiting_the_elastic_timeout(tmp_path):
     # worker 2 joins a running job and dies inside the set-up of the group of the quorum that
     # takes it in: the other two wait for it in gloo's rendezvous. That wait has a bound of its

@@ -46,6 +46,8 @@ The loop::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import copy
 import hashlib
@@ -175,6 +177,26 @@ def _gloo_group(timeout: timedelta, rendezvous: timedelta) -> Any:
     return QuorumGloo(timeout=timeout)
 
 
+def copy_state(state: Any, kept: Any = None) -> Any:
+    """A copy of ``state`` (nested dicts, lists and tuples of tensors and plain values), as
+    ``copy.deepcopy`` makes it but writing each tensor into ``kept``'s at the same place, an
+    earlier copy, where that one has the same shape, dtype, layout and device: a step's copy
+    then allocates nothing. Tensors that shared memory in ``state`` do not in the copy."""
+    if isinstance(state, torch.Tensor):
+        if (isinstance(kept, torch.Tensor) and kept.shape == state.shape and kept.dtype == state.dtype
+                and kept.layout == state.layout == torch.strided and kept.device == state.device
+                and kept.stride() == state.stride() and state.requires_grad is False):
+            return kept.copy_(state)
+        return copy.deepcopy(state.detach()) if state.requires_grad else copy.deepcopy(state)
+    if type(state) in (dict, collections.OrderedDict):
+        earlier: dict[Any, Any] = kept if isinstance(kept, dict) else {}
+        return type(state)((k, copy_state(v, earlier.get(k))) for k, v in state.items())
+    if type(state) in (list, tuple):
+        at = kept if isinstance(kept, (list, tuple)) and len(kept) == len(state) else [None] * len(state)
+        return type(state)(copy_state(v, m) for v, m in zip(state, at, strict=True))
+    return copy.deepcopy(state)
+
+
 class ElasticWorker:
     """Worker ``replica`` (an integer, unique in the job) of an elastic job whose Lighthouse
     is at ``lighthouse``, training ``model`` with ``optimizer`` and the method ``spec``.
@@ -237,6 +259,17 @@ class ElasticWorker:
         self._started = 0.0  # when this worker first asked for a quorum (perf_counter)
         self._steps = 0  # steps the job has committed (torchft's counter counts only the steps that vote)
         self._local = False  # the step begun trains alone: no quorum, no vote, nothing to undo
+        # a step begun over an unchanged quorum asks for the next one beside its forward and
+        # backward passes (:meth:`begin`): the question in flight, when it was asked, what it
+        # raised (for the next begin), this thread, the buffers at the step's start, a state taken meanwhile
+        self._asking: tuple[concurrent.futures.Future[float], float] | None = None
+        self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="thinwire-quorum")
+        self._lost: BaseException | None = None
+        self._owner = threading.get_ident()
+        self._held: dict[str, torch.Tensor] = {}
+        self._saved_buffers: set[str] | None = None
+        self._arrived: dict[str, Any] | None = None
+        self._kept: dict[str, Any] | None = None  # the last step's copy, to undo a failed step (:meth:`_snapshot`)
         self._named: set[tuple[int | None, str]] = set()  # refusals on record since the last committed step
         timeout = timedelta(seconds=timeout_s)
         self.forwarder: Any = None
@@ -290,8 +323,18 @@ class ElasticWorker:
         to train is that + 1). A worker that joins or fell behind takes a present worker's
         state here, before its forward pass; at a change of the quorum the method is built
         again over it. Raises :class:`QuorumLost` when no quorum of ``min_workers`` forms
-        within ``wait_s``, and :class:`Refused` on a worker the job does not admit."""
+        within ``wait_s``, and :class:`Refused` on a worker the job does not admit.
+
+        A worker whose method is set up over the current quorum does not wait here: it asks
+        for the next quorum on a thread of its own, beside the step's forward and backward
+        passes, and :meth:`commit` takes the answer before the step's first collective (and
+        sets the method up again there when the quorum changed). A worker that joins meanwhile
+        is sent the state as it stood at this call. The loop's own state (``extra_state``) is
+        read only on the loop's thread: a worker with one asks here, as do all on the first step."""
         t0 = time.perf_counter()
+        if self._lost is not None:  # the quorum asked for beside the last step failed
+            lost, self._lost = self._lost, None
+            raise lost
         self._healed = False
         if self._first_step is None:
             self._first_step = self.step  # 0, or a resumed worker's checkpoint
@@ -301,6 +344,11 @@ class ElasticWorker:
         self._local = (self.quorum_id is not None and self.method is not None and not self.comm.broken
                        and not self.method.communicates_next())
         if self._local:
+            return self.step
+        if self.quorum_id is not None and self.method is not None and not self.comm.broken \
+                and self.extra_state is None:
+            self._hold_buffers()  # before the question: a joiner may be sent the state at once
+            self._asking = (self._asker.submit(self._ask), t0)
             return self.step
         self._quorum()
         # a job that starts (or is resumed whole) waits for start_workers, or for wait_s from its
@@ -331,6 +379,50 @@ class ElasticWorker:
         except Exception:  # noqa: BLE001  (a member that left: not settled in this quorum)
             return False
         return bool(flag.item() > 0)
+
+    def _ask(self) -> float:
+        """The quorum, on the asking thread: when it was ready (``perf_counter``)."""
+        self._quorum()
+        return time.perf_counter()
+
+    def _hold_buffers(self) -> None:
+        """The model's buffers as they stand before the forward pass (which updates some, a
+        batch norm's running statistics): what a worker joining during the step is sent
+        (:meth:`_state`, on torchft's thread, until :meth:`_answer`)."""
+        if self._saved_buffers is None:  # the buffers a state holds (not the non-persistent ones)
+            params = {n for n, _ in self.model.named_parameters()}
+            self._saved_buffers = set(self.model.state_dict(keep_vars=True)) - params
+        self._held = {k: b.detach().clone() for k, b in self.model.named_buffers() if k in self._saved_buffers}
+
+    def _answer(self) -> bool:
+        """Take the quorum asked for at :meth:`begin`: False when asking failed (the step is
+        discarded and the next :meth:`begin` raises what it raised). The method is set up
+        again where the quorum changed. A state this worker took meanwhile (it was behind, which
+        a worker that committed its last step should not be) is loaded now, and the step, whose
+        forward pass ran on the state it replaced, is voted down."""
+        assert self._asking is not None
+        future, t0 = self._asking
+        self._asking = None
+        try:
+            ready = future.result()
+        except Exception as e:  # noqa: BLE001  (QuorumLost, Refused, or worse: raised at the next begin)
+            self._lost = e
+            return False
+        finally:
+            self._held = {}
+        arrived, self._arrived = self._arrived, None
+        stale = arrived is not None
+        if arrived is not None:
+            self._load(arrived)
+        if self.pg.quorum_id != self.quorum_id or self._healed:
+            self._new_quorum(ready - t0)
+        if stale:
+            if not self.comm.broken:
+                self.manager.report_error(RuntimeError("this worker took a present worker's state during the step"))
+            self.manager.should_commit()
+            self.quorum_id = None
+            return False
+        return True
 
     def _quorum(self) -> None:
         try:
@@ -400,6 +492,10 @@ class ElasticWorker:
         (the gradients are zeroed either way)."""
         step_fn = step if step is not None else self.optimizer.step
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if self._asking is not None and not self._answer():
+            self.tally.discarded += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            return False
         if self._local:  # nothing to average, vote on or undo
             self._local = False
             self.method.after_backward(loss)
@@ -432,6 +528,7 @@ class ElasticWorker:
             self.tally.discarded += 1
             self.quorum_id = None  # set the method up again at the next quorum, whatever it is
             self._taken = snapshot["method"]
+            self._kept = None  # the copy is the method's state now: not to be written over
         self.optimizer.zero_grad(set_to_none=False)
         return ok
 
@@ -469,10 +566,14 @@ class ElasticWorker:
 
     # -- undo ----------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
-        snap: dict[str, Any] = {"method": copy.deepcopy(self.method.state_dict())}
+        """What the step may change, copied into the last step's copy where it fits (a step
+        that commits leaves its copy unread: the next one writes over its tensors)."""
+        kept = self._kept or {}
+        snap: dict[str, Any] = {"method": copy_state(self.method.state_dict(), kept.get("method"))}
         if not self.gradient_sync:
-            snap["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            snap["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+            snap["model"] = copy_state(self.model.state_dict(), kept.get("model"))
+            snap["optimizer"] = copy_state(self.optimizer.state_dict(), kept.get("optimizer"))
+        self._kept = snap
         return snap
 
     def _restore(self, snap: dict[str, Any]) -> None:
@@ -484,11 +585,17 @@ class ElasticWorker:
     # -- state sent to a joining worker ----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         method = self._taken if self._taken is not None or self.method is None else self.method.state_dict()
-        return {"fingerprint": self.fingerprint, "steps": self._steps, "model": self.model.state_dict(),
+        model = self.model.state_dict()
+        if self._held and threading.get_ident() != self._owner:  # asked beside a forward pass
+            model.update(self._held)
+        return {"fingerprint": self.fingerprint, "steps": self._steps, "model": model,
                 "optimizer": self.optimizer.state_dict(), "method": method,
                 "extra": self.extra_state[0]() if self.extra_state is not None else None}
 
     def _load(self, state: dict[str, Any]) -> None:
+        if threading.get_ident() != self._owner:  # taken beside a forward pass: loaded at the commit
+            self._arrived = state
+            return
         self._check(state["fingerprint"])
         self._steps = int(state["steps"])
         self.model.load_state_dict(state["model"], strict=True)
@@ -621,6 +728,7 @@ class ElasticWorker:
         if self._closed:
             return
         self._closed = True
+        self._asker.shutdown(wait=False)
         self.manager.shutdown(wait=False)
         # torchft's state server stops within its 0.5 s poll: off the caller's clock
         threading.Thread(target=self.transport.shutdown, name="thinwire-elastic-close", daemon=True).start()
