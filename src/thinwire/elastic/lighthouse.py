@@ -29,7 +29,7 @@ from thinwire.knobs import require
 LOCAL = "127.0.0.1"
 HEARTBEAT_TIMEOUT_S = 2.0  # a worker silent this long (20 heartbeats) is left out of the next quorum
 JOIN_TIMEOUT_S = 60.0  # how long a forming quorum waits for a live worker that has not asked yet
-TICK_MS = 1  # how often the Lighthouse looks at who asked; a quorum forms at most this late
+TICK_MS = 10  # how often the Lighthouse looks at who asked; a quorum forms at most this late
 
 
 @dataclass
