@@ -19,7 +19,9 @@ def test_a_worker_killed_mid_step_leaves_the_survivors_equal_to_a_run_of_them_al
     # that lost worker 2 mid-step 6 (its peers' collective failed, the step was discarded and
     # tried again without it) ends bit for bit where the run whose worker 2 left after step 5 ends
     runs = {}
-    for name, plan in (("killed", {"die_at": 6}), ("left", {"leave_after": 5})):
+    # (worker 2 sleeps 0.2 s after each backward pass: it dies once the quorum of step 6, which it
+    # asked for beside that step, has formed with it, so that its peers' collective fails)
+    for name, plan in (("killed", {"die_at": 6, "pace": 0.2}), ("left", {"leave_after": 5})):
         job = Job()
         try:
             for r in range(3):

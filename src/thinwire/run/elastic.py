@@ -113,6 +113,8 @@ class _WorkerRun:
         cfg, worker = self.cfg, self.worker
         batches, at = None, -1
         while True:
+            if worker.step >= int(cfg.steps or 0) and worker.method is not None:
+                break  # done: a worker past its first quorum asks for no other (it would ask beside a step never run)
             t_step = time.perf_counter()
             try:
                 done = worker.begin()
