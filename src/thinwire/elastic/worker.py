@@ -265,7 +265,7 @@ class ElasticWorker:
         self._asking: tuple[concurrent.futures.Future[float], float] | None = None
         self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="thinwire-quorum")
         self._lost: BaseException | None = None
-        self._owner = threading.get_ident()
+        self._owner = threading.get_ident()  # the thread the loop runs on (set again at each begin)
         self._held: dict[str, torch.Tensor] = {}
         self._saved_buffers: set[str] | None = None
         self._arrived: dict[str, Any] | None = None
@@ -332,6 +332,7 @@ class ElasticWorker:
         is sent the state as it stood at this call. The loop's own state (``extra_state``) is
         read only on the loop's thread: a worker with one asks here, as do all on the first step."""
         t0 = time.perf_counter()
+        self._owner = threading.get_ident()  # the loop's thread: a state reaching another waits for the commit
         if self._lost is not None:  # the quorum asked for beside the last step failed
             lost, self._lost = self._lost, None
             raise lost
