@@ -183,11 +183,12 @@ def copy_state(state: Any, kept: Any = None) -> Any:
     earlier copy, where that one has the same shape, dtype, layout and device: a step's copy
     then allocates nothing. Tensors that shared memory in ``state`` do not in the copy."""
     if isinstance(state, torch.Tensor):
+        state = state.detach()
         if (isinstance(kept, torch.Tensor) and kept.shape == state.shape and kept.dtype == state.dtype
                 and kept.layout == state.layout == torch.strided and kept.device == state.device
-                and kept.stride() == state.stride() and state.requires_grad is False):
+                and kept.stride() == state.stride()):
             return kept.copy_(state)
-        return copy.deepcopy(state.detach()) if state.requires_grad else copy.deepcopy(state)
+        return copy.deepcopy(state)
     if type(state) in (dict, collections.OrderedDict):
         earlier: dict[Any, Any] = kept if isinstance(kept, dict) else {}
         return type(state)((k, copy_state(v, earlier.get(k))) for k, v in state.items())
