@@ -7,14 +7,15 @@ corpus read 0.26 times, so no batch repeats), one seed. Pairs, each method besid
 method without overlap:
 
 - ``diloco`` with ``sync=eager`` (and ``sync=delayed``, the paper's naive variant; and eager at
-  outer lr 0.4 and 0.2, smaller steps for a round-old mean; and at the outer step ``--tune``
-  chose on the validation windows, lr 0.3 with momentum 0.9) against ``sync=blocking``;
+  the outer step ``--tune`` chose on the validation windows, lr 0.4 with momentum 0.9) against
+  ``sync=blocking``;
 - ``sparseloco`` (outer lr 4, the suite's) with ``sync=eager`` (each rank previewing with its
   own sparse message), and at the outer lr ``--tune sparseloco`` chose on the validation
   windows (3), against blocking;
 - ``streaming-diloco`` (4 fragments) with ``delay=auto`` on a 10 Mbit/s link against
   ``delay=0`` (no overlap) and the suite's ``delay=1``, in fp32 and through the 4-bit codec
-  the speed target runs (``streaming4-*``);
+  the speed target runs (``streaming4-*``), with the paper's mixing merge and with
+  ``merge=rebase`` (``*-rebase``);
 - MuLoCo (``diloco`` with ``--optimizer muon``) against synchronous Muon (``identity`` with
   ``--optimizer muon``): the same inner optimizer, so the gap is communication's alone.
 
@@ -44,10 +45,8 @@ RUNS = {  # name: (optimizer, method)
     "diloco": ("adamw", "diloco:period=30,outer_lr=0.7"),
     "diloco-eager": ("adamw", "diloco:period=30,outer_lr=0.7,sync=eager"),
     "diloco-delayed": ("adamw", "diloco:period=30,outer_lr=0.7,sync=delayed"),
-    "diloco-eager-lr0.4": ("adamw", "diloco:period=30,outer_lr=0.4,sync=eager"),  # smaller outer steps
-    "diloco-eager-lr0.2": ("adamw", "diloco:period=30,outer_lr=0.2,sync=eager"),
-    # the outer step --tune chose on the validation windows (outer lr 0.3, momentum 0.9)
-    "diloco-eager-tuned": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.9,sync=eager"),
+    # the outer step --tune chose on the validation windows (outer lr 0.4, momentum 0.9)
+    "diloco-eager-tuned": ("adamw", "diloco:period=30,outer_lr=0.4,outer_momentum=0.9,sync=eager"),
     "sparseloco": ("adamw", "sparseloco:period=30,outer_lr=4"),
     "sparseloco-eager": ("adamw", "sparseloco:period=30,outer_lr=4,sync=eager"),
     # the outer lr --tune sparseloco chose on the validation windows
@@ -55,10 +54,15 @@ RUNS = {  # name: (optimizer, method)
     "streaming-0": ("adamw", "streaming-diloco:period=30,fragments=4,delay=0,outer_lr=0.7"),
     "streaming-1": ("adamw", "streaming-diloco:period=30,fragments=4,delay=1,outer_lr=0.7"),
     "streaming-auto": ("adamw", "streaming-diloco:period=30,fragments=4,delay=auto,link=10mbit;1ms,outer_lr=0.7"),
+    # a merge that keeps all of a worker's steps since the launch, with theta's new value under them
+    "streaming-auto-rebase": ("adamw", "streaming-diloco:period=30,fragments=4,delay=auto,link=10mbit;1ms,"
+                                       "merge=rebase,outer_lr=0.7"),
     # the form the speed target runs: fragments through the 4-bit codec, which hides them in fewer steps
     "streaming4-0": ("adamw", f"streaming-diloco:period=30,fragments=4,{FOUR_BIT},delay=0,outer_lr=0.7"),
     "streaming4-auto": ("adamw", f"streaming-diloco:period=30,fragments=4,{FOUR_BIT},delay=auto,link=10mbit;1ms,"
                                  "outer_lr=0.7"),
+    "streaming4-auto-rebase": ("adamw", f"streaming-diloco:period=30,fragments=4,{FOUR_BIT},delay=auto,"
+                                        "link=10mbit;1ms,merge=rebase,outer_lr=0.7"),
     "muloco": ("muon", "diloco:period=30,outer_lr=0.7"),
     "muon-sync": ("muon", "identity"),
 }
@@ -66,13 +70,8 @@ RUNS = {  # name: (optimizer, method)
 # the held-out windows after the test's), never on the test's; blocking at the paper's setting beside it
 TUNE_DILOCO = {
     "blocking-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9"),
-    "eager-lr0.7-m0.9": ("adamw", "diloco:period=30,outer_lr=0.7,outer_momentum=0.9,sync=eager"),
-    "eager-lr0.5-m0.9": ("adamw", "diloco:period=30,outer_lr=0.5,outer_momentum=0.9,sync=eager"),
-    "eager-lr0.3-m0.9": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.9,sync=eager"),
-    "eager-lr0.8-m0.8": ("adamw", "diloco:period=30,outer_lr=0.8,outer_momentum=0.8,sync=eager"),
-    "eager-lr0.4-m0.9": ("adamw", "diloco:period=30,outer_lr=0.4,outer_momentum=0.9,sync=eager"),
-    "eager-lr0.3-m0.95": ("adamw", "diloco:period=30,outer_lr=0.3,outer_momentum=0.95,sync=eager"),
-    "eager-lr0.2-m0.95": ("adamw", "diloco:period=30,outer_lr=0.2,outer_momentum=0.95,sync=eager"),
+    **{f"eager-lr{lr}-m0.9": ("adamw", f"diloco:period=30,outer_lr={lr},outer_momentum=0.9,sync=eager")
+       for lr in ("0.7", "0.5", "0.4", "0.3")},
 }
 TUNE_SPARSELOCO = {  # SparseLoCo's outer SGD has no momentum: its lr alone
     "sparseloco-blocking-lr4": ("adamw", "sparseloco:period=30,outer_lr=4"),
@@ -87,6 +86,8 @@ TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
     ("sparseloco_eager_tuned_final_loss_vs_blocking", "sparseloco-eager-tuned", "sparseloco", 0.01),
     ("streaming_delay_auto_final_loss_vs_no_overlap", "streaming-auto", "streaming-0", 0.02),
     ("streaming_4bit_delay_auto_final_loss_vs_no_overlap", "streaming4-auto", "streaming4-0", 0.02),
+    ("streaming_delay_auto_rebase_final_loss_vs_no_overlap", "streaming-auto-rebase", "streaming-0", 0.02),
+    ("streaming_4bit_delay_auto_rebase_final_loss_vs_no_overlap", "streaming4-auto-rebase", "streaming4-0", 0.02),
     ("muloco_final_loss_vs_synchronous_muon", "muloco", "muon-sync", 0.02),
 )
 

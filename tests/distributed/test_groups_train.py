@@ -30,8 +30,10 @@ def _cfg(tmp_path, spec: str, shard: bool = True) -> TrainConfig:
 # top-k and PowerSGD in a user's loop)
 # sync=eager: a round's 4-bit average (scatter: over the twin's groups between the groups) is in flight at the
 # checkpoint
+# merge=rebase: where each rank's shard stood at fragment 0's launch (step 4) is held across the checkpoint
 @pytest.mark.parametrize("spec", ["streaming-diloco:period=4,fragments=2,delay=1", "sparseloco:period=3,chunk=8,k=4",
-                                  "diloco:period=3,sync=eager,codec=rangefloat:bits=4;ef=true,scatter=true"])
+                                  "diloco:period=3,sync=eager,codec=rangefloat:bits=4;ef=true,scatter=true",
+                                  "streaming-diloco:period=4,fragments=2,delay=2,merge=rebase"])
 def test_sharded_groups_resume_exactly(spec, tmp_path):
     cfg = _cfg(tmp_path, spec)
     straight, resumed = straight_and_resumed(cfg, K, tmp_path)

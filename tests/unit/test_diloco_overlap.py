@@ -24,8 +24,9 @@ def _reference(n: int, steps: int, period: int, eager: bool, lr: float = 0.7, mu
     """By hand: n models (inner SGD, lr 0.1, momentum 0.5), one θ and one Nesterov buffer v. At
     every round's end, with x_i where rank i's round started and Δ_i = x_i − θ_i its progress:
     the previous round's mean (none after the first round) steps θ and v; rank i continues
-    from the step θ would take with Δ_i as its gradient, v left as it was (eager), or from θ
-    (delayed); the mean of the Δ_i is in flight. finish(): the last mean steps θ, every model
+    from the step θ would take with Δ_i − (x_i − θ)/2 as its gradient (its progress measured
+    from halfway between its start and θ), v left as it was (eager), or from θ (delayed); the
+    mean of the Δ_i is in flight. finish(): the last mean steps θ, every model
     is θ. Returns the final flat model."""
     models = [copy.deepcopy(BASE) for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
@@ -46,8 +47,9 @@ def _reference(n: int, steps: int, period: int, eager: bool, lr: float = 0.7, mu
             fresh = [starts[i] - tiny.flat(models[i]) for i in range(n)]
             if mean is not None:
                 theta, v = stepped(theta, v, mean)
-            for i in range(n):
-                starts[i] = stepped(theta, v, fresh[i])[0] if eager else theta.clone()
+            for i in range(n):  # eager's preview: the progress from halfway between the start and θ
+                midway = fresh[i] - 0.5 * (starts[i] - theta)
+                starts[i] = stepped(theta, v, midway)[0] if eager else theta.clone()
                 torch.nn.utils.vector_to_parameters(starts[i].clone(), models[i].parameters())
             mean = sum(fresh) / n
     assert steps % period == 0  # finish() then has no partial round to sync

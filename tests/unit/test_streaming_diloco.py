@@ -33,12 +33,13 @@ def _train(comm, make, steps, *, bn=False, cut=None, finish=False):
 
 
 
-def _reference(n, steps, *, period, groups, delay, alpha, lr, mu):
+def _reference(n, steps, *, period, groups, delay, alpha, lr, mu, rebase=False):
     """The update by hand: n models stepping alone (inner SGD, momentum 0.5); per fragment
     (a range of parameter tensors) its own theta and outer momentum v. After local step t:
     first every fragment launched at t - delay merges (delta = mean of theta - theta_i at
     the launch, v = mu v + delta, theta -= lr (delta + mu v), every model's fragment =
-    alpha own + (1 - alpha) theta), then fragment p launches when t % period == p period / P."""
+    alpha own + (1 - alpha) theta, or with ``rebase`` theta + (own - own at the launch)),
+    then fragment p launches when t % period == p period / P."""
     models = [copy.deepcopy(BASE) for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -50,9 +51,9 @@ def _reference(n, steps, *, period, groups, delay, alpha, lr, mu):
         f["v"] = delta if f["v"] is None else [mu * v + d for v, d in zip(f["v"], delta)]
         f["theta"] = [th - lr * (d + mu * v) for th, d, v in zip(f["theta"], delta, f["v"])]
         with torch.no_grad():
-            for ps in params:
-                for p, th in zip(ps[f["lo"]:f["hi"]], f["theta"]):
-                    p.copy_(alpha * p + (1 - alpha) * th)
+            for ps, at_launch in zip(params, f["launch"]):
+                for p, th, p0 in zip(ps[f["lo"]:f["hi"]], f["theta"], at_launch):
+                    p.copy_(th + (p - p0) if rebase and delay > 0 else alpha * p + (1 - alpha) * th)
         f["due"] = None
 
     for step in range(steps):
@@ -67,6 +68,7 @@ def _reference(n, steps, *, period, groups, delay, alpha, lr, mu):
             if t % period == f["offset"]:
                 f["delta"] = [sum(th - ps[i] for ps in params).detach() / n
                               for i, th in zip(range(f["lo"], f["hi"]), f["theta"])]
+                f["launch"] = [[p.detach().clone() for p in ps[f["lo"]:f["hi"]]] for ps in params]
                 f["due"] = t + delay
                 if delay == 0:
                     merge(f)
@@ -92,6 +94,18 @@ def test_two_fragments_staggered_delayed_and_mixed_follow_the_update_by_hand(del
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=TOL, rtol=0)
     assert not torch.equal(got[0], got[1])  # some fragment is always mid-round
+
+
+@pytest.mark.parametrize("delay", [1, 3, 4])  # 4: a whole round
+def test_merge_rebase_sets_theta_plus_the_workers_own_steps_since_the_launch(delay):
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=delay, merge="rebase",  # noqa: E731
+                                           outer_lr=0.7, outer_momentum=0.9)
+    got = LocalWorld(2).run(lambda comm: _train(comm, make, 13)[0])
+    want = _reference(2, 13, period=4, groups=[(0, 1), (1, 4)], delay=delay, alpha=0.5, lr=0.7, mu=0.9, rebase=True)
+    mixed = _reference(2, 13, period=4, groups=[(0, 1), (1, 4)], delay=delay, alpha=0.5, lr=0.7, mu=0.9)
+    for g, w, m in zip(got, want, mixed):
+        assert torch.allclose(g, w, atol=TOL, rtol=0)
+        assert not torch.allclose(g, m, atol=1e-3, rtol=0)  # not the mixing merge
 
 
 def test_alpha_one_with_no_delay_keeps_the_workers_own_models_and_steps_only_theta():
@@ -146,6 +160,19 @@ def test_resume_mid_period_and_with_a_fragment_in_flight_continues_exactly(cut, 
     # period 4, two fragments at offsets 0 and 2, delay 1: launches after steps 2 and 4, merges
     # after 3 and 5, so cuts 2 and 4 (after that many steps) fall with a fragment in flight
     make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1, codec=codec)  # noqa: E731
+    straight = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True)[0])
+    resumed = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True, cut=cut)[0])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("codec", ["identity", "rangefloat:bits=4;exp_bits=2"])
+@pytest.mark.parametrize("cut", [2, 3, 4])
+def test_merge_rebase_resumes_exactly_with_a_fragment_in_flight(cut, codec):
+    # period 4, offsets 0 and 2, delay 2: fragment 1 launches after step 2 and merges after 4,
+    # fragment 0 after 4 and 6; a cut after 2, 3 or 4 steps holds where a rank stood at a launch
+    make = lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2, merge="rebase",  # noqa: E731
+                                           codec=codec)
     straight = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True)[0])
     resumed = LocalWorld(2).run(lambda comm: _train(comm, make, 10, bn=True, cut=cut)[0])
     for a, b in zip(straight, resumed):
@@ -217,6 +244,9 @@ def test_one_step_sends_at_most_the_largest_fragment_where_diloco_sends_the_mode
     ("streaming-diloco:delay=-1", "delay must be >= 0, got -1"),
     ("streaming-diloco:alpha=1.5", r"alpha must be in \[0, 1\], got 1.5"),
     ("streaming-diloco:alpha=-0.1", r"alpha must be in \[0, 1\], got -0.1"),
+    ("streaming-diloco:merge=keep", "merge must be one of mix, rebase, got 'keep'"),
+    ("streaming-diloco:merge=rebase,delay=0", "merge=rebase keeps the worker's steps between a fragment's launch "
+                                              "and its merge: it needs a delay"),
     ("streaming-diloco:outer_lr=0", "outer_lr must be > 0, got 0"),
     ("streaming-diloco:codec=nope", "nope"),
 ])
@@ -235,7 +265,7 @@ def test_the_spec_fills_every_default():
     assert resolve_method("streaming-diloco") == (
         "streaming-diloco:period=50,warmup=0,outer=sgd,outer_lr=0.7,outer_momentum=0.9,nesterov=true,"
         "codec=identity:ef=false;min_numel=0,scatter=false,average_momentum=false,final_sync=true,sync=blocking,"
-        "fragments=4,delay=1,alpha=0.5,link=")
+        "fragments=4,delay=1,alpha=0.5,merge=mix,link=")
 
 
 def test_more_fragments_than_steps_in_a_period_is_refused():

@@ -139,6 +139,7 @@ class Fragment:
     merged_at: int | None = 0  # the local step of its last merge (None: unknown, a checkpoint from before it was kept)
     launched: tuple[ByteMeter | None, float] | None = None  # what the launch sent (None: known when it lands), and when
     took: float | None = None  # an offloaded average's seconds from launch to completion, once landed
+    own: torch.Tensor | None = None  # merge=rebase: this rank's pseudo-gradient at the launch, until the merge
     watch: Watch = field(default_factory=Watch)
 
 
@@ -229,6 +230,12 @@ class DiLoCo(PeriodicAveraging):
         """The share of the worker's own parameters kept at a merge (DiLoCo: 0)."""
         return 0.0
 
+    @property
+    def rebases(self) -> bool:
+        """Whether a delayed merge sets the worker's fragment to ``θ`` plus its own steps since
+        the launch, instead of mixing by :attr:`alpha` (DiLoCo: no, it merges at the launch)."""
+        return False
+
     def _groups(self) -> list[tuple[int, int]]:
         """The fragments' ``(lo, hi)`` ranges of parameter tensors (DiLoCo: the whole model)."""
         return [(0, len(self.state.params))]
@@ -301,6 +308,8 @@ class DiLoCo(PeriodicAveraging):
         if twin_here:
             assert self.offload is not None
             self.offload.twin.use_meter(ByteMeter(inter_share=self.comm.meter.inter_share))
+        if not at_once and self.rebases:  # where this rank stood at the launch, as θ − Δ_i: kept for the merge
+            f.own = delta.clone()
         pending: Reduction | ScatterReduction | InFlight
         if not at_once and self.offload is not None:  # the whole average on the background thread
             agg = f.agg
@@ -345,8 +354,19 @@ class DiLoCo(PeriodicAveraging):
             raise RuntimeError(f"fragment {f.index} has no average to merge")
         t1 = time.perf_counter()
         assert f.delta is not None  # set at the launch
-        self._step_outer(f, f.delta)
-        self._continue(f, self.alpha if alpha is None else alpha)
+        own, f.own = f.own, None
+        if own is not None and alpha is None:  # merge=rebase: θ plus this rank's steps since the launch
+            since = self._since_launch(f, own)
+            self._step_outer(f, f.delta)
+            self._continue(f, 0.0)
+            with torch.no_grad():
+                off = 0
+                for p in self.state.local_params()[f.lo : f.hi]:
+                    p.add_(since[off : off + p.numel()].view(p.shape))
+                    off += p.numel()
+        else:
+            self._step_outer(f, f.delta)
+            self._continue(f, self.alpha if alpha is None else alpha)
         t2 = time.perf_counter()
         if f.index == 0:
             self._average_rest()
@@ -359,6 +379,17 @@ class DiLoCo(PeriodicAveraging):
         took, f.took = f.took, None
         if took is not None:
             self._average_took(took)
+
+    def _since_launch(self, f: Fragment, own: torch.Tensor) -> torch.Tensor:
+        """This rank's steps since fragment ``f``'s launch, flat, written over ``own`` (its
+        pseudo-gradient then): ``θ_i − (θ − Δ_i)``, with ``θ`` not yet stepped."""
+        off = 0
+        with torch.no_grad():
+            for theta, p in zip(self.outer_params[f.lo : f.hi], self.state.local_params()[f.lo : f.hi]):
+                n = p.numel()
+                own[off : off + n].add_(p.reshape(-1)).sub_(theta.detach().reshape(-1))
+                off += n
+        return own
 
     def _average_took(self, seconds: float) -> None:
         """Called on every rank at a merge of an average run whole on the background thread,
@@ -436,7 +467,7 @@ class DiLoCo(PeriodicAveraging):
             counted = time.perf_counter() - t_start
             self._preview(f, self._own_message(agg, started))
         elif self.eager:  # this rank's pseudo-gradient in place of the mean in flight
-            self._preview(f, fresh)
+            self._preview(f, self._from_midway(f, fresh))
         else:
             self._continue(f, 0.0)
         t3 = time.perf_counter()
@@ -493,6 +524,26 @@ class DiLoCo(PeriodicAveraging):
             for theta, saved in zip(thetas, kept):
                 theta.copy_(saved)
         self.outer.load_state_dict(state)
+
+    def _from_midway(self, f: Fragment, fresh: torch.Tensor) -> torch.Tensor:
+        """Eager's preview gradient: this round's progress measured from halfway between the
+        preview it started at and ``θ`` (just stepped with the mean that landed), written over
+        ``fresh`` (whose progress from the start is already in the average, which this leaves
+        alone). How far a rank's start stood off ``θ``, ``e_i``, comes back in its next
+        preview scaled by the outer step's gain on a gradient ``k`` (SGD: ``lr (1 + μ)`` with
+        Nesterov): measured from the start, by ``k·ρ`` for the share ``ρ`` of ``e_i`` the inner
+        steps undid; from ``θ``, by ``k·(1 − ρ)``; from halfway, by ``k·|ρ − 1/2| <= k/2``. So
+        the ranks' starts do not drift apart for any ``k < 2``, whatever the inner steps undo
+        (the paper's lr 0.7 with momentum 0.9 is ``k = 1.33``). Our rule, not the paper's."""
+        if self._start is None:  # the round started at θ
+            return fresh
+        fresh.sub_(self._start, alpha=0.5)
+        off = 0
+        for theta in self.outer_params[f.lo : f.hi]:
+            n = theta.numel()
+            fresh[off : off + n].add_(theta.detach().reshape(-1), alpha=0.5)
+            off += n
+        return fresh
 
     def _from_start(self, f: Fragment, out: torch.Tensor | None) -> torch.Tensor:
         """This rank's progress since its round started, as a pseudo-gradient: ``θ − θ_i``
@@ -662,8 +713,8 @@ class DiLoCo(PeriodicAveraging):
     def _copies(self) -> int:
         """Flat model-sized buffers beyond θ and the pseudo-gradient: a background sync keeps
         this round's pseudo-gradient apart from the mean in flight, eager also where the round
-        started."""
-        return 0 if self.background is None else 2 if self.eager else 1
+        started; ``merge=rebase`` keeps where each fragment in flight stood at its launch."""
+        return (0 if self.background is None else 2 if self.eager else 1) + (1 if self.rebases else 0)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -675,6 +726,7 @@ class DiLoCo(PeriodicAveraging):
             fragments.append({"syncs": f.syncs, "merge_at": f.merge_at, "merged_at": f.merged_at, "landed": f.landed,
                               "took": f.took,
                               "delta": None if f.delta is None or not f.landed else f.delta.detach().clone(),
+                              "own": None if f.own is None else f.own.detach().clone(),
                               "agg": None if f.agg is None else f.agg.state_dict()})
         return {**super().state_dict(), "syncs": self.syncs, "peak_bytes": self.peak_bytes,
                 "outer_params": [t.detach().clone() for t in self.outer_params],
@@ -725,6 +777,8 @@ class DiLoCo(PeriodicAveraging):
             f.took = saved.get("took")
             f.pending, f.launched = None, None
             like = self.state.params[f.lo]
+            own = saved.get("own")  # merge=rebase, with a fragment in flight
+            f.own = None if own is None else own.to(like.device).clone()
             f.delta = _flat(f.delta, f.numel, like)
             if saved["delta"] is not None:
                 f.delta.copy_(saved["delta"])
