@@ -179,6 +179,21 @@ def test_merge_rebase_resumes_exactly_with_a_fragment_in_flight(cut, codec):
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_with_a_fragment_in_flight_resumes_only_under_its_own_merge():
+    def fn(comm):
+        make = lambda merge: lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2,  # noqa: E731
+                                                              merge=merge)
+        _, method = _train(comm, make("rebase"), 3)  # fragment 1 launched after step 2, merges after 4
+        state = method.state_dict()
+        other = make("mix")(copy.deepcopy(BASE), torch.optim.SGD(copy.deepcopy(BASE).parameters(), lr=0.1), comm)
+        with pytest.raises(ValueError, match="saved with merge=rebase and averages in flight; this run has "
+                                             "merge=mix: resume with merge=rebase"):
+            other.load_state_dict(state)
+        return True
+
+    assert all(LocalWorld(2).run(fn))
+
+
 @pytest.mark.parametrize("scatter", [False, True])
 def test_averages_run_whole_on_the_background_thread_as_they_would_inline(scatter):
     # with a delay each fragment's average (encode, collectives, decode; with scatter=true both
@@ -286,7 +301,8 @@ def test_diloco_merged_at_its_launch_reports_nothing_hidden():
     lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1),
     lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=1, alpha=0.5),
     lambda m, o, c: StreamingDiLoCo(m, o, c, period=6, fragments=3, delay=2, codec="topk:ratio=0.25;ef=true"),
-], ids=["diloco", "streaming", "streaming-alpha", "streaming-topk"])
+    lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=2, merge="rebase", alpha=0.0),
+], ids=["diloco", "streaming", "streaming-alpha", "streaming-topk", "streaming-rebase"])
 def test_finish_ends_with_one_model_bit_identical_on_every_rank(make):
     for steps in (7, 8, 9):  # mid-round, at a sync, with a fragment in flight
         ended = LocalWorld(3).run(lambda comm, steps=steps: _train(comm, make, steps, bn=True, finish=True))

@@ -37,9 +37,10 @@ With ``sync=eager`` or ``sync=delayed`` a round's average runs on a background t
 second group of the same ranks (:mod:`thinwire.algorithms.background_sync`), behind the next
 round's inner steps, and steps ``θ`` at that round's end (after Kale, Douillard and Donchev
 2025, arXiv 2502.12996): delayed continues every rank from ``θ``; eager from the step ``θ``
-would take with the rank's own pseudo-gradient in place of the mean still in flight, ``θ``
-and the outer state left as they were, so ``θ`` stays the same on every rank (our form of
-the paper's eager updates). docs/methods.md gives the details.
+would take with the rank's own progress in place of the mean still in flight (measured from
+halfway between the round's start and ``θ``: :meth:`DiLoCo._from_midway`), ``θ`` and the
+outer state left as they were, so ``θ`` stays the same on every rank (our form of the
+paper's eager updates). docs/methods.md gives the details.
 
 The rounds are kept per *fragment* (a contiguous group of the parameter tensors, each with
 its own pseudo-gradient, codec and schedule): DiLoCo has one, the whole model, synced and
@@ -73,7 +74,7 @@ from thinwire.scatter import ScatterMean, ScatterReduction
 OUTER = ("sgd", "adam")
 SYNCS = ("blocking", "eager", "delayed")
 SYNC_HELP = ("how a round's average runs: blocking (the next round waits for it), or in the background behind the "
-             "next round's inner steps and applied at that round's end, eager (this worker's own pseudo-gradient "
+             "next round's inner steps and applied at that round's end, eager (this worker's own progress "
              "applied at once in its stead) or delayed (nothing in its stead)")
 OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -178,7 +179,7 @@ class DiLoCo(PeriodicAveraging):
         # sync=eager|delayed: each round's average runs behind the next round (one fragment: DiLoCo's)
         sync = getattr(self.config, "sync", "blocking")
         self.background = BackgroundSync(self.comm) if sync != "blocking" else None
-        # eager: a worker continues from θ stepped with its own pseudo-gradient in place of the mean in flight
+        # eager: a worker continues from θ stepped with its own progress in place of the mean in flight
         self.eager = sync == "eager"
         # averages merged some steps after their launch (streaming DiLoCo's delay), when set: run
         # whole (encode, collectives, decode) on a background thread over a twin group
@@ -447,8 +448,9 @@ class DiLoCo(PeriodicAveraging):
         pseudo-gradient, measured from where the round started (under eager the preview it
         continued from, under delayed ``θ``). The previous round's mean, landing now, steps
         ``θ`` (the same on every rank); then every rank continues from ``θ`` stepped with its own
-        ``Δ_i`` in place of the mean in flight (eager, :meth:`_preview`) or from ``θ`` (delayed),
-        and ``Δ_i`` is averaged behind the next round's inner steps."""
+        progress in place of the mean in flight (eager, :meth:`_preview`: ``Δ_i`` measured from
+        halfway between the start and ``θ``, :meth:`_from_midway`; SparseLoCo: its own message)
+        or from ``θ`` (delayed), and ``Δ_i`` is averaged behind the next round's inner steps."""
         assert self.background is not None  # sync=eager|delayed
         t0 = time.perf_counter()
         fresh = self._fresh = self._from_start(f, self._fresh)
@@ -466,7 +468,7 @@ class DiLoCo(PeriodicAveraging):
             started = agg.start({"model": delta})
             counted = time.perf_counter() - t_start
             self._preview(f, self._own_message(agg, started))
-        elif self.eager:  # this rank's pseudo-gradient in place of the mean in flight
+        elif self.eager:  # this rank's progress in place of the mean in flight
             self._preview(f, self._from_midway(f, fresh))
         else:
             self._continue(f, 0.0)
@@ -511,7 +513,7 @@ class DiLoCo(PeriodicAveraging):
 
     def _preview(self, f: Fragment, own: torch.Tensor) -> None:
         """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as
-        its gradient (this rank's pseudo-gradient in place of the mean still in flight), and
+        its gradient (this rank's progress in place of the mean still in flight), and
         leave ``θ`` and the outer optimizer's state as they were."""
         thetas = self.outer_params[f.lo : f.hi]
         kept = [t.detach().clone() for t in thetas]
@@ -534,7 +536,8 @@ class DiLoCo(PeriodicAveraging):
         Nesterov): measured from the start, by ``k·ρ`` for the share ``ρ`` of ``e_i`` the inner
         steps undid; from ``θ``, by ``k·(1 − ρ)``; from halfway, by ``k·|ρ − 1/2| <= k/2``. So
         the ranks' starts do not drift apart for any ``k < 2``, whatever the inner steps undo
-        (the paper's lr 0.7 with momentum 0.9 is ``k = 1.33``). Our rule, not the paper's."""
+        (the paper's lr 0.7 with momentum 0.9 is ``k = 1.33``). What is averaged is still each
+        rank's progress from its start. Our rule, not the paper's."""
         if self._start is None:  # the round started at θ
             return fresh
         fresh.sub_(self._start, alpha=0.5)
@@ -645,7 +648,8 @@ class DiLoCo(PeriodicAveraging):
         if not self.config.final_sync or local <= 0:
             return None
         for f in self.fragments:  # the same on every rank: the schedule's state is
-            if f.merged_at != local or self.alpha != 0.0:
+            # a fragment merged at this step is at θ, unless the merge kept some of the rank's own
+            if f.merged_at != local or self.alpha != 0.0 or self.rebases:
                 self._launch(f, None, alpha=0.0)
         return None
 

@@ -36,7 +36,7 @@ each step sends at most one fragment's average. A sync of fragment ``p`` at step
 
   the new global value plus all of its own ``τ`` steps since the launch, which the next
   pseudo-gradient, measured from ``θ_p``, then carries: nothing is dropped, and nothing
-  from before the launch is kept. At a delay of many steps (the 19 of 30 a fp32 fragment
+  from before the launch is kept. At a delay of many steps (the 19-21 of 30 a fp32 fragment
   needs at 10 Mbit/s on the ``text`` task) mixing drops half of them; see docs/methods.md.
 
 With one fragment, no delay and ``α = 0`` this is :class:`~thinwire.algorithms.diloco.DiLoCo`
@@ -248,7 +248,9 @@ class StreamingDiLoCo(DiLoCo):
 
     @property
     def alpha(self) -> float:
-        return float(self.config.alpha)
+        """``merge=mix``'s share of the worker's own fragment; ``merge=rebase`` keeps none at a
+        merge with no steps since the launch (a sync called between the scheduled ones)."""
+        return 0.0 if self.rebases else float(self.config.alpha)
 
     @property
     def rebases(self) -> bool:
@@ -273,11 +275,17 @@ class StreamingDiLoCo(DiLoCo):
 
     def state_dict(self) -> dict[str, Any]:
         figures = None if self.auto_figures is None else dict(self.auto_figures)
-        return {**super().state_dict(), "delay": self._delay, "delay_auto": figures}
+        return {**super().state_dict(), "delay": self._delay, "delay_auto": figures, "merge": self.config.merge}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed ``delay=auto`` run keeps the delay it chose; a fixed delay must match
-        one saved with averages in flight (their merge steps were set by it)."""
+        one saved with averages in flight (their merge steps were set by it), and so must
+        ``merge`` (a rebase needs where the rank stood at the launch)."""
+        saved_merge = state.get("merge", "mix")
+        in_flight = any(f.get("merge_at") is not None for f in state.get("fragments", []))
+        if saved_merge != self.config.merge and in_flight:
+            raise ValueError(f"checkpoint was saved with merge={saved_merge} and averages in flight; this run has "
+                             f"merge={self.config.merge}: resume with merge={saved_merge}")
         super().load_state_dict(state)
         saved = state.get("delay")
         if self.config.delay == "auto":
