@@ -32,7 +32,11 @@ worker that finished holds the same model bit for bit, bytes sent by all process
 steady-state cost: the same method without ``--elastic`` (thinwire's own launcher, gloo over
 loopback) against the reference job, step time of the training steps alone, alternated
 COST_PAIRS times (``--cost-only``: that alone). Targets: at most 1.03x for ``topk``, 1.05x for
-the others.
+the others. Both runs are timed over the same stretch, from their first evaluation (step
+COST_FROM) to their last: the seconds of the training steps between them (the plain run's
+``wall_seconds``, the elastic worker 0's ``train_seconds``, evaluations left out of both) per
+step. The start is left out because it is not the steady state: an elastic job's first quorum
+waits for every worker to start, and a plain job's rendezvous happens before its clock.
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ from pathlib import Path
 from typing import Any
 
 from _common import Figure, Report, load_note, parser, table
-from thinwire.run.summary import Summary, WorkerSummary
+from thinwire.run.summary import WorkerSummary
 
 WORKERS = 4
 KILL_EVERY = 100
 RESTART_S = 10.0
 STOP_S = 20.0
 COST_PAIRS = 5
+COST_FROM = 100  # the steady-state cost is timed from this step (the first evaluation) to the last
 LAST_EVALS = 5  # the final loss: worker 0's test loss averaged over its last evaluations (one is noisy)
 END_GRACE_S = 20.0  # after worker 0 ends, how long the others get to end before they are killed
 TASKS = {  # task: (steps, eval_every, extra options)
@@ -271,19 +276,33 @@ def read_job(job: Job, seconds: float) -> dict[str, Any]:
         "absent": absent, "rejoin": rejoin, "cont": cont, "seconds": seconds,
         "bytes": sum(s.bytes_sent for _, s in summaries if s is not None),  # processes that ended cleanly
         "train_seconds": zero.train_seconds if zero else None, "steps": zero.committed_step if zero else None,
+        "per_step": steady_seconds(job.live(0).records(), "train_seconds"),
         "faults": sum(1 for e in job.events if e[0] in ("kill", "stop")),
     }
 
 
+def steady_seconds(records: list[dict[str, Any]], clock: str) -> float | None:
+    """Seconds per training step from the first evaluation record to the last, read from
+    the cumulative seconds of training steps ``clock`` (None: fewer than two records)."""
+    evals = [r for r in records if "event" not in r and r.get(clock) is not None]
+    if len(evals) < 2 or evals[-1]["step"] <= evals[0]["step"]:
+        return None
+    return (evals[-1][clock] - evals[0][clock]) / (evals[-1]["step"] - evals[0]["step"])
+
+
 def plain_step_seconds(task: str, method: str, steps: int, eval_every: int, options: list[str], root: Path) -> float:
-    """The same training without --elastic (thinwire's launcher): seconds per training step."""
+    """The same training without --elastic (thinwire's launcher): seconds per training step
+    from the first evaluation to the last."""
     out = root / f"plain-{task}-{method.split(':')[0]}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "thinwire", "train", "--workers", str(WORKERS), "--task", task, "--method", method,
            "--steps", str(steps), "--eval-every", str(eval_every), "--threads", "1", "--out", str(out), "--quiet",
            "--no-tensorboard", *options]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    summary = Summary.read(str(out / "summary.json"))
-    return summary.wall_seconds / summary.steps_run
+    with open(out / "metrics.jsonl") as f:
+        seconds = steady_seconds([json.loads(line) for line in f if line.strip()], "wall_seconds")
+    if seconds is None:
+        raise RuntimeError(f"{task} {method}: the plain run wrote fewer than two evaluations")
+    return seconds
 
 
 def fmt(xs: list[float]) -> str:
@@ -348,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                     steps, eval_every, options = TASKS[task]
                     ratios = []
                     for _ in range(1 if args.quick else COST_PAIRS):
-                        plain = plain_step_seconds(task, method, steps, steps // 2, options, root)
-                        el = run_job(task, method, "reference", root, args.timeout, False, eval_every=steps // 2)
-                        elastic = el["train_seconds"] / el["steps"]
+                        plain = plain_step_seconds(task, method, steps, COST_FROM, options, root)
+                        el = run_job(task, method, "reference", root, args.timeout, False, eval_every=COST_FROM)
+                        elastic = el["per_step"]
+                        if elastic is None:
+                            raise RuntimeError(f"{task} {method}: the elastic run wrote fewer than two evaluations")
                         ratios.append(elastic / plain)
                         cost_rows.append([task, name, f"{1e3 * plain:.2f}", f"{1e3 * elastic:.2f}",
                                           f"{elastic / plain:.3f}"])

@@ -224,6 +224,9 @@ def test_a_local_job_records_its_quorums_per_worker_and_a_whole_job_resumes_exac
     records = _read(first / "worker-0" / "metrics.jsonl")
     evals = [r for r in records if "event" not in r]
     assert [r["step"] for r in evals] == [10, 20, 30] and all(r["workers"] == 2 for r in evals)
+    # the seconds of the steps so far: growing, and at the last step the summary's
+    seconds = [r["train_seconds"] for r in evals]
+    assert 0 < seconds[0] < seconds[1] < seconds[2] == s0["train_seconds"]
     quorum = [r for r in records if r.get("event") == "quorum"]
     assert quorum and quorum[0]["members"] == [0, 1] and quorum[0]["workers"] == 2
     assert json.loads((first / "worker-1" / "checkpoints" / "latest.json").read_text())["step"] == 30

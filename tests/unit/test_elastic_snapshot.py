@@ -1,5 +1,6 @@
 """The copy an elastic worker keeps to undo a failed step (``copy_state``): deepcopy's values,
-written into the last step's copy where it fits."""
+written into the last step's copy where it fits; and its commit vote, decided locally in a
+replica group of one rank (``_vote_locally``)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,45 @@ def test_the_next_copy_writes_into_the_last_ones_tensors_where_they_fit():
     s2["t"] = s2["t"].contiguous()
     third = copy_state(s2, second)
     assert same(third, copy.deepcopy(s2)) and third["half"].data_ptr() != half
+
+
+class _Client:
+    """A stand-in for torchft's manager client: counts the votes it is asked for."""
+
+    def __init__(self) -> None:
+        self.votes = 0
+
+    def should_commit(self, group_rank, step, should_commit, timeout=None):
+        self.votes += 1
+        return should_commit
+
+    def _quorum(self, **kwargs):
+        return ("quorum", kwargs)
+
+
+class _Manager:
+    def __init__(self, group_world_size: int) -> None:
+        self._client, self._group_world_size = _Client(), group_world_size
+
+
+def test_a_replica_group_of_one_rank_decides_its_vote_without_asking_its_server():
+    from thinwire.elastic.worker import _vote_locally
+
+    manager = _Manager(1)
+    real = manager._client
+    _vote_locally(manager)
+    _vote_locally(manager)  # once is enough: not wrapped twice
+    assert manager._client is not real and manager._client._client is real
+    assert manager._client.should_commit(0, 7, True) is True
+    assert manager._client.should_commit(0, 7, False) is False
+    assert real.votes == 0  # the vote never reached the server
+    assert manager._client._quorum(step=3) == ("quorum", {"step": 3})  # everything else does
+
+
+def test_a_replica_group_of_several_ranks_keeps_asking_its_server():
+    from thinwire.elastic.worker import _vote_locally
+
+    manager = _Manager(2)
+    real = manager._client
+    _vote_locally(manager)
+    assert manager._client is real  # the group's ranks must agree through the server

@@ -2,12 +2,14 @@
 
 torchft decides everything about membership: the Lighthouse forms a quorum at each step that
 communicates, the ``Manager`` reconfigures its gloo group over it, votes on committing the
-step, and brings a worker that joins (or fell behind) up to date by fetching a present
-worker's state before its step starts. A step on which the method sends nothing (the
-DiLoCo family's inner steps, :meth:`~thinwire.algorithms.base.Method.communicates_next`)
-asks for no quorum, casts no vote and keeps no copy to undo: the worker trains alone, and
-the workers meet again at the next average (a joiner waits there for them). thinwire
-supplies the state and keeps each method's maths right:
+step (in a replica group of one rank the vote is the rank's own, decided without the round
+trip to torchft's manager server: :func:`_vote_locally`), and brings a worker that joins (or
+fell behind) up to date by fetching a present worker's state before its step starts. A step
+on which the method sends nothing (the DiLoCo family's inner steps,
+:meth:`~thinwire.algorithms.base.Method.communicates_next`) asks for no quorum, casts no
+vote and keeps no copy to undo: the worker trains alone, and the workers meet again at the
+next average (a joiner waits there for them). thinwire supplies the state and keeps each
+method's maths right:
 
 * **the state sent to a joining worker**: the model, the optimizer, the method's own state
   (error-feedback residuals, PowerSGD's Q, DiLoCo's outer optimizer and global model, ...)
@@ -148,6 +150,31 @@ def _listening(host: str) -> Any:
         return listening(host)
     except OSError as e:
         raise ValueError(f"an elastic worker cannot listen on {host}: {e.strerror or e}") from None
+
+
+class _LocalVote:
+    """torchft's manager client, but for the commit vote: in a replica group of one rank, the
+    group's decision is that rank's own vote, which torchft's manager server (in this
+    process) would only echo back over gRPC. Everything else goes to the real client."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: Any = None) -> bool:
+        return bool(should_commit)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _vote_locally(manager: Any) -> None:
+    """Let ``manager`` (a replica group of one rank) decide its commit vote without the round
+    trip to its own server; torchft's bookkeeping of the vote (the step counter, the failure
+    count, a heal's pending state, the checkpoint transport) runs as before. A torchft whose
+    manager keeps no ``_client`` is left as it is."""
+    client = getattr(manager, "_client", None)
+    if client is not None and getattr(manager, "_group_world_size", 1) == 1 and not isinstance(client, _LocalVote):
+        manager._client = _LocalVote(client)
 
 
 def _gloo_group(timeout: timedelta, rendezvous: timedelta) -> Any:
@@ -301,6 +328,7 @@ class ElasticWorker:
             if self.forwarder is not None:
                 self.forwarder.shutdown()
             raise
+        _vote_locally(self.manager)
         self.comm = QuorumComm(self.manager, self.pg, timeout=timeout)
         self.wait_s = wait_s
         self.start_workers = min_workers if start_workers is None else start_workers

@@ -163,11 +163,9 @@ class _WorkerRun:
         if math.isfinite(value):
             self.window[0] += value
             self.window[1] += 1
-        if self.report is not None:
-            self.report("step", replica=self.replica, step=step, loss=value, workers=self.worker.workers)
         if step % int(cfg.eval_every or 1) == 0 or step == cfg.steps:
             self.last_eval = _evaluate(self.task, self.model, self.worker, value, self.window, step, cfg,
-                                       self.t_start, self.optimizer)
+                                       self.t_start, self.optimizer, self.train_seconds)
             self.window = [0.0, 0]
             if self.writer is not None:
                 self.writer.write(self.last_eval)
@@ -204,7 +202,8 @@ class _WorkerRun:
 
 
 def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, window: list, step: int,
-              cfg: TrainConfig, t_start: float, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+              cfg: TrainConfig, t_start: float, optimizer: torch.optim.Optimizer,
+              train_seconds: float) -> dict[str, Any]:
     record: dict[str, Any] = {"step": step, "train_loss": value,
                               "train_loss_mean": window[0] / window[1] if window[1] else None}
     if cfg.evaluate:
@@ -213,7 +212,8 @@ def _evaluate(task: Any, model: torch.nn.Module, worker: Any, value: float, wind
     t = worker.tally
     record.update(workers=worker.workers, quorum_changes=len(t.changes), discarded_steps=t.discarded, heals=t.heals,
                   bytes_sent=worker.comm.meter.bytes_sent, messages=worker.comm.meter.messages,
-                  elapsed_seconds=time.perf_counter() - t_start, lr=optimizer.param_groups[0]["lr"])
+                  elapsed_seconds=time.perf_counter() - t_start, train_seconds=train_seconds,
+                  lr=optimizer.param_groups[0]["lr"])
     return record
 
 
