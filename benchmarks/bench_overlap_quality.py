@@ -19,6 +19,9 @@ method without overlap:
 - MuLoCo (``diloco`` with ``--optimizer muon``) against synchronous Muon (``identity`` with
   ``--optimizer muon``): the same inner optimizer, so the gap is communication's alone.
 
+``--rounds N`` trains each run over N rounds instead of 100 (the same warm-up, the cosine
+over the whole run): whether a gap closes with the budget.
+
 Targets (ours): overlapped DiLoCo and SparseLoCo within 1% of their blocking final loss,
 Streaming DiLoCo with ``delay=auto`` within 2% of it without overlap, MuLoCo within 2% of
 synchronous Muon. ``--from DIR`` reads the runs from an earlier call's folder instead of
@@ -38,8 +41,19 @@ from pathlib import Path
 from _common import Figure, Report, given_command, parser, table
 
 HERE = Path(__file__).resolve().parent
-SETTINGS = ("--task text --workers 4 --steps 3000 --batch-size 4 --eval-every 150 --lr 0.001 --lr-schedule cosine "
-            "--warmup-steps 150 --min-lr 0.1 --option context=64 --option eval_windows=512")
+ROUNDS = 100  # the suite's budget: 100 rounds of H = 30
+MAX_ROUNDS = 380  # at 0.26 corpus reads per 100 rounds, more would read some batches twice
+
+
+def settings(rounds: int = ROUNDS) -> str:
+    """The suite's settings over ``rounds`` rounds of H = 30 (the same warm-up, the cosine over
+    the whole run, an evaluation every twentieth of it)."""
+    steps = 30 * rounds
+    return (f"--task text --workers 4 --steps {steps} --batch-size 4 --eval-every {steps // 20} --lr 0.001 "
+            "--lr-schedule cosine --warmup-steps 150 --min-lr 0.1 --option context=64 --option eval_windows=512")
+
+
+SETTINGS = settings()
 FOUR_BIT = "codec=rangefloat:bits=4;exp_bits=3;ef=true"
 RUNS = {  # name: (optimizer, method)
     "diloco": ("adamw", "diloco:period=30,outer_lr=0.7"),
@@ -92,9 +106,10 @@ TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
 )
 
 
-def command(name: str, out: Path, runs: dict[str, tuple[str, str]] = RUNS, extra: tuple[str, ...] = ()) -> list[str]:
+def command(name: str, out: Path, runs: dict[str, tuple[str, str]] = RUNS, extra: tuple[str, ...] = (),
+            rounds: int = ROUNDS) -> list[str]:
     optimizer, method = runs[name]
-    return [sys.executable, "-m", "thinwire", "train", *shlex.split(SETTINGS), *extra, "--optimizer", optimizer,
+    return [sys.executable, "-m", "thinwire", "train", *shlex.split(settings(rounds)), *extra, "--optimizer", optimizer,
             "--method", method, "--out", str(out / name), "--quiet"]
 
 
@@ -126,10 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="source", help="read the runs from this folder (one subfolder per run)")
     p.add_argument("--out", default="runs/overlap-quality", help="where the runs go (default: %(default)s)")
     p.add_argument("--only", help=f"comma-separated runs to train (default: all of {', '.join(RUNS)})")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds of H = 30 each run trains (default: the suite's %(default)s; at most {MAX_ROUNDS}, "
+                        "beyond which batches repeat)")
     p.add_argument("--tune", nargs="?", const="diloco", choices=list(TUNE),
                    help="train a method's outer-step grid for sync=eager on the validation windows instead "
                         "(default: diloco; folder: runs/overlap-quality-tune; runs already there are kept)")
     args = p.parse_args(argv)
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        p.error(f"--rounds must be between 1 and {MAX_ROUNDS} (more would read some batches twice), got {args.rounds}")
+    if args.tune and args.rounds != ROUNDS:
+        p.error("--tune chooses the outer step at the suite's budget: leave --rounds out")
     folder = Path(args.source or (args.out if not args.tune or "--out" in (argv or sys.argv)
                                   else "runs/overlap-quality-tune"))
     given = given_command(argv)
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.perf_counter()
             print(f"[{name}] thinwire train ... --method {RUNS[name][1]} --optimizer {RUNS[name][0]}", flush=True)
-            done = subprocess.run(command(name, folder), cwd=HERE.parent)
+            done = subprocess.run(command(name, folder, rounds=args.rounds), cwd=HERE.parent)
             if done.returncode != 0:
                 report.add(f"{name}: thinwire train failed ({done.returncode})")
                 return report.finish(args.json) or 1
@@ -167,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             extra.append(f"hidden {r['hidden_fraction']:.2f}")
         rows.append([name, RUNS[name][0], s["method"], f"{s['final_loss']:.4f}",
                      f"{s['bytes_sent_per_worker'] / 1e6:.2f}", f"{s['wall_seconds']:.0f}", "; ".join(extra) or "-"])
-    report.add(f"Settings: `thinwire train {SETTINGS}` with each run's `--optimizer` and `--method`.\n\n"
+    report.add(f"Settings: `thinwire train {settings(args.rounds)}` with each run's `--optimizer` and `--method`.\n\n"
                + table(["run", "optimizer", "method", "final test loss", "MB sent / worker", "wall s", "notes"], rows))
     for figure, run, base, bound in TARGETS:
         if run in summaries and base in summaries:

@@ -104,7 +104,8 @@ class _WorkerRun:
         self.seen_refusals = 0
         self.t_start = time.perf_counter()
         self.first_commit: float | None = None
-        self.train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote), not evaluations
+        self.train_seconds = 0.0  # the steps alone (quorum, forward, backward, average, vote): not reading the
+        # batches nor evaluating, as a plain run's wall_seconds
 
     def train(self) -> None:
         """Steps until the job has committed ``cfg.steps``, or too few workers are left."""
@@ -125,15 +126,18 @@ class _WorkerRun:
             self.seen_refusals = _log_refusals(worker, self.writer, self.report, self.replica, self.seen_refusals)
             if done >= int(cfg.steps or 0):
                 break
+            t_fetch = time.perf_counter()
             if at != done or batches is None:  # a heal moved the step, or a failed vote left it: the step's batch
                 batches, at = self.task.train_batches(self.replica, cfg.workers, int(cfg.batch_size or 0),
                                                       start=done), done
-            x, y = (t.to(self.device, non_blocking=True) for t in next(batches))
+            batch = next(batches)
+            fetched = time.perf_counter() - t_fetch  # reading the data is not the step's (nor the plain run's)
+            x, y = (t.to(self.device, non_blocking=True) for t in batch)
             at += 1
             loss = self.task.loss(self.model(x), y)
             loss.backward()
             committed = worker.commit(loss, self._step_fn(done))
-            self.train_seconds += time.perf_counter() - t_step
+            self.train_seconds += time.perf_counter() - t_step - fetched
             if not committed:
                 at = -1
                 continue

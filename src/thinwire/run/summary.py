@@ -177,7 +177,7 @@ class WorkerSummary:
     model_sha256: str = ""  # equal on two workers exactly when their models are equal bit for bit
     # clocks and the machine
     wall_seconds: float = 0.0
-    train_seconds: float = 0.0  # the steps alone (quorum, forward, backward, average, vote)
+    train_seconds: float = 0.0  # the steps alone (quorum, forward, backward, average, vote; not the data's reading)
     started_at: str | None = None
     ended_at: str | None = None
     version: str = ""
