@@ -35,8 +35,8 @@ COST_PAIRS times (``--cost-only``: that alone). Targets: at most 1.03x for ``top
 the others. Both runs are timed over the same stretch, from their first evaluation (step
 COST_FROM) to their last: the seconds of the training steps between them (the plain run's
 ``wall_seconds``, the elastic worker 0's ``train_seconds``; reading the batches and evaluating
-left out of both) per step. The start is left out because it is not the steady state: an elastic job's first quorum
-waits for every worker to start, and a plain job's rendezvous happens before its clock.
+left out of both) per step. The start is not the steady state: an elastic job's first
+quorum waits for every worker to start, and a plain job's rendezvous happens before its clock.
 """
 
 from __future__ import annotations
