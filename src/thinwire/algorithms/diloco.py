@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,10 +361,8 @@ class DiLoCo(PeriodicAveraging):
             self._step_outer(f, f.delta)
             self._continue(f, 0.0)
             with torch.no_grad():
-                off = 0
-                for p in self.state.local_params()[f.lo : f.hi]:
-                    p.add_(since[off : off + p.numel()].view(p.shape))
-                    off += p.numel()
+                for p, at in _spans(self.state.local_params()[f.lo : f.hi]):
+                    p.add_(since[at].view(p.shape))
         else:
             self._step_outer(f, f.delta)
             self._continue(f, self.alpha if alpha is None else alpha)
@@ -384,12 +382,9 @@ class DiLoCo(PeriodicAveraging):
     def _since_launch(self, f: Fragment, own: torch.Tensor) -> torch.Tensor:
         """This rank's steps since fragment ``f``'s launch, flat, written over ``own`` (its
         pseudo-gradient then): ``θ_i − (θ − Δ_i)``, with ``θ`` not yet stepped."""
-        off = 0
         with torch.no_grad():
-            for theta, p in zip(self.outer_params[f.lo : f.hi], self.state.local_params()[f.lo : f.hi]):
-                n = p.numel()
-                own[off : off + n].add_(p.reshape(-1)).sub_(theta.detach().reshape(-1))
-                off += n
+            for (theta, at), p in zip(_spans(self.outer_params[f.lo : f.hi]), self.state.local_params()[f.lo : f.hi]):
+                own[at].add_(p.reshape(-1)).sub_(theta.detach().reshape(-1))
         return own
 
     def _average_took(self, seconds: float) -> None:
@@ -409,11 +404,8 @@ class DiLoCo(PeriodicAveraging):
         allocated when it does not fit)."""
         params = self.state.local_params()[f.lo : f.hi]
         out = _flat(out, f.numel, params[0])
-        off = 0
-        for theta, p in zip(self.outer_params[f.lo : f.hi], params):
-            n = p.numel()
-            torch.sub(theta.detach().reshape(-1), p.reshape(-1), out=out[off : off + n])
-            off += n
+        for (theta, at), p in zip(_spans(self.outer_params[f.lo : f.hi]), params):
+            torch.sub(theta.detach().reshape(-1), p.reshape(-1), out=out[at])
         return out
 
     def _before_encode(self, f: Fragment) -> None:
@@ -424,11 +416,8 @@ class DiLoCo(PeriodicAveraging):
         """Step the outer optimizer on fragment ``f``'s ``θ`` with the flat ``grad`` (only this
         fragment's ``θ`` steps)."""
         thetas = self.outer_params[f.lo : f.hi]
-        off = 0
-        for theta in thetas:
-            n = theta.numel()
-            theta.grad = grad[off : off + n].view(theta.shape)
-            off += n
+        for theta, at in _spans(thetas):
+            theta.grad = grad[at].view(theta.shape)
         self.outer.step()
         for theta in thetas:
             theta.grad = None
@@ -541,11 +530,8 @@ class DiLoCo(PeriodicAveraging):
         if self._start is None:  # the round started at θ
             return fresh
         fresh.sub_(self._start, alpha=0.5)
-        off = 0
-        for theta in self.outer_params[f.lo : f.hi]:
-            n = theta.numel()
-            fresh[off : off + n].add_(theta.detach().reshape(-1), alpha=0.5)
-            off += n
+        for theta, at in _spans(self.outer_params[f.lo : f.hi]):
+            fresh[at].add_(theta.detach().reshape(-1), alpha=0.5)
         return fresh
 
     def _from_start(self, f: Fragment, out: torch.Tensor | None) -> torch.Tensor:
@@ -599,17 +585,13 @@ class DiLoCo(PeriodicAveraging):
         if not tensors:
             return
         rest = self._rest = _flat(self._rest, sum(t.numel() for t in tensors), tensors[0])
-        off = 0
-        for t in tensors:
-            rest[off : off + t.numel()].copy_(t.reshape(-1))
-            off += t.numel()
+        for t, at in _spans(tensors):
+            rest[at].copy_(t.reshape(-1))
         if self._plain is None or self._plain.buckets[0].numel != rest.numel():
             self._plain = self.averager(rest)
         self._plain.start({"model": rest}).wait()
-        off = 0
-        for t in tensors:
-            t.copy_(rest[off : off + t.numel()].view(t.shape))
-            off += t.numel()
+        for t, at in _spans(tensors):
+            t.copy_(rest[at].view(t.shape))
 
     def _restart(self) -> None:
         """``θ`` := the model's parameters (identical on every rank after synchronous steps)."""
@@ -797,6 +779,15 @@ def _took(pending: Any) -> float | None:
     """An offloaded average's seconds from launch to completion (None for one run inline)."""
     finished = getattr(pending, "finished_at", None)
     return None if finished is None else finished - pending.started_at
+
+
+def _spans(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, slice]]:
+    """Each tensor with its span in a flat buffer that lays the tensors out one after another."""
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        yield t, slice(off, off + n)
+        off += n
 
 
 def _flat(buf: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
