@@ -26,7 +26,8 @@ Targets (ours): overlapped DiLoCo and SparseLoCo within 1% of their blocking fin
 Streaming DiLoCo with ``delay=auto`` within 2% of it without overlap, MuLoCo within 2% of
 synchronous Muon. ``--from DIR`` reads the runs from an earlier call's folder instead of
 training (each run in ``DIR/NAME``); ``--only NAME,...`` trains some of them; ``--tune
-[diloco|sparseloco]`` trains that method's outer-step grid on the validation windows instead.
+[diloco|diloco-momentum|sparseloco]`` trains that method's outer-step grid on the validation
+windows instead (``diloco-momentum``: eager's outer momentum at the tuned long-run step).
 """  # noqa: E501  (line 1 is the --help description: kept whole)
 
 from __future__ import annotations
@@ -87,12 +88,19 @@ TUNE_DILOCO = {
     **{f"eager-lr{lr}-m0.9": ("adamw", f"diloco:period=30,outer_lr={lr},outer_momentum=0.9,sync=eager")
        for lr in ("0.7", "0.5", "0.4", "0.3")},
 }
+# --tune diloco-momentum: the outer momentum for eager at the long-run step lr / (1 − μ) of the
+# tuned eager (0.4, 0.9: 4). The preview's offset from θ scales with the gain on one round's
+# gradient, k = lr (1 + μ): a higher μ at a lower lr keeps the long-run step and halves k
+TUNE_DILOCO_MOMENTUM = {
+    f"eager-lr{lr}-m{m}": ("adamw", f"diloco:period=30,outer_lr={lr},outer_momentum={m},sync=eager")
+    for lr, m in (("0.4", "0.9"), ("0.2", "0.95"), ("0.8", "0.8"))
+}
 TUNE_SPARSELOCO = {  # SparseLoCo's outer SGD has no momentum: its lr alone
     "sparseloco-blocking-lr4": ("adamw", "sparseloco:period=30,outer_lr=4"),
     **{f"sparseloco-eager-lr{lr}": ("adamw", f"sparseloco:period=30,outer_lr={lr},sync=eager")
        for lr in ("4", "3", "2", "1", "0.5")},
 }
-TUNE = {"diloco": TUNE_DILOCO, "sparseloco": TUNE_SPARSELOCO}
+TUNE = {"diloco": TUNE_DILOCO, "diloco-momentum": TUNE_DILOCO_MOMENTUM, "sparseloco": TUNE_SPARSELOCO}
 TARGETS = (  # (figure, run, its baseline, bound on the relative final-loss gap)
     ("diloco_eager_final_loss_vs_blocking", "diloco-eager", "diloco", 0.01),
     ("diloco_eager_tuned_final_loss_vs_blocking", "diloco-eager-tuned", "diloco", 0.01),
