@@ -82,6 +82,22 @@ def test_top_per_chunk_keeps_exactly_k_of_each_row_the_largest(k):
     assert torch.equal(vals.abs().sort(dim=1, descending=True).values, want)
 
 
+@pytest.mark.parametrize("k", [1, 7, 64, 200])
+def test_top_positions_are_torch_topks_on_the_floats_ties_and_padding_included(k):
+    g = torch.Generator().manual_seed(11)
+    mags = torch.randint(0, 6, (300, 256), generator=g).float() * 0.25  # many ties, zeros among them
+    mags[::3] = torch.rand(100, 256, generator=g)  # and rows of distinct values
+    mags[5, 100:] = -1.0  # a padded block: its padding after every real entry
+    mags[7, 3] = float("inf")
+    want = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
+    got = dct_basis.top_positions(mags, k)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, want)
+    assert not bool((mags[5].gather(0, got[5]) < 0).any()) or k > 100
+    mags[9, 17] = float("nan")  # ranked above every number, as torch.topk ranks it
+    assert int(dct_basis.top_positions(mags, 1)[9, 0]) == 17
+
+
 def test_fp32_values_with_every_coefficient_kept_are_lossless():
     codec = build_codec("dct:chunk=16,topk=256,values=fp32")
     for shape in SHAPES:

@@ -456,7 +456,7 @@ class DiLoCo(PeriodicAveraging):
             t_start = time.perf_counter()
             started = agg.start({"model": delta})
             counted = time.perf_counter() - t_start
-            self._preview(f, self._own_message(agg, started))
+            self._preview(f, self._own_message(agg, started, fresh))
         elif self.eager:  # this rank's progress in place of the mean in flight
             self._preview(f, self._from_midway(f, fresh))
         else:
@@ -493,12 +493,15 @@ class DiLoCo(PeriodicAveraging):
     previews_own_message = False
 
     @staticmethod
-    def _own_message(agg: Aggregator | ScatterMean, started: Any) -> torch.Tensor:
+    def _own_message(agg: Aggregator | ScatterMean, started: Any, out: torch.Tensor) -> torch.Tensor:
         """This rank's own message of the average ``started`` (:meth:`Aggregator.start` of one
-        flat bucket), decoded: what it adds to the mean, at the scale of one rank's."""
+        flat bucket), decoded into the flat fp32 ``out`` (a kept buffer: no model-sized
+        allocation per round): what it adds to the mean, at the scale of one rank's."""
         if not isinstance(agg, Aggregator) or not isinstance(started, Reduction) or len(started.payloads) != 1:
             raise RuntimeError("an eager preview of the rank's own message needs one flat bucket's average")
-        return agg.buckets[0].codec.decode(started.payloads[0]).reshape(-1)
+        out.zero_()
+        agg.buckets[0].codec.decode_add(started.payloads[0], out)
+        return out
 
     def _preview(self, f: Fragment, own: torch.Tensor) -> None:
         """Set fragment ``f``'s parameters to the outer step ``θ`` would take with ``own`` as

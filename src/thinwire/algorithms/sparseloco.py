@@ -238,7 +238,7 @@ class ChunkedTopK(Codec):
             if p.positions is None:  # every entry of every block
                 pos = torch.arange(p.tiling.size, device=flat.device).expand(p.tiling.chunks, -1)
             else:
-                pos = torch.topk(mags, p.kept, dim=1, sorted=False).indices.sort(dim=1).values  # (C, k)
+                pos = dct_basis.top_positions(mags, p.kept)  # (C, k)
                 positions[p.positions][p.positions_at : p.positions_at + p.count] = pos.reshape(-1)
             index, real = _places(pos, p.tiling)  # the kept entries' places in the tensor (padding: not real)
             vals = torch.where(real, part[index.clamp(max=p.numel - 1)], 0.0)  # padding sends 0

@@ -135,8 +135,21 @@ def top_per_chunk(coeffs: torch.Tensor, k: int,
         pos = torch.arange(coeffs.shape[1], device=coeffs.device).expand(coeffs.shape[0], -1)
         return pos, coeffs
     mags = torch.abs(coeffs, out=work) if work is not None else coeffs.abs()
-    pos = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
+    pos = top_positions(mags, k)
     return pos, coeffs.gather(1, pos)
+
+
+def top_positions(mags: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions (int64, (chunks, k), ascending within a row) of the ``k`` largest of
+    every row of the (chunks, size) magnitudes ``mags``: values >= 0, padding at one
+    negative value. ``torch.topk``'s choice, ties included. On the CPU fp32 magnitudes are
+    ranked by their int32 bit patterns, which order as the floats do where the sign bit is
+    clear (and put the padding below them all): ``torch.topk`` runs the same comparisons
+    there without its NaN test, about a quarter faster (a NaN still ranks above every
+    number)."""
+    if mags.device.type == "cpu" and mags.dtype == torch.float32:
+        mags = mags.view(torch.int32)
+    return torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 def scatter_add(dense: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
