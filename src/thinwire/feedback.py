@@ -41,17 +41,14 @@ class ErrorFeedback:
         r.sub_(sent)
 
     def update_decoded(self, key: str, u: torch.Tensor, codec: Codec, payload: Payload) -> None:
-        """``r = u - decode(payload)`` without a dense temporary: through ``codec.decode_add``.
+        """``r = u - decode(payload)`` without a dense temporary: through ``codec.decode_sub``.
 
         Call it only once the payload's wire tensors have been copied out (``u`` may be the
         residual buffer itself, which this overwrites)."""
         if any(_shares_memory(t, u) for t in payload.tensors):  # e.g. identity's wire is a view of u
             self.update(key, u, codec.decode(payload).clone())
             return
-        r = self._holding(key, u)
-        r.neg_()  # r = -u, then -u + decode, then u - decode: negation is exact
-        codec.decode_add(payload, r)
-        r.neg_()
+        codec.decode_sub(payload, self._holding(key, u))
 
     def _holding(self, key: str, u: torch.Tensor) -> torch.Tensor:
         """The residual buffer for ``key``, holding ``u``."""

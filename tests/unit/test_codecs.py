@@ -361,6 +361,25 @@ def test_decode_add_equals_dense_add(spec):
 
 
 @pytest.mark.parametrize("spec", SPECS)
+def test_decode_sub_equals_dense_subtraction(spec):
+    """Error feedback's update ``r = u − decode(payload)``, in place: the dense subtraction,
+    bit for bit wherever ``decode_add`` is the dense addition bit for bit (the default negates
+    around ``decode_add``, and negation is exact)."""
+    codec = make(spec)
+    payload = roundtrip(codec, gaussian((33, 17)))[-1]
+    out = gaussian((33, 17), seed=5)
+    decoded = codec.decode(payload)
+    added = out.clone()
+    codec.decode_add(payload, added)
+    expected = out - decoded
+    codec.decode_sub(payload, out)
+    if torch.equal(added, gaussian((33, 17), seed=5) + decoded):
+        assert torch.equal(out, expected)
+    else:  # e.g. PowerSGD's outer product, accumulated as decode_add computes it
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
 def test_decode_to_writes_exactly_what_decode_returns(spec):
     codec = make(spec)
     payload = roundtrip(codec, gaussian((33, 17)))[-1]

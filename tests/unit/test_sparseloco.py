@@ -344,3 +344,17 @@ def test_encoding_leaves_the_pseudo_gradient_as_it_was(shapes):
     before = x.clone()
     codec.encode(x)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+@pytest.mark.parametrize("shapes", [[(128, 128)], [(3, 100), (7,), (64, 130)], [(5,), (9, 9)]])  # whole, padded, small
+def test_decode_sub_is_the_dense_subtraction_bit_for_bit(shapes, bits):
+    """The error buffer's update subtracts the kept entries alone: the same bits as
+    ``out - decode(payload)``, padded tilings and blocks sent whole included."""
+    codec = ChunkedTopK(ChunkedTopKConfig(chunk=64, k=8, bits=bits), shapes)
+    g = torch.Generator().manual_seed(3)
+    payload = codec.encode(torch.randn(codec.numel, generator=g))
+    out = torch.randn(codec.numel, generator=g)
+    expected = out - codec.decode(payload)
+    codec.decode_sub(payload, out)
+    assert torch.equal(out, expected)

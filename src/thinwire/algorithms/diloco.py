@@ -508,16 +508,22 @@ class DiLoCo(PeriodicAveraging):
         its gradient (this rank's progress in place of the mean still in flight), and
         leave ``θ`` and the outer optimizer's state as they were."""
         thetas = self.outer_params[f.lo : f.hi]
-        kept = [t.detach().clone() for t in thetas]
         state = copy.deepcopy(self.outer.state_dict())
-        self._step_outer(f, own)
-        self._continue(f, 0.0)
-        start = self._start = _flat(self._start, f.numel, own)
-        torch.cat([t.detach().reshape(-1) for t in thetas], out=start)  # where the next round starts
+        start = self._start = _flat(self._start, f.numel, own)  # where the next round starts
+        kept = [theta.data for theta in thetas]
         with torch.no_grad():
+            for theta, at in _spans(thetas):  # the outer step runs on a copy of θ (fp32, as its gradient is): `start`
+                start[at].copy_(theta.detach().reshape(-1))
+                theta.data = start[at].view(theta.shape)
+        try:
+            self._step_outer(f, own)
+        finally:
             for theta, saved in zip(thetas, kept):
-                theta.copy_(saved)
-        self.outer.load_state_dict(state)
+                theta.data = saved
+            self.outer.load_state_dict(state)
+        with torch.no_grad():
+            for p, at in _spans(self.state.local_params()[f.lo : f.hi]):
+                p.copy_(start[at].view(p.shape))
 
     def _from_midway(self, f: Fragment, fresh: torch.Tensor) -> torch.Tensor:
         """Eager's preview gradient: this round's progress measured from halfway between the
@@ -545,7 +551,8 @@ class DiLoCo(PeriodicAveraging):
             return self._pseudo(f, out)
         params = self.state.local_params()[f.lo : f.hi]
         out = _flat(out, f.numel, params[0])
-        torch.sub(self._start, torch.cat([p.reshape(-1) for p in params]), out=out)
+        for p, at in _spans(params):
+            torch.sub(self._start[at], p.reshape(-1), out=out[at])
         return out
 
     def _take_landed(self, f: Fragment) -> bool:

@@ -195,6 +195,7 @@ class ChunkedTopK(Codec):
             offset += part.numel
             kept_total += part.count
         self.parts: list[_Part] = parts
+        self._bases: dict[int, torch.Tensor] = {}  # per part: each block's first index in the tensor
         self.numel, self.kept = offset, kept_total
         # one positions tensor per integer type in use, widest first (aligned in the gathered row)
         self.position_counts = [(d, counts[d]) for d in (torch.int32, torch.int16, torch.uint8) if d in counts]
@@ -240,11 +241,14 @@ class ChunkedTopK(Codec):
             else:
                 pos = dct_basis.top_positions(mags, p.kept)  # (C, k)
                 positions[p.positions][p.positions_at : p.positions_at + p.count] = pos.reshape(-1)
-            index, real = _places(pos, p.tiling)  # the kept entries' places in the tensor (padding: not real)
-            vals = torch.where(real, part[index.clamp(max=p.numel - 1)], 0.0)  # padding sends 0
+            index, real = self._places(i, pos)  # the kept entries' places in the tensor (real: not padding)
+            if real is None:
+                vals = part[index]
+            else:
+                vals = torch.where(real, part[index.clamp(max=p.numel - 1)], 0.0)  # padding sends 0
             span = slice(p.codes_at, p.codes_at + p.count)
             if self.levels:
-                codes[span], stats[i] = self._quantize(vals.reshape(-1), real.reshape(-1))
+                codes[span], stats[i] = self._quantize(vals.reshape(-1), None if real is None else real.reshape(-1))
             else:
                 values[span] = vals.reshape(-1)
         wire = [stats] if self.levels else []
@@ -252,11 +256,12 @@ class ChunkedTopK(Codec):
         wire.append(pack(codes, self.config.bits) if self.levels else values)
         return Payload(tuple(wire), x.shape, x.dtype)
 
-    def _quantize(self, vals: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, vals: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, [shift, table...]) of one tensor's kept values (statistics over the real ones,
-        not the padding): the paper's code's statistical quantizer, its figures in fp64."""
+        not the padding; ``real`` None: all are): the paper's code's statistical quantizer, its
+        figures in fp64."""
         levels = self.levels
-        v = vals[real].double()
+        v = (vals if real is None else vals[real]).double()
         stats = torch.zeros(1 + levels, dtype=torch.float64, device=vals.device)
         if not v.numel():
             return torch.zeros(vals.numel(), dtype=torch.uint8, device=vals.device), stats.float()
@@ -267,7 +272,7 @@ class ChunkedTopK(Codec):
         if not 0 < width < math.inf:
             width = 1.0
         code = ((vals.double() - shift) / width + levels // 2).round().clamp(0, levels - 1).long()  # (n,)
-        mine = code[real]
+        mine = code if real is None else code[real]
         sums = torch.zeros(levels, dtype=torch.float64, device=vals.device).index_add_(0, mine, c)
         counts = torch.bincount(mine, minlength=levels).double()
         stats[0] = shift
@@ -286,6 +291,14 @@ class ChunkedTopK(Codec):
         else:
             out.add_(self.decode(payload))
 
+    def decode_sub(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out -= decode(payload)``, by an index_add of the kept entries negated (the error
+        buffer's update: the same bits as a subtraction, and no pass over the rest of ``out``)."""
+        if out.dtype == torch.float32 and out.is_contiguous():
+            self._add(payload, out.view(-1), negate=True)
+        else:
+            out.sub_(self.decode(payload))
+
     def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
         """``out = sum of decode(p)``: every payload's kept entries added into zeros (the
         payloads are checked once, on entry)."""
@@ -297,7 +310,7 @@ class ChunkedTopK(Codec):
         if not direct:
             out.copy_(acc.view(out.shape))
 
-    def _add(self, payload: Payload, out: torch.Tensor) -> None:
+    def _add(self, payload: Payload, out: torch.Tensor, negate: bool = False) -> None:
         if self.levels:
             stats = payload.tensors[0].float()
             codes = unpack(payload.tensors[-1], self.kept, self.config.bits).long()
@@ -309,16 +322,34 @@ class ChunkedTopK(Codec):
                 vals = stats[i, 1:][codes[span]] + stats[i, 0]  # fp32: table[q] + shift
             else:
                 vals = payload.tensors[-1][span].float()
+            if negate:
+                vals = vals.neg()  # exact: out + (−v) is out − v
             t = p.tiling
             if p.positions is None:
                 pos = torch.arange(t.size, device=out.device).expand(t.chunks, -1)
             else:
                 pos = self._positions(payload, p).long()
-            index, real = _places(pos, t)
+            index, real = self._places(i, pos)
             vals = vals.view(t.chunks, p.kept)
-            if not bool(real.all()):
+            if real is not None:
                 index, vals = index[real], vals[real]
             out[p.offset : p.offset + p.numel].index_add_(0, index.reshape(-1), vals.reshape(-1))
+
+    def _places(self, i: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For part ``i``'s (chunks, kept) positions inside their blocks: each entry's index
+        in the tensor (row-major over its matrix view), and which entries are real, not
+        padding (None when the blocks tile the tensor exactly: every entry is). Each block's
+        first index is kept per part."""
+        t = self.parts[i].tiling
+        if not t.whole:
+            index, real = _places(pos, t)
+            return index, None if bool(real.all()) else real
+        base = self._bases.get(i)
+        if base is None or base.device != pos.device:
+            q = t.grid[1]
+            block = torch.arange(t.chunks, device=pos.device).unsqueeze(1)  # (chunks, 1)
+            base = self._bases[i] = (block // q) * (t.b1 * t.cols) + (block % q) * t.b2
+        return base + (pos // t.b2) * t.cols + pos % t.b2, None
 
     def _positions(self, payload: Payload, p: _Part) -> torch.Tensor:
         """Part ``p``'s (chunks, kept) positions from the payload's tensor of their dtype."""

@@ -13,7 +13,7 @@ Contract (tested for every registered codec):
 * Randomness comes from a generator owned by the codec, seeded from (seed, step, key).
 * Multi-round codecs (PowerSGD: a P round then a Q round) set ``rounds > 1``; the caller
   reduces round ``i`` and passes the reduced payload to ``encode_next`` for round ``i+1``.
-* Every ``decode``, ``decode_add`` and ``decode_sum`` first runs :meth:`Codec.check` on its
+* Every ``decode``, ``decode_add``, ``decode_sub`` and ``decode_sum`` first runs :meth:`Codec.check` on its
   payloads (wrapped in by ``__init_subclass__``, so a new codec gets it too): the declared
   tensor is real floating point with no negative dimension, the tensor count, shapes and
   dtypes match ``wire_spec``, then the codec's own header fields (``check_fields``: counts,
@@ -75,7 +75,8 @@ class Codec:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ("decode", "decode_add", "decode_sum", "decode_to"):  # every decoding entry point checks first
+        # every decoding entry point checks first
+        for name in ("decode", "decode_add", "decode_sub", "decode_sum", "decode_to"):
             if name in cls.__dict__ and not getattr(cls.__dict__[name], "_checks", False):
                 setattr(cls, name, _checked(cls.__dict__[name], many=name == "decode_sum"))
 
@@ -172,6 +173,15 @@ class Codec:
         """``out += decode(payload)`` (mutates ``out``). GATHER codecs may override with a
         cheaper sparse accumulation; the default decodes densely."""
         out.add_(self.decode(payload))
+
+    def decode_sub(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out -= decode(payload)`` (mutates ``out``): error feedback's residual update. The
+        default negates ``out`` around :meth:`decode_add` (negation is exact: the same bits as
+        a subtraction), with no dense temporary where ``decode_add`` needs none; a sparse codec
+        may subtract its kept entries alone."""
+        out.neg_()
+        self.decode_add(payload, out)
+        out.neg_()
 
     def decode_to(self, payload: Payload, out: torch.Tensor) -> None:
         """``out[...] = decode(payload)`` (mutates ``out``, of the payload's numel). Codecs whose
