@@ -195,7 +195,7 @@ def test_the_step_time_is_the_largest_of_its_lines():
 
 def test_crossings_match_a_dense_scan_over_bandwidth():
     rng = random.Random(7)
-    grid = [10 ** (4 + 9 * k / 3999) for k in range(4000)]  # 10 kB/s to 10 TB/s
+    grid = [10 ** (4 + 9 * k / 1999) for k in range(2000)]  # 10 kB/s to 10 TB/s, 222 points a decade
     found = {0: 0, 1: 0, 2: 0}
     for _ in range(300):
         m, ref, lat = _random_cost(rng, "m"), _random_cost(rng, "bf16"), rng.choice([0.0, 50e-6, 1e-3])
@@ -216,7 +216,7 @@ def test_crossings_match_a_dense_scan_over_bandwidth():
         # the verdict agrees with the scan wherever the scan is clear of a crossing (by more
         # than the verdict's rounding to 3 digits)
         v = verdict(m, ref, lat)
-        for beta, value in zip(grid[::25], values[::25]):
+        for beta, value in zip(grid[::12], values[::12]):
             if value != 0 and all(abs(math.log(beta / r)) > 1e-2 for r in roots):
                 assert _wins(v, beta) == (value < 0), (v, beta, m, ref, lat)
     assert found[1] >= 20 and found[2] >= 3  # the scan did test crossings, two of them too

@@ -159,8 +159,10 @@ class DiLoCo(PeriodicAveraging):
                  **knobs: Any) -> None:
         super().__init__(model, optimizer, comm, config, bucket_mb=bucket_mb, overlap=overlap, **knobs)
         self.codec = build_codec(self.config.codec.replace(";", ","))
-        # θ, sharded like the model: a shard's θ is its own part (FSDP2's local tensor)
-        self.outer_params = [torch.nn.Parameter(p.clone()) for p in self.state.local_params()]
+        # θ, sharded like the model: a shard's θ is its own part (FSDP2's local tensor); in fp32
+        # whatever the parameters' dtype, as the pseudo-gradient is (a bf16 model's master copy)
+        self.outer_params = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
+                             for p in self.state.local_params()]
         self.outer = (outer_optimizer or self._outer_from_config)(self.outer_params)
         self.fragments = [
             Fragment(i, lo, hi, sum(t.numel() for t in self.outer_params[lo:hi]), self._offset(i, len(groups)),
@@ -428,8 +430,10 @@ class DiLoCo(PeriodicAveraging):
             for theta, p in zip(self.outer_params[f.lo : f.hi], self.state.local_params()[f.lo : f.hi]):
                 if alpha == 0.0:
                     p.copy_(theta)
-                else:
+                elif p.dtype == theta.dtype:
                     p.lerp_(theta, 1.0 - alpha)  # p + (1 − α)(θ − p)
+                else:  # in fp32, rounded once to the parameter's dtype
+                    p.copy_(torch.lerp(p.float(), theta, 1.0 - alpha))
 
     # -- sync=eager|delayed: a round's average behind the next round ----------------------
     def _round(self, f: Fragment, local: int) -> None:
