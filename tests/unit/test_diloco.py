@@ -201,33 +201,41 @@ def test_a_run_shorter_than_its_period_says_so_in_its_summary():
     assert summary.method_report["syncs_before_finish"] == 0 and summary.method_report["outer_steps"] == 1
 
 
+def _bf16_backward(model, opt, rank: int, step: int) -> None:
+    """:func:`tiny.backward` on a model with bf16 weights: its inputs cast, its loss in fp32."""
+    x, y = tiny.batch(100 * step + rank, 6, 5, 3)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+
+
+def _bf16_run(comm, make, steps: int, *, finish: bool = False):
+    """``steps`` steps of BASE in bf16 under ``make(model, optimizer, comm)``: the model's flat
+    state and θ, flat."""
+    model = copy.deepcopy(BASE).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    method = make(model, opt, comm)
+    for step in range(steps):
+        _bf16_backward(model, opt, comm.rank, step)
+        method.after_backward()
+        opt.step()
+        method.after_step()
+    if finish:
+        method.finish()
+    return _flat(model), torch.cat([t.detach().reshape(-1) for t in method.outer_params])
+
+
 def test_a_bf16_model_keeps_theta_in_fp32_and_each_rank_continues_from_it_rounded_once():
     """Weights in bf16 (not autocast): θ and the pseudo-gradient are fp32, the outer step is
     the Nesterov update by hand in fp32, and every rank continues from θ rounded to bf16."""
+    make = lambda m, o, c: DiLoCo(m, o, c, period=3, outer_lr=0.7, outer_momentum=0.9)  # noqa: E731
     base = copy.deepcopy(BASE).to(torch.bfloat16)
-
-    def steps(model, opt, rank, step):
-        x, y = tiny.batch(100 * step + rank, 6, 5, 3)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
-
-    def run(comm):
-        model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        method = DiLoCo(model, opt, comm, period=3, outer_lr=0.7, outer_momentum=0.9)
-        for step in range(6):
-            steps(model, opt, comm.rank, step)
-            method.after_backward()
-            opt.step()
-            method.after_step()
-        return _flat(model), torch.cat([t.detach().reshape(-1) for t in method.outer_params])
 
     models = [copy.deepcopy(base) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
     theta, v = _flat(models[0]).float(), None
     for step in range(6):
         for r, (m, o) in enumerate(zip(models, opts)):
-            steps(m, o, r, step)
+            _bf16_backward(m, o, r, step)
             o.step()
         if (step + 1) % 3 == 0:
             delta = sum(theta - _flat(m).float() for m in models) / 2
@@ -235,7 +243,7 @@ def test_a_bf16_model_keeps_theta_in_fp32_and_each_rank_continues_from_it_rounde
             theta = theta - 0.7 * (delta + 0.9 * v)
             for m in models:
                 torch.nn.utils.vector_to_parameters(theta.to(torch.bfloat16), m.parameters())
-    (flat0, theta0), (flat1, theta1) = LocalWorld(2).run(run)
+    (flat0, theta0), (flat1, theta1) = LocalWorld(2).run(lambda comm: _bf16_run(comm, make, 6))
     assert theta0.dtype == torch.float32 and flat0.dtype == torch.bfloat16
     assert torch.equal(flat0, flat1) and torch.equal(flat0, theta0.to(torch.bfloat16))
     assert torch.allclose(theta0, theta, atol=TOL, rtol=0)
@@ -249,21 +257,8 @@ def test_the_diloco_family_trains_a_bf16_model_and_ends_on_theta_rounded(spec):
     on bf16 weights: the ranks end on one model, θ (fp32) rounded to bf16."""
     from thinwire.algorithms.build import build_method
 
-    def run(comm):
-        model = copy.deepcopy(BASE).to(torch.bfloat16)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        method = build_method(spec, model, opt, comm)
-        for step in range(8):
-            x, y = tiny.batch(100 * step + comm.rank, 6, 5, 3)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
-            method.after_backward()
-            opt.step()
-            method.after_step()
-        method.finish()
-        return _flat(model), torch.cat([t.detach().reshape(-1) for t in method.outer_params])
-
-    (flat0, theta0), (flat1, theta1) = LocalWorld(2).run(run)
+    make = lambda m, o, c: build_method(spec, m, o, c)  # noqa: E731
+    (flat0, theta0), (flat1, theta1) = LocalWorld(2).run(lambda comm: _bf16_run(comm, make, 8, finish=True))
     assert flat0.dtype == torch.bfloat16 and theta0.dtype == torch.float32
     assert torch.equal(flat0, flat1) and torch.equal(theta0, theta1)
     assert torch.equal(flat0, theta0.to(torch.bfloat16))
