@@ -110,7 +110,7 @@ class ScatterMean:
         if ef:  # this rank's residual: what its own chunk payloads did not carry
             sent = self._buffer("sent", (n * c,), torch.float32, x.device)
             for j, p in enumerate(own):
-                sent[j * c : (j + 1) * c].copy_(self.codec.decode(p).reshape(-1))
+                self.codec.decode_to(p, sent[j * c : (j + 1) * c])
             self.feedback.update(self.name, u, sent[: self.numel].view_as(u))
         recv = self._buffer("recv", (n, self.row_bytes), torch.uint8, x.device)
         recv[rank].copy_(send[rank])
@@ -145,7 +145,7 @@ class ScatterMean:
         t3 = time.perf_counter()
         out = self._buffer("out", (n * c,), torch.float32, x.device)
         for i in range(n):
-            out[i * c : (i + 1) * c].copy_(self.codec.decode(self._unpack(gathered[i])).reshape(-1))
+            self.codec.decode_to(self._unpack(gathered[i]), out[i * c : (i + 1) * c])
         x.copy_(out[: self.numel].view_as(x))
         t4 = time.perf_counter()
         self.timing.comm_seconds += (t1 - t0) + (t3 - t2)

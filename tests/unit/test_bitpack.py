@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
+from thinwire.numerics.bitpack import pack, pack_numpy, packed_nbytes, unpack
 
 ALL_BITS = list(range(1, 9))
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 1001]
@@ -92,3 +93,19 @@ def test_bits_out_of_range_raise_with_the_rule(bits):
 def test_unpack_with_too_few_bytes_raises():
     with pytest.raises(ValueError, match="need 2 bytes for 9 codes of 1 bits, got 1"):
         unpack(torch.zeros(1, dtype=torch.uint8), 9, 1)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", SIZES + [2 * 65536 + 5])
+def test_numpy_packer_writes_the_same_bytes_into_out(n, bits):
+    codes = random_codes(n, bits, seed=2)
+    out = np.full(packed_nbytes(n, bits), 0xA5, np.uint8)  # stale bytes: every one must be written
+    assert pack_numpy(codes.numpy(), bits, out) is out
+    assert out.tolist() == pack(codes, bits).tolist()
+
+
+def test_numpy_packer_states_its_rules():
+    with pytest.raises(ValueError, match=r"widths that divide 8 \(1, 2, 4, 8\), got 3"):
+        pack_numpy(np.zeros(8, np.uint8), 3, np.zeros(3, np.uint8))
+    with pytest.raises(ValueError, match="out holds 2 bytes, need 3"):
+        pack_numpy(np.zeros(5, np.uint8), 4, np.zeros(2, np.uint8))

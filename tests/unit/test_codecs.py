@@ -676,7 +676,8 @@ def test_signsgd_cpu_path_sends_the_same_signs_and_an_accurate_scale(shape, monk
 
 
 @pytest.mark.parametrize("spec", ["topk", "topk:ratio=0.3", "randomk", "qsgd", "qsgd:bucket=512", "qsgd:levels=3",
-                                  "terngrad", "signsgd", "twobit", "kernels", "kernels:positions=index"])
+                                  "terngrad", "signsgd", "twobit", "kernels", "kernels:positions=index", "rangefloat",
+                                  "rangefloat:bits=4,exp_bits=3"])
 def test_decode_sum_equals_the_sum_of_decodes_exactly(spec):
     """``decode_sum`` overwrites ``out`` with decode(p0) + decode(p1) + decode(p2), in that
     order, bit for bit (a SUM codec's payloads: ``decode_add`` onto zeros)."""

@@ -2,12 +2,15 @@
 window saturates at the top and flushes to zero below."""
 
 import math
+import threading
 
+import numpy as np
 import pytest
 import torch
 
 from thinwire.codecs.specs import build_codec
 from thinwire.numerics import range_format
+from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
 
 
 def _reference(v: float, e: int, m: int, e_max: int) -> float:
@@ -142,3 +145,111 @@ def test_windows_reaching_below_normal_floats_use_the_definition():
     want = torch.tensor([_reference(v, e, m, e_max) for v in x.tolist()])
     assert torch.equal(got, want)
     assert got[0].item() == 2.0**-130 and got[3].item() == 0.0
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 2 * 65536 + 3])
+def test_byte_table_decode_equals_unpacking_then_decoding(bits, count):
+    """One lookup per byte gives the values that unpacking the codes and decoding them give,
+    for every layout of exponent and mantissa bits, windows below fp32's normals included."""
+    g = torch.Generator().manual_seed(count + bits)
+    codes = torch.randint(0, 1 << bits, (count,), generator=g, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    for e in range(1, bits):
+        m = bits - 1 - e
+        for e_max in (-125, -3, 0, 20):
+            want = range_format.decode(unpack(packed, count, bits), e, m, e_max)
+            out = np.full(count, np.nan, np.float32)  # stale values: every one must be written
+            range_format.decode_packed_numpy(packed.numpy(), count, bits, e, m, e_max, out)
+            assert torch.equal(torch.from_numpy(out), want), (e, m, e_max)
+
+
+@pytest.mark.parametrize("bits,e", [(3, 1), (4, 3), (4, 2), (5, 2), (6, 3), (7, 4), (8, 3), (16, 5)])
+@pytest.mark.parametrize("n", [1, 2, 3, 2 * 65536 + 11])
+def test_the_wire_on_the_cpu_is_the_definition_packed(bits, e, n):
+    """Wire.encode (byte codes in kept room, NumPy packing) and Wire.decode (a table per
+    byte at 4 bits) against the format's definition and the generic packer, NaN, inf and
+    subnormal inputs and a window reaching below fp32's normals included; with ``out`` they
+    fill the tensor given."""
+    m = bits - 1 - e
+    wire = range_format.Wire(bits, e, m)
+    samples = [_hard_values(n, seed=bits * 7 + n)[:n], torch.tensor([2.0**-130, -(2.0**-139), 2.0**-126] * n)[:n]]
+    for x in samples:
+        e_max, got = wire.encode(x)
+        assert e_max == range_format.exponent_max(x)
+        codes = range_format._encode_reference(x, e, m, e_max)
+        want = (codes - (1 << 15)).to(torch.int16) if bits == 16 else pack(codes, bits)
+        assert torch.equal(got, want)
+        values = range_format._decode_reference(codes, e, m, e_max)
+        assert torch.equal(wire.decode(e_max, got, n), values)
+        if bits == 16:
+            continue
+        shape, dtype = wire.spec(n)
+        kept = torch.full(shape, 0x5A, dtype=dtype)
+        assert wire.encode(x, out=kept)[1] is kept and torch.equal(kept, want)
+        into = torch.full((n,), math.nan)
+        wire.decode(e_max, kept, n, out=into)
+        assert torch.equal(into, values)
+
+
+def test_the_wire_refuses_an_out_of_another_shape():
+    wire = range_format.Wire(4, 3, 0)
+    with pytest.raises(ValueError, match=r"out must be the contiguous wire tensor of 10 values"):
+        wire.encode(torch.ones(10), out=torch.empty(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out holds 9 values, need 10"):
+        wire.decode(0, torch.zeros(packed_nbytes(10, 4), dtype=torch.uint8), 10, out=torch.empty(9))
+
+
+@pytest.mark.parametrize("spec", ["rangefloat", "rangefloat:bits=4,exp_bits=3", "rangefloat:bits=3,exp_bits=1"])
+def test_the_codecs_kept_buffers_give_what_encode_and_decode_give(spec):
+    """encode_into writes encode's bytes into the buffer handed over; decode_to, decode_add
+    and decode_sum are decode's values, bit for bit, into fp32 ``out`` (and through the
+    generic path into a bf16 or strided one)."""
+    codec = build_codec(spec)
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(s)) * 10.0**-s for s in range(3)]
+    payloads = [codec.encode(x) for x in xs]
+    kept: dict[tuple, torch.Tensor] = {}
+
+    def buffer(shape, dtype):
+        return kept.setdefault((tuple(shape), dtype), torch.full(shape, 7, dtype=dtype))
+
+    for x, p in zip(xs, payloads):
+        q = codec.encode_into(x, buffer)
+        assert all(torch.equal(a, b) for a, b in zip(p.tensors, q.tensors))
+        assert any(t.data_ptr() == b.data_ptr() for t in q.tensors for b in kept.values())
+    decoded = [codec.decode(p) for p in payloads]
+    total = torch.full((1001,), 3.0)
+    codec.decode_sum(payloads, total)
+    assert torch.equal(total, decoded[0] + decoded[1] + decoded[2])
+    base = torch.randn(1001)
+    added = base.clone()
+    codec.decode_add(payloads[1], added)
+    assert torch.equal(added, base + decoded[1])
+    strided = torch.zeros(2002)[::2]
+    codec.decode_to(payloads[2], strided)
+    assert torch.equal(strided, decoded[2])
+    low = torch.zeros(1001, dtype=torch.bfloat16)
+    codec.decode_add(payloads[0], low)
+    assert torch.equal(low, torch.zeros(1001, dtype=torch.bfloat16) + decoded[0].to(torch.bfloat16))
+
+
+def test_decode_add_keeps_one_buffer_per_thread():
+    """Two threads decoding different payloads at once through one codec each get their own."""
+    codec = build_codec("rangefloat:bits=4,exp_bits=3")
+    xs = [torch.randn(300_000, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    payloads = [codec.encode(x) for x in xs]
+    want = [codec.decode(p) for p in payloads]
+    results: list[list[bool]] = [[], []]
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            out = torch.zeros(300_000)
+            codec.decode_add(payloads[i], out)
+            results[i].append(torch.equal(out, want[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [[True] * 20, [True] * 20]

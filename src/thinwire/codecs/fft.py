@@ -385,7 +385,8 @@ class FFT(Codec):
     def _quantize_np(self, parts: np.ndarray, low: float, high: float) -> tuple[int, torch.Tensor]:
         """:meth:`Wire.encode_numpy <thinwire.numerics.range_format.Wire.encode_numpy>` of the
         kept parts, split across threads."""
-        scratch = None if self.config.bits in (8, 32) else self._scratch("codes", parts.size, np.int32)
+        bits = self.config.bits
+        scratch = None if bits in (8, 32) else self._scratch("codes", parts.size, np.int32 if bits == 16 else np.uint8)
         return self.wire.encode_numpy(parts, low, high, _split, scratch)
 
     def _dequantize(self, e_max: int, values: torch.Tensor, count: int) -> torch.Tensor:

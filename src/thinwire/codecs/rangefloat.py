@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,7 +92,50 @@ class RangeFloat(Codec):
         header = torch.tensor([e_max], dtype=torch.int32, device=x.device)
         return Payload((header, wire), x.shape, x.dtype)
 
+    def encode_into(self, x: torch.Tensor, buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], *,
+                    key: str = "") -> Payload:
+        """:meth:`encode` with the wire written into a kept buffer (3..8 bits)."""
+        if not 3 <= self.config.bits <= 8:
+            return self.encode(x, key=key)
+        shape, dtype = self.wire.spec(x.numel())
+        e_max, wire = self.wire.encode(x.reshape(-1), out=buffer(shape, dtype))
+        header = torch.tensor([e_max], dtype=torch.int32, device=x.device)
+        return Payload((header, wire), x.shape, x.dtype)
+
     def decode(self, payload: Payload) -> torch.Tensor:
         header, wire = payload.tensors
         out = self.wire.decode(int(header[0].item()), wire, math.prod(payload.shape))
         return out.to(payload.dtype).view(payload.shape)
+
+    def decode_to(self, payload: Payload, out: torch.Tensor) -> None:
+        """Straight into ``out`` when it is a contiguous fp32 tensor: no temporary."""
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            super().decode_to(payload, out)
+            return
+        header, wire = payload.tensors
+        self.wire.decode(int(header[0].item()), wire, out.numel(), out=out.view(-1))
+
+    def decode_add(self, payload: Payload, out: torch.Tensor) -> None:
+        """Through a kept fp32 buffer of this thread's: a fresh model-sized temporary faults its
+        pages in on every call, which costs more than the decode."""
+        room = getattr(self._local, "values", None)
+        n = out.numel()
+        if room is None or room.numel() < n or room.device != out.device:
+            room = self._local.values = torch.empty(n, dtype=torch.float32, device=out.device)
+        values = room[:n]
+        header, wire = payload.tensors
+        self.wire.decode(int(header[0].item()), wire, n, out=values)
+        out.add_(values.view(out.shape).to(out.dtype))
+
+    def decode_sum(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        """The first payload decoded straight into ``out``, the others added."""
+        if not payloads or out.dtype != torch.float32 or not out.is_contiguous():
+            super().decode_sum(payloads, out)
+            return
+        self.decode_to(payloads[0], out)
+        for p in payloads[1:]:
+            self.decode_add(p, out)
+
+    @functools.cached_property
+    def _local(self) -> threading.local:
+        return threading.local()

@@ -52,6 +52,33 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return _unpack_divisor(packed, n, bits)
 
 
+def pack_numpy(codes: np.ndarray, bits: int, out: np.ndarray) -> np.ndarray:
+    """:func:`pack` of 1-D uint8 NumPy codes whose width divides 8 (1, 2, 4, 8) into ``out``
+    (uint8, ``packed_nbytes(codes.size, bits)`` bytes), returned: strided passes with no
+    temporary as large as the codes."""
+    _check_bits(bits)
+    if 8 % bits:
+        raise ValueError(f"pack_numpy takes widths that divide 8 (1, 2, 4, 8), got {bits}")
+    n, per = codes.size, 8 // bits
+    if out.size != packed_nbytes(n, bits):
+        raise ValueError(f"out holds {out.size} bytes, need {packed_nbytes(n, bits)}")
+    if per == 1:
+        np.copyto(out, codes)
+        return out
+    full = n // per  # bytes whose every code is present
+    body = out[:full]
+    np.left_shift(codes[0 : full * per : per], 8 - bits, out=body)
+    for j in range(1, per):
+        shifted = codes[j : full * per : per] << np.uint8(8 - bits * (j + 1))
+        body |= shifted
+    if full * per < n:  # the last byte: the remaining codes, zero padded
+        tail = 0
+        for j, c in enumerate(codes[full * per :].tolist()):
+            tail |= c << (8 - bits * (j + 1))
+        out[full] = tail
+    return out
+
+
 def _pack_divisor(flat: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes whose width divides 8: ``8 // bits`` codes per byte."""
     per = 8 // bits

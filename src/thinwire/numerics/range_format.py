@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from thinwire.numerics.bitpack import pack, packed_nbytes, unpack
+from thinwire.numerics.bitpack import pack, pack_numpy, packed_nbytes, unpack
 
 _F32_MIN_EXP = -126  # the smallest normal fp32 exponent
 _F32_INF = 0x7F800000  # the bits of +inf; larger magnitudes are NaN
@@ -289,6 +290,33 @@ def _pair_table(exp_bits: int, man_bits: int, e_max: int) -> np.ndarray:
     return table
 
 
+def decode_packed_numpy(packed: np.ndarray, count: int, bits: int, exp_bits: int, man_bits: int, e_max: int,
+                        out: np.ndarray) -> np.ndarray:
+    """fp32 values of ``count`` codes of ``bits`` (2 or 4) bit-packed MSB-first in the uint8
+    ``packed``, into ``out`` (fp32, ``count`` elements), returned: one lookup per byte in a
+    table of every byte's ``8 / bits`` values, with no unpacked codes in between."""
+    per = 8 // bits
+    table = _packed_table(bits, exp_bits, man_bits, e_max)  # (256, per) fp32
+    full = count // per
+    wide = {2: np.uint64, 4: np.complex128}[per]  # one element: a byte's values, copied as a whole
+    _take_chunked(table.view(wide).reshape(-1), packed[:full], out[: full * per].view(wide))
+    if full * per < count:
+        out[full * per :] = table[packed[full], : count - full * per]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_table(bits: int, exp_bits: int, man_bits: int, e_max: int) -> np.ndarray:
+    """(256, 8 / bits) fp32: the values of the codes in every byte, first code first. Built
+    through :func:`decode`, so any window is right. Read-only: shared between calls."""
+    values = decode(torch.arange(1 << bits, dtype=torch.int32), exp_bits, man_bits, e_max).numpy()
+    byte = np.arange(256, dtype=np.int64)[:, None]
+    shifts = np.arange(8 - bits, -1, -bits, dtype=np.int64)[None, :]  # (per,): the first code in the top bits
+    table = np.ascontiguousarray(values[(byte >> shifts) & ((1 << bits) - 1)])
+    table.flags.writeable = False
+    return table
+
+
 def _encode_reference(x: torch.Tensor, exp_bits: int, man_bits: int, e_max: int) -> torch.Tensor:
     """The format by its definition (frexp and float arithmetic): any dtype and window."""
     a = x.float().abs()
@@ -334,6 +362,7 @@ class Wire:
         if not (3 <= bits <= 8 or bits in (16, 32)):
             raise ValueError(f"bits must be in 3..8, 16 or 32, got {bits}")
         self.bits, self.exp_bits, self.man_bits = bits, exp_bits, man_bits
+        self._local = threading.local()
 
     def spec(self, count: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The wire tensor's shape and dtype for ``count`` values."""
@@ -343,25 +372,57 @@ class Wire:
             return (count,), torch.int16
         return (packed_nbytes(count, self.bits),), torch.uint8
 
-    def encode(self, values: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """(E_max, wire tensor) of the 1-D fp32 ``values`` (only read; with 32 bits the wire
-        is ``values`` itself)."""
+        is ``values`` itself). ``out``: a tensor of :meth:`spec`'s shape and dtype for the wire
+        (with 3..8 bits), filled and returned instead of a new one."""
         if self.bits == 32:
             return 0, values
+        if out is not None and (self.bits == 16 or (tuple(out.shape), out.dtype) != self.spec(values.numel())
+                                or out.device != values.device or not out.is_contiguous()):
+            raise ValueError(f"out must be the contiguous wire tensor of {values.numel()} values: "
+                             f"{self.spec(values.numel())}, got {tuple(out.shape)} {out.dtype}")
+        if values.device.type == "cpu" and values.dtype == torch.float32:
+            # byte codes in kept room (a quarter of int32's memory, no pages faulted in), and
+            # the extremes read once: they give the window and say that no NaN pass is needed
+            flat = values.detach().reshape(-1).contiguous().numpy()
+            low, high = (float(flat.min()), float(flat.max())) if flat.size else (0.0, 0.0)
+            return self.encode_numpy(flat, low, high, scratch=self._scratch(flat.size), out=out)
         e_max = exponent_max(values)
         if self.bits == 8:  # one code per byte: the packed layout is the codes themselves
-            out = torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
+            if out is None:
+                out = torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
             return e_max, encode(values, self.exp_bits, self.man_bits, e_max, out=out)
         codes = encode(values, self.exp_bits, self.man_bits, e_max)  # int32
-        return e_max, (codes - (1 << 15)).to(torch.int16) if self.bits == 16 else pack(codes, self.bits)
+        if self.bits == 16:
+            return e_max, (codes - (1 << 15)).to(torch.int16)
+        packed = pack(codes, self.bits)
+        if out is None:
+            return e_max, packed
+        out.copy_(packed)
+        return e_max, out
+
+    def _scratch(self, n: int) -> np.ndarray | None:
+        """This thread's kept room for ``n`` codes (grown, never shrunk; none for 8 bits): a
+        codec may encode on a background thread while the training thread encodes another
+        tensor."""
+        if self.bits == 8:
+            return None
+        wide = np.int32 if self.bits == 16 else np.uint8
+        room = getattr(self._local, "codes", None)
+        if room is None or room.size < n or room.dtype != wide:
+            room = self._local.codes = np.empty(n, wide)
+        return room[:n]
 
     def encode_numpy(self, values: np.ndarray, low: float, high: float,
                      split: Callable[[Callable[[int, int], object], int], list] | None = None,
-                     scratch: np.ndarray | None = None) -> tuple[int, torch.Tensor]:
+                     scratch: np.ndarray | None = None, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """:meth:`encode` of 1-D fp32 NumPy ``values`` whose extremes are ``low`` and ``high``
         (new wire arrays, the same bytes; ``values`` is only read, except with 32 bits, where
         it is the wire itself). ``split(fn, n)`` may run ``fn(a, b)`` over parts of the values
-        on several threads; ``scratch``: int32 room for the codes of widths other than 8."""
+        on several threads; ``scratch``: room for the codes (uint8 for 3..7 bits, int32 for
+        16; none is needed with 8, whose codes are the wire); ``out``: the wire tensor to fill
+        (3..8 bits; CPU)."""
         if self.bits == 32:
             return 0, torch.from_numpy(values)
         finite = math.isfinite(low) and math.isfinite(high)
@@ -371,16 +432,29 @@ class Wire:
         else:  # NaN or inf among the values: the window of the finite ones
             e_max = exponent_max(torch.from_numpy(values))
         n = values.size
-        codes = np.empty(n, np.uint8) if self.bits == 8 else (
-            scratch[:n] if scratch is not None and scratch.size >= n else np.empty(n, np.int32))
+        wide = np.int32 if self.bits == 16 else np.uint8  # every code of 8 bits or fewer fits a byte
+        if self.bits == 8:
+            codes = out.numpy() if out is not None else np.empty(n, np.uint8)
+        elif scratch is not None and scratch.size >= n and scratch.dtype == wide:
+            codes = scratch[:n]
+        else:
+            codes = np.empty(n, wide)
         run = split or (lambda fn, size: [fn(0, size)])
         run(lambda a, b: encode_numpy(values[a:b], self.exp_bits, self.man_bits, e_max, codes[a:b], finite=finite),
             n)
         if self.bits == 8:
-            return e_max, torch.from_numpy(codes)
+            return e_max, torch.from_numpy(codes) if out is None else out
         if self.bits == 16:
             return e_max, torch.from_numpy(np.subtract(codes, 1 << 15, dtype=np.int32).astype(np.int16))
-        return e_max, pack(torch.from_numpy(codes), self.bits)
+        if 8 % self.bits == 0:  # whole codes per byte: strided NumPy passes
+            wire = out if out is not None else torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8)
+            pack_numpy(codes, self.bits, wire.numpy())
+            return e_max, wire
+        packed = pack(torch.from_numpy(codes), self.bits)
+        if out is None:
+            return e_max, packed
+        out.copy_(packed)
+        return e_max, out
 
     def codes(self, wire: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` codes of a wire tensor (int32, or the bytes themselves with 8 bits)."""
@@ -392,4 +466,17 @@ class Wire:
         """(count,) fp32 values of a wire tensor, written into ``out`` when given."""
         if self.bits == 32:
             return wire.float()
+        if (self.bits == 4 and wire.device.type == "cpu" and wire.dtype == torch.uint8
+                and (out is None or (out.device.type == "cpu" and out.dtype == torch.float32
+                                     and out.is_contiguous() and not out.requires_grad))):
+            if wire.numel() < packed_nbytes(count, self.bits):
+                raise ValueError(f"need {packed_nbytes(count, self.bits)} bytes for {count} codes of {self.bits} "
+                                 f"bits, got {wire.numel()}")
+            if out is None:
+                out = torch.empty(count, dtype=torch.float32)
+            elif out.numel() != count:
+                raise ValueError(f"out holds {out.numel()} values, need {count}")
+            decode_packed_numpy(wire.contiguous().numpy(), count, self.bits, self.exp_bits, self.man_bits, e_max,
+                                out.view(-1).numpy())
+            return out
         return decode(self.codes(wire, count), self.exp_bits, self.man_bits, e_max, out=out)
