@@ -33,7 +33,7 @@ BENCHES = ("bench_sync_vs_ddp", "bench_powersgd", "bench_topk", "bench_fft", "be
            "bench_powergossip",
            "bench_ab", "bench_cost", "bench_resume", "bench_suite", "bench_real_models", "bench_powersgd_codec",
            "bench_codec_overhead", "bench_diloco", "bench_dct", "bench_demo", "bench_hierarchical",
-           "bench_lowbandwidth", "bench_elastic", "bench_groups", "bench_overlap_quality")
+           "bench_lowbandwidth", "bench_elastic", "bench_groups", "bench_overlap_quality", "bench_sync_cpu")
 TIMEOUT_S = 1800
 # bench_ab: 12 training runs, three of them a VGG on 4 workers (~40 min here); bench_suite: its
 # target is 30 minutes, and a slower run must come back as a MISS, not as a timeout
