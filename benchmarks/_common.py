@@ -172,7 +172,8 @@ def training_step(model, optimizer, batches, loss_fn, after_backward: Callable[[
 
 def mirror(world: int):
     """Rank 0 of ``world`` ranks whose peers send exactly what it sends, with no network: an
-    all_reduce multiplies by ``world``, an all_gather copies the rank's payload into every row.
+    all_reduce multiplies by ``world``, an all_gather copies the rank's payload into every row,
+    a point-to-point exchange receives what it sends, and a broadcast or barrier does nothing.
     Its meter counts what one rank of ``world`` sends (thinwire's byte accounting)."""
     from thinwire.comm.base import Communicator, Done
 
@@ -188,5 +189,19 @@ def mirror(world: int):
             for row in out:
                 row.copy_(t)
             return Done()
+
+        def _exchange(self, sends, recvs, async_op):
+            for peer, t in recvs.items():
+                t.copy_(sends[peer])  # what the peer sends this rank: bytes of the same size as what it is sent
+            return Done()
+
+        def _broadcast(self, t, src):
+            pass
+
+        def _barrier(self):
+            pass
+
+        def _subgroup(self, ranks):
+            return Mirror() if len(ranks) == world else None
 
     return Mirror()

@@ -7,7 +7,7 @@ step only if one round's sync costs at most ``(t - 1)`` of the round's compute (
 a necessary condition, measured here without a network, so that it shows the CPU work alone.
 
 **Setting.** One rank of 2 in one process, its peer mirrored (``_common.mirror``: the peer
-sends what this rank sends; a point-to-point send comes back as the same bytes), 1 torch
+sends what this rank sends), 1 torch
 thread (a rank of 2 on 2 cores), the GPT of ``bench_real_models.py`` (the ``charlm`` task's
 ``gpt-small``, 25.4M parameters, batch 8x64, AdamW). Every arm runs ``sync=blocking`` with every
 step a sync (``period=1``), the parameters moved by a little noise
@@ -38,25 +38,6 @@ ARMS = {  # name: (method, knobs, target share)
     "sparseloco": ("sparseloco", {"period": 1}, 0.02),
     "diloco-4bit": ("diloco", {"period": 1, "codec": "rangefloat:bits=4;exp_bits=3;ef=true", "scatter": True}, 0.05),
 }
-
-
-def mirrored_pair():
-    """``_common.mirror(2)`` with the point-to-point and group calls a slow-link method makes."""
-    from thinwire.comm.base import Done
-
-    comm = mirror(2)
-    kind = type(comm)
-
-    def exchange(self, sends, recvs, async_op):
-        for peer, t in recvs.items():
-            t.copy_(sends[peer])  # the peer's payload for this rank: the same bytes for this measure
-        return Done()
-
-    kind._exchange = exchange
-    kind._broadcast = lambda self, t, src: None
-    kind._barrier = lambda self: None
-    kind._subgroup = lambda self, ranks: kind() if len(ranks) == 2 else None
-    return comm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = build("gpt-small")
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         kind = {"sparseloco": thinwire.SparseLoCo, "diloco": thinwire.DiLoCo}[method]
-        wrapped = kind(model, opt, comm=mirrored_pair(), **knobs)
+        wrapped = kind(model, opt, comm=mirror(2), **knobs)
 
         def run() -> float:
             with torch.no_grad():

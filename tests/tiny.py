@@ -42,10 +42,12 @@ def batch(seed: int, size: int, inputs: int, classes: int) -> tuple[torch.Tensor
 def backward(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
     """Rank ``rank``'s step ``step`` on a 5-input, 3-class model (``net(5, hidden, 3)``): zeroed
     gradients, then the cross-entropy's backward pass on its batch of 6 (seed ``100 step +
-    rank``). The optimizer's step is the caller's."""
+    rank``). The optimizer's step is the caller's. A model with bf16 weights gets its inputs
+    cast and its loss computed in fp32 (both no-ops on an fp32 model)."""
     x, y = batch(100 * step + rank, 6, 5, 3)
     optimizer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+    dtype = next(model.parameters()).dtype
+    nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, method, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -201,27 +201,10 @@ def test_a_run_shorter_than_its_period_says_so_in_its_summary():
     assert summary.method_report["syncs_before_finish"] == 0 and summary.method_report["outer_steps"] == 1
 
 
-def _bf16_backward(model, opt, rank: int, step: int) -> None:
-    """:func:`tiny.backward` on a model with bf16 weights: its inputs cast, its loss in fp32."""
-    x, y = tiny.batch(100 * step + rank, 6, 5, 3)
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
-
-
 def _bf16_run(comm, make, steps: int, *, finish: bool = False):
-    """``steps`` steps of BASE in bf16 under ``make(model, optimizer, comm)``: the model's flat
-    state and θ, flat."""
-    model = copy.deepcopy(BASE).to(torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    method = make(model, opt, comm)
-    for step in range(steps):
-        _bf16_backward(model, opt, comm.rank, step)
-        method.after_backward()
-        opt.step()
-        method.after_step()
-    if finish:
-        method.finish()
-    return _flat(model), torch.cat([t.detach().reshape(-1) for t in method.outer_params])
+    """:func:`tiny.train` of BASE with bf16 weights: the model's flat state and θ, flat."""
+    state, method = tiny.train(comm, make, steps, copy.deepcopy(BASE).to(torch.bfloat16), finish=finish)
+    return state, torch.cat([t.detach().reshape(-1) for t in method.outer_params])
 
 
 def test_a_bf16_model_keeps_theta_in_fp32_and_each_rank_continues_from_it_rounded_once():
@@ -235,7 +218,7 @@ def test_a_bf16_model_keeps_theta_in_fp32_and_each_rank_continues_from_it_rounde
     theta, v = _flat(models[0]).float(), None
     for step in range(6):
         for r, (m, o) in enumerate(zip(models, opts)):
-            _bf16_backward(m, o, r, step)
+            tiny.backward(m, o, r, step)
             o.step()
         if (step + 1) % 3 == 0:
             delta = sum(theta - _flat(m).float() for m in models) / 2
